@@ -1,4 +1,14 @@
 """hfspec: lossless speculative decoding for Hugging Face causal LMs."""
 from __future__ import annotations
 
+from hfspec.errors import HfspecError, NumericalFault
+from hfspec.generator import GenerateOutput, SpeculativeGenerator
+from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma
+from hfspec.stats import RowStats, Stats
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "CostModelGamma", "FixedGamma", "GammaPolicy", "GenerateOutput", "HeuristicGamma", "HfspecError",
+    "NumericalFault", "RowStats", "SpeculativeGenerator", "Stats", "__version__",
+]

@@ -1,0 +1,142 @@
+"""Model plumbing: one forward adapter, pair compatibility checks, and loading.
+
+Everything that differs between ``transformers`` architectures or versions is
+absorbed here, so the decoding loop sees one ``forward`` and one vocabulary size.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from hfspec.errors import HfspecError
+
+log = logging.getLogger(__name__)
+
+# Vocabularies may differ by embedding padding (rows rounded up for hardware), not by more.
+MAX_VOCAB_PADDING = 1024
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Any,
+    logits_to_keep: int = 0,
+) -> torch.Tensor:
+    """Run ``model`` on new tokens (B, k) with its cache; returns logits (B, k', V) in float32.
+
+    Inputs are moved to the model's device; ``logits_to_keep=1`` computes the head for
+    the last position only (prefill and the draft need no more).
+    """
+    device = model.device
+    kwargs = {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention_mask.to(device),
+        "position_ids": position_ids.to(device),
+        _cache_kwarg(model): cache,
+        "use_cache": True,
+    }
+    if logits_to_keep:
+        kwargs["logits_to_keep"] = logits_to_keep
+    out = model(**kwargs)
+    return out.logits.float()
+
+
+def check_causal_lm(model: Any, role: str) -> None:
+    """Raise a clear error unless ``model`` is a decoder-only ``PreTrainedModel`` with an LM head."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"the {role} must be a transformers PreTrainedModel (got {type(model).__name__}); "
+            "load it with AutoModelForCausalLM.from_pretrained(...)"
+        )
+    if getattr(model.config, "is_encoder_decoder", False) or not hasattr(model, "get_output_embeddings") \
+            or model.get_output_embeddings() is None:
+        raise TypeError(
+            f"the {role} ({type(model).__name__}) is not a causal language model; "
+            "use a decoder-only model loaded with AutoModelForCausalLM"
+        )
+
+
+def model_vocab_size(model: PreTrainedModel) -> int:
+    """Rows of the output layer: the width of the logits the model returns."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is not None:
+        return int(weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
+def shared_vocab_size(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> int:
+    """The token ids both models can score: ``[0, n)``.
+
+    Padded embeddings (extra rows no tokenizer id maps to) are cut off, so neither
+    model can ever produce an id outside the tokenizer.
+    """
+    v_target, v_draft = model_vocab_size(target), model_vocab_size(draft)
+    if tokenizer is not None:
+        n = len(tokenizer)
+        if min(v_target, v_draft) < n:
+            short = "target" if v_target < n else "draft"
+            raise ValueError(
+                f"the {short} has {min(v_target, v_draft)} output rows but the tokenizer has {n} tokens; "
+                "the two models do not share this tokenizer, choose a draft trained with the target's tokenizer"
+            )
+        return n
+    if abs(v_target - v_draft) > MAX_VOCAB_PADDING:
+        raise ValueError(
+            f"target vocabulary ({v_target}) and draft vocabulary ({v_draft}) differ by more than padding; "
+            "choose a draft that uses the target's tokenizer"
+        )
+    return min(v_target, v_draft)
+
+
+def same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """True when both tokenizers map every token string to the same id."""
+    return len(a) == len(b) and a.get_vocab() == b.get_vocab()
+
+
+def load_model(
+    name_or_path: str | Path,
+    role: str,
+    **kwargs: Any,
+) -> PreTrainedModel:
+    """Load a causal LM by hub name or local path with a clear error for the usual mistakes."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(str(name_or_path)).expanduser()
+    looks_local = path.exists() or str(name_or_path).startswith((".", "/", "~"))
+    if looks_local and not path.exists():
+        raise HfspecError(f"{role} path {str(name_or_path)!r} does not exist; pass a model directory or a hub name")
+    if path.is_dir() and not (path / "config.json").exists() and not kwargs.get("gguf_file"):
+        raise HfspecError(
+            f"{role} directory {str(path)!r} holds no model (no config.json); "
+            "point it at a directory written by save_pretrained()"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path) if looks_local else str(name_or_path), **kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise HfspecError(
+                f"{role} {str(name_or_path)!r} is not a causal language model; "
+                "choose a decoder-only model (AutoModelForCausalLM)"
+            ) from None
+        raise HfspecError(f"could not load the {role} {str(name_or_path)!r}: {str(exc).splitlines()[0]}") from None
+    except OSError as exc:
+        raise HfspecError(f"could not load the {role} {str(name_or_path)!r}: {str(exc).splitlines()[0]}") from None
+    check_causal_lm(model, role)
+    return model.eval()

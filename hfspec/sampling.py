@@ -1,0 +1,159 @@
+"""The sampling math of speculative decoding, as pure functions on batch-first tensors.
+
+Names follow Leviathan et al., "Fast Inference from Transformers via Speculative
+Decoding" (arXiv 2211.17192) and Chen et al. (arXiv 2302.01318): ``p`` is the
+target distribution, ``q`` the draft distribution, ``gamma`` (γ) the number of
+drafted tokens. Both ``p`` and ``q`` are the distributions *after* the same
+logits processing, so that ``q`` is exactly what a draft token was drawn from.
+
+Nothing here touches a model, a cache or a tokenizer.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+
+def build_processors(
+    config: GenerationConfig,
+    extra: Sequence[LogitsProcessor] | None = None,
+) -> LogitsProcessorList:
+    """The processing pipeline shared by target and draft, in transformers' own order.
+
+    Processors that change the ranking (penalties, bad words, user processors) come
+    first and apply to greedy decoding too; the warpers (temperature, top-k, top-p,
+    min-p) follow only when sampling, exactly as ``GenerationMixin.generate`` does.
+    """
+    eos = config.eos_token_id
+    processors = LogitsProcessorList()
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+    if config.no_repeat_ngram_size:
+        processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
+    if config.bad_words_ids is not None:
+        processors.append(NoBadWordsLogitsProcessor(config.bad_words_ids, eos))
+    if config.suppress_tokens is not None:
+        processors.append(SuppressTokensLogitsProcessor(config.suppress_tokens))
+    processors.extend(extra or [])
+    if config.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k:
+            processors.append(TopKLogitsWarper(top_k=config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=config.top_p))
+        if config.min_p is not None:
+            processors.append(MinPLogitsWarper(min_p=config.min_p))
+    return processors
+
+
+def process(
+    processors: LogitsProcessorList,
+    logits: torch.Tensor,
+    prefixes: torch.Tensor | list[torch.Tensor],
+) -> torch.Tensor:
+    """Apply ``processors`` to next-token ``logits`` (B, V) given each row's token prefix.
+
+    ``prefixes`` is a (B, T) tensor when all rows share a length, else a list of B
+    1-D tensors; ragged rows are processed one at a time so that no processor ever
+    sees a padding token as part of the text.
+    """
+    if not processors:
+        return logits
+    if torch.is_tensor(prefixes):
+        return processors(prefixes, logits)
+    rows = [processors(ids[None], logits[i : i + 1]) for i, ids in enumerate(prefixes)]
+    return torch.cat(rows, dim=0)
+
+
+def probs_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax in float32; processed logits of -inf become probability 0."""
+    return torch.softmax(logits.float(), dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from ``probs`` (B, V) -> (B,) long."""
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def first_rejection(accepted: torch.Tensor) -> torch.Tensor:
+    """Count of leading ``True`` per row of a (B, γ) bool tensor -> (B,) long."""
+    return (accepted.long().cumsum(dim=-1) == torch.arange(1, accepted.shape[-1] + 1, device=accepted.device)).sum(-1)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The distribution ``max(0, p - q)`` renormalised (Leviathan et al., Algorithm 1).
+
+    Its mass ``Z = Σ max(0, p - q)`` equals the rejection probability, so ``Z = 0``
+    (``p == q``) means a rejection cannot happen in exact arithmetic. When rounding
+    still produces one, we fall back to ``p`` itself, the limit of the residual
+    as ``q -> p``.
+    """
+    r = torch.clamp(p - q, min=0.0)
+    z = r.sum(dim=-1, keepdim=True)
+    return torch.where(z > 0, r / z.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def verify(
+    draft_tokens: torch.Tensor,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling: accept each draft with probability min(1, p/q).
+
+    Args:
+        draft_tokens: (B, γ) long, the drafted tokens.
+        q: (B, γ, V) the draft distributions the drafts were drawn from.
+        p: (B, γ+1, V) the target distributions at the same positions plus one.
+        generator: the only source of randomness.
+
+    Returns:
+        ``(num_accepted, next_token)``, both (B,) long: the count of leading drafts
+        accepted, and the token after them, drawn from the residual at the first
+        rejection or, when all γ were accepted, the bonus token from ``p[:, γ]``.
+    """
+    batch, gamma = draft_tokens.shape
+    if q.shape[:2] != (batch, gamma) or p.shape[:2] != (batch, gamma + 1) or q.shape[-1] != p.shape[-1]:
+        raise ValueError(
+            f"verify expects draft_tokens (B, γ), q (B, γ, V), p (B, γ+1, V); got "
+            f"{tuple(draft_tokens.shape)}, {tuple(q.shape)}, {tuple(p.shape)}"
+        )
+    idx = draft_tokens.unsqueeze(-1)
+    q_x = q.gather(-1, idx).squeeze(-1)  # (B, γ)
+    p_x = p[:, :gamma].gather(-1, idx).squeeze(-1)  # (B, γ)
+    u = torch.rand(q_x.shape, generator=generator, device=q_x.device, dtype=q_x.dtype)
+    # u ~ U[0, 1): P(u * q <= p) = min(1, p / q), with no division.
+    num_accepted = first_rejection(u * q_x <= p_x)
+    # A zero row after the last draft makes the residual at position γ equal p[:, γ]: the bonus token.
+    q_ext = torch.cat([q, q.new_zeros(batch, 1, q.shape[-1])], dim=1)  # (B, γ+1, V)
+    at = num_accepted.view(batch, 1, 1).expand(batch, 1, p.shape[-1])
+    p_n = p.gather(1, at).squeeze(1)  # (B, V)
+    q_n = q_ext.gather(1, at).squeeze(1)  # (B, V)
+    next_token = sample(residual(p_n, q_n), generator)
+    return num_accepted, next_token
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact greedy verification: accept while the draft equals the target's argmax.
+
+    ``target_argmax`` is (B, γ+1); the next token is the target's argmax after the
+    accepted drafts, so the output equals the target's own greedy decoding.
+    """
+    num_accepted = first_rejection(draft_tokens == target_argmax[:, :-1])
+    next_token = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)
+    return num_accepted, next_token

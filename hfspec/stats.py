@@ -1,0 +1,69 @@
+"""What a speculative generation call did: counts, rates and where the time went."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """One prompt's share. ``committed == accepted + target_passes`` always holds."""
+
+    committed: int  # new tokens in the output
+    accepted: int  # drafts that were accepted and kept
+    target_passes: int  # verification passes this row took part in
+    drafted: int  # draft tokens proposed for this row
+    stop_reason: str  # "eos", "length" or "context"
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.committed / self.target_passes if self.target_passes else 0.0
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Batch totals plus per-row figures.
+
+    ``mean_accepted_length`` is defined as vLLM does: tokens committed per target
+    verification pass (1 + the accepted drafts per pass), averaged over rows' passes.
+    """
+
+    target_passes: int  # batched target verification forwards (prefill excluded)
+    draft_passes: int  # batched draft forwards (prefill excluded)
+    drafted: int
+    accepted: int
+    committed: int
+    accepted_by_position: tuple[int, ...]  # accepts at draft position i (verification counts)
+    drafted_by_position: tuple[int, ...]
+    time_draft: float  # seconds in draft forwards and draft sampling
+    time_target: float  # seconds in target forwards and verification
+    time_total: float
+    rows: tuple[RowStats, ...] = field(default_factory=tuple)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        passes = sum(r.target_passes for r in self.rows)
+        return self.committed / passes if passes else 0.0
+
+    @property
+    def acceptance_by_position(self) -> tuple[float, ...]:
+        return tuple(a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position))
+
+    @property
+    def time_overhead(self) -> float:
+        return max(0.0, self.time_total - self.time_draft - self.time_target)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.committed / self.time_total if self.time_total > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["rows"] = [dict(asdict(r), mean_accepted_length=r.mean_accepted_length) for r in self.rows]
+        for name in ("acceptance_rate", "mean_accepted_length", "acceptance_by_position",
+                     "time_overhead", "tokens_per_second"):
+            d[name] = getattr(self, name)
+        return d
