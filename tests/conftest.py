@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """``model_dir(arch, seed=0, **kw)`` -> path of a saved tiny model, built once per session."""
+    built: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **kwargs) -> Path:
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = tiny.build(tmp_path_factory.mktemp(arch), arch, **kwargs)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(model_dir):
+    """``tiny_pair(arch, target_seed=0, draft_seed=1, **kw)`` -> (target, draft, tokenizer) loaded by path."""
+    cache: dict[tuple, tuple] = {}
+
+    def make(arch: str = "llama", target_seed: int = 0, draft_seed: int = 1, **kwargs):
+        key = (arch, target_seed, draft_seed, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            target, tok = tiny.load(model_dir(arch, seed=target_seed, **kwargs))
+            draft, _ = tiny.load(model_dir(arch, seed=draft_seed, **kwargs))
+            cache[key] = (target, draft, tok)
+        return cache[key]
+
+    return make
