@@ -1,0 +1,631 @@
+"""Distil a small draft model for a target causal LM.
+
+The draft is a plain ``LlamaForCausalLM`` with the target's vocabulary and
+tokenizer, tied embeddings initialised from a low-rank (SVD) projection of the
+target's input embeddings, trained on text the target itself generates. For
+every generated position the target's top-k log-probabilities are staged to
+disk, so training minimises the cross-entropy to the target distribution ``p``
+(a KL divergence up to a constant) plus the cross-entropy on the target's
+sampled token; ``q`` is the draft distribution, as in Leviathan et al.
+(arXiv 2211.17192) and Chen et al. (arXiv 2302.01318).
+
+The evaluation reports what speculative decoding cares about on held-out
+target text: the acceptance rate α = E[Σ_x min(p(x), q(x))] at temperature 1,
+greedy agreement (draft argmax == target argmax), the cost ratio c of one
+draft decode step to one target decode step, and the speedup predicted by
+Leviathan et al. (eq. 1 and Theorem 3.8): (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
+
+Everything lives under ``out_dir``: ``data/`` (generated shards), ``train/``
+(checkpoint), and finally the draft itself, its tokenizer and
+``distill_report.json``. Rerunning with the same ``out_dir`` resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+__all__ = [
+    "DistillReport",
+    "distill",
+    "predicted_speedup",
+    "decode_step_seconds",
+    "add_parser",
+    "run",
+    "main",
+]
+
+log = logging.getLogger(__name__)
+
+_PROMPTS = Path(__file__).resolve().parent / "prompts" / "distill.txt"
+_RAW = "raw: "  # prompt-file prefix for text continued without the chat template
+_DATA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DistillReport:
+    """What a distillation run produced and how good the draft is."""
+
+    target: str
+    out_dir: str
+    draft_params: int  # parameters of the draft, embeddings included once
+    hidden: int
+    layers: int
+    train_tokens: int  # target-generated positions used for training
+    eval_tokens: int  # held-out positions used for α and agreement
+    steps: int
+    gen_seconds: float  # wall time spent generating data (all runs summed)
+    train_seconds: float  # wall time spent training (all runs summed)
+    final_loss: float  # mean training loss over the last 10% of steps
+    alpha: float  # E[Σ_x min(p, q)] at temperature 1
+    greedy_agreement: float  # fraction of positions where argmax q == argmax p
+    target_step_ms: float  # median batch-1 decode step of the target, KV cache
+    draft_step_ms: float  # the same for the draft
+    cost_ratio: float  # c = draft_step_ms / target_step_ms
+    speedup_sampled: float  # predicted speedup with α at T=1, best γ
+    gamma_sampled: int
+    speedup_greedy: float  # predicted speedup with α = greedy agreement, best γ
+    gamma_greedy: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Settings:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    tokens: int
+    eval_tokens: int
+    seq_len: int
+    gen_batch: int
+    top_k: int
+    batch: int
+    steps: int
+    lr: float
+    hard_weight: float
+    seed: int
+    save_dtype: str
+
+
+# --------------------------------------------------------------------------- math
+
+
+def predicted_speedup(alpha: float, cost_ratio: float, max_gamma: int = 8) -> tuple[float, int]:
+    """Best expected walltime improvement over γ in 1..max_gamma and that γ.
+
+    Leviathan et al. (arXiv 2211.17192), Theorem 3.8: (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+    if cost_ratio < 0:
+        raise ValueError(f"cost_ratio must be non-negative, got {cost_ratio}")
+    best = (0.0, 1)
+    for gamma in range(1, max_gamma + 1):
+        # Expected tokens per round; γ+1 when every draft token is accepted.
+        tokens = gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+        speedup = tokens / (gamma * cost_ratio + 1.0)
+        if speedup > best[0]:
+            best = (speedup, gamma)
+    return best
+
+
+def _distill_loss(
+    logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor, token: torch.Tensor, hard_weight: float
+) -> torch.Tensor:
+    """Soft cross-entropy to the target's top-k plus hard cross-entropy on its token.
+
+    logits (N, V) from the draft; top_ids/top_logp (N, k) from the target; token (N,).
+    """
+    logq = F.log_softmax(logits.float(), dim=-1)  # (N, V)
+    p = top_logp.float().exp()  # (N, k), mass outside the top-k is dropped
+    soft = -(p * logq.gather(-1, top_ids)).sum(-1)  # (N,)
+    hard = -logq.gather(-1, token[:, None]).squeeze(-1)  # (N,)
+    return (soft + hard_weight * hard).mean()
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def _load_prompts(path: Path = _PROMPTS) -> list[str]:
+    lines = [ln.rstrip("\n") for ln in path.read_text(encoding="utf-8").splitlines()]
+    return [ln.replace("\\n", "\n") for ln in lines if ln.strip()]
+
+
+def _split_prompts(prompts: list[str], seed: int) -> tuple[list[str], list[str]]:
+    """Hold out about 5% of distinct prompts for evaluation; no text is in both."""
+    distinct = sorted(set(prompts))
+    random.Random(seed).shuffle(distinct)
+    held = set(distinct[: max(1, len(distinct) // 20)])
+    train = [p for p in prompts if p not in held]
+    return train, sorted(held)
+
+
+def _encode(tokenizer, prompt: str) -> list[int]:
+    if prompt.startswith(_RAW):
+        ids = tokenizer(prompt[len(_RAW):], add_special_tokens=False)["input_ids"]
+        bos = tokenizer.bos_token_id
+        return ([bos] if bos is not None else []) + ids
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(out["input_ids"])
+    return tokenizer(prompt)["input_ids"]
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _shard_plan(index: int, n_prompts: int, gen_batch: int, seed: int) -> tuple[list[int], float]:
+    """Prompt indices and temperature (0 = greedy) for shard ``index``; deterministic for resuming."""
+    per_pass = max(1, n_prompts // gen_batch)
+    epoch, slot = divmod(index, per_pass)
+    order = list(range(n_prompts))
+    random.Random(seed * 7919 + epoch).shuffle(order)
+    chosen = order[slot * gen_batch : (slot + 1) * gen_batch]
+    # Greedy only on the first pass (a second greedy pass would repeat it); else T in [0.7, 1].
+    if epoch == 0 and index % 3 == 0:
+        return chosen, 0.0
+    return chosen, 0.7 + 0.3 * random.Random(seed * 104729 + index).random()
+
+
+@torch.inference_mode()
+def _generate_shard(target, tokenizer, prompts: list[str], temperature: float, s: _Settings, seed: int) -> dict:
+    """Generate continuations for a batch of prompts, keeping the target's top-k log-probs."""
+    enc = [_encode(tokenizer, p) for p in prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(e) for e in enc)
+    # Left padding so every row's next token sits in the last column.
+    input_ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
+    attention_mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+    torch.manual_seed(seed)  # one seed per shard so that a resumed run regenerates identically
+    out = target.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=s.seq_len,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_k=None,
+        top_p=None,
+        pad_token_id=pad,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    gen = out.sequences[:, width:]  # (B, T)
+    logits = torch.stack(out.logits, dim=1)  # (B, T, V), unprocessed: the T=1 distribution
+    top_logp, top_ids = torch.log_softmax(logits.float(), dim=-1).topk(s.top_k, dim=-1)
+    eos = _eos_ids(target, tokenizer)
+    samples = []
+    for row, prompt_ids in enumerate(enc):
+        n = gen.shape[1]
+        for t in range(n):
+            if int(gen[row, t]) in eos:
+                n = t + 1  # keep the end-of-sequence token itself
+                break
+        samples.append(
+            {
+                "prompt": torch.tensor(prompt_ids, dtype=torch.int32),
+                "gen": gen[row, :n].to(torch.int32).clone(),
+                "top_ids": top_ids[row, :n].to(torch.int32).clone(),
+                "top_logp": top_logp[row, :n].to(torch.float16).clone(),
+            }
+        )
+    return {"temperature": temperature, "samples": samples}
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+
+def _shard_tokens(shard: dict) -> int:
+    return sum(len(x["gen"]) for x in shard["samples"])
+
+
+def _stage_data(
+    target, tokenizer, prompts: list[str], data_dir: Path, split: str, budget: int, s: _Settings, progress: bool
+) -> tuple[int, float]:
+    """Generate shards ``{split}-NNNNN.pt`` until ``budget`` tokens exist; returns (tokens, seconds spent now)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    have, index = 0, 0
+    while (data_dir / f"{split}-{index:05d}.pt").is_file():
+        have += torch.load(data_dir / f"{split}-{index:05d}.pt")["tokens"]
+        index += 1
+    if have >= budget:
+        return have, 0.0
+    t0 = time.perf_counter()
+    seed = s.seed + (0 if split == "train" else 1_000_003)
+    with tqdm(total=budget, initial=have, desc=f"generating {split} data", unit="tok", disable=not progress) as bar:
+        while have < budget:
+            chosen, temperature = _shard_plan(index, len(prompts), s.gen_batch, seed)
+            shard = _generate_shard(target, tokenizer, [prompts[i] for i in chosen], temperature, s, seed + index)
+            shard["tokens"] = _shard_tokens(shard)
+            tmp = data_dir / f".{split}-{index:05d}.pt.tmp"
+            torch.save(shard, tmp)
+            tmp.replace(data_dir / f"{split}-{index:05d}.pt")  # a shard is either whole or absent
+            have += shard["tokens"]
+            index += 1
+            bar.update(shard["tokens"])
+    return have, time.perf_counter() - t0
+
+
+def _load_samples(data_dir: Path, split: str) -> list[dict]:
+    samples = []
+    for path in sorted(data_dir.glob(f"{split}-*.pt")):
+        samples.extend(torch.load(path)["samples"])
+    return samples
+
+
+def _collate(samples: list[dict], pad: int) -> dict:
+    """Right-pad prompt+generation rows; ``pos`` marks positions that predict a generated token."""
+    rows = [torch.cat([x["prompt"], x["gen"]]).long() for x in samples]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    rows_idx, cols_idx = [], []
+    for i, (r, x) in enumerate(zip(rows, samples)):
+        input_ids[i, : len(r)] = r
+        attention_mask[i, : len(r)] = 1
+        start = len(x["prompt"]) - 1  # the last prompt position predicts the first generated token
+        rows_idx.append(torch.full((len(x["gen"]),), i))
+        cols_idx.append(torch.arange(start, start + len(x["gen"])))
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "pos": (torch.cat(rows_idx), torch.cat(cols_idx)),
+        "token": torch.cat([x["gen"] for x in samples]).long(),
+        "top_ids": torch.cat([x["top_ids"] for x in samples]).long(),
+        "top_logp": torch.cat([x["top_logp"] for x in samples]),
+    }
+
+
+# --------------------------------------------------------------------------- model
+
+
+def _build_draft(target, s: _Settings):
+    """A small Llama with the target's vocabulary and SVD-projected, tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tc = target.config
+    config = LlamaConfig(
+        vocab_size=tc.vocab_size,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
+        rope_theta=_rope_theta(tc),
+        tie_word_embeddings=True,
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
+        pad_token_id=tc.pad_token_id,
+    )
+    torch.manual_seed(s.seed)
+    draft = LlamaForCausalLM(config)
+    emb = target.get_input_embeddings().weight.detach().float()  # (V, D)
+    if s.hidden <= emb.shape[1]:
+        # Top principal directions of the target's token embeddings: similar tokens stay close.
+        _, _, v = torch.svd_lowrank(emb, q=s.hidden, niter=4)
+        init = emb @ v  # (V, hidden)
+        init = init * (config.initializer_range * math.sqrt(s.hidden) / init.norm(dim=-1).mean())
+        with torch.no_grad():
+            draft.get_input_embeddings().weight.copy_(init)
+    draft.tie_weights()
+    return draft
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(config, "rope_theta", 10000.0))
+
+
+def _lr_at(step: int, s: _Settings) -> float:
+    warmup = max(1, min(100, s.steps // 10))
+    if step < warmup:
+        return s.lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, s.steps - warmup)
+    return s.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac))))
+
+
+def _train(draft, samples: list[dict], train_dir: Path, pad: int, s: _Settings, progress: bool) -> tuple[list[float], float]:
+    """Train with AdamW and a cosine schedule, checkpointing to ``train_dir``; returns (losses, seconds)."""
+    train_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = train_dir / "checkpoint.pt"
+    opt = torch.optim.AdamW(draft.parameters(), lr=s.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    step, losses, seconds = 0, [], 0.0
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=False)
+        draft.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step, losses, seconds = state["step"], state["losses"], state["seconds"]
+        log.info("resuming training at step %d of %d", step, s.steps)
+    rng = random.Random(s.seed)
+    order: list[int] = []
+    for _ in range(step):  # replay the sampler so a resumed run sees the same batches
+        if not order:
+            order = list(range(len(samples)))
+            rng.shuffle(order)
+        del order[: s.batch]
+    draft.train()
+    t_last = time.perf_counter()
+    every = max(1, min(200, s.steps // 10))
+    with tqdm(total=s.steps, initial=step, desc="training draft", unit="step", disable=not progress) as bar:
+        while step < s.steps:
+            if not order:
+                order = list(range(len(samples)))
+                rng.shuffle(order)
+            batch = _collate([samples[i] for i in order[: s.batch]], pad)
+            del order[: s.batch]
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, s)
+            hidden = draft.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            # Project only the positions that predict generated tokens: the vocabulary dominates cost.
+            logits = draft.lm_head(hidden[batch["pos"]])  # (N, V)
+            loss = _distill_loss(logits, batch["top_ids"], batch["top_logp"], batch["token"], s.hard_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            opt.step()
+            losses.append(float(loss.detach()))
+            step += 1
+            bar.update()
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if step % every == 0 or step == s.steps:
+                now = time.perf_counter()
+                seconds += now - t_last
+                t_last = now
+                tmp = train_dir / "checkpoint.pt.tmp"
+                torch.save(
+                    {"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "losses": losses, "seconds": seconds},
+                    tmp,
+                )
+                tmp.replace(ckpt)
+    draft.eval()
+    return losses, seconds
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@torch.inference_mode()
+def _acceptance(target, draft, samples: list[dict], pad: int, batch: int) -> tuple[float, float, int]:
+    """(α at T=1, greedy agreement, positions) over the generated positions of ``samples``."""
+    overlap, agree, count = 0.0, 0, 0
+    for i in range(0, len(samples), batch):
+        b = _collate(samples[i : i + batch], pad)
+        p = target(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[b["pos"]].float()  # (N, V)
+        q = draft(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[b["pos"]].float()
+        overlap += float(torch.minimum(p.softmax(-1), q.softmax(-1)).sum())
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        count += p.shape[0]
+    return overlap / max(1, count), agree / max(1, count), count
+
+
+@torch.inference_mode()
+def decode_step_seconds(model, *, context: int = 64, steps: int = 32, warmup: int = 8, seed: int = 0) -> float:
+    """Median wall time of one batch-1 decode step with a KV cache, after warm-up."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(model.config.vocab_size, (1, context), generator=gen)
+    cache = DynamicCache(config=model.config)
+    # transformers renamed past_key_values to cache; the cache object is updated in place either way.
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    token = model(input_ids=ids, use_cache=True, **{key: cache}).logits[:, -1:].argmax(-1)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        token = model(input_ids=token, use_cache=True, **{key: cache}).logits[:, -1:].argmax(-1)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def distill(
+    target: str | Path,
+    out_dir: str | Path,
+    *,
+    hidden: int = 128,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    intermediate: int | None = None,
+    tokens: int = 200_000,
+    eval_tokens: int = 10_000,
+    seq_len: int = 128,
+    gen_batch: int = 16,
+    top_k: int = 32,
+    batch: int = 16,
+    steps: int = 2_000,
+    lr: float = 2e-3,
+    hard_weight: float = 0.5,
+    seed: int = 0,
+    save_dtype: str = "float16",
+    resume: bool = True,
+    progress: bool = True,
+) -> DistillReport:
+    """Distil a draft for ``target`` into ``out_dir`` and report its quality.
+
+    ``target`` is a local model directory (or the word ``"offline"`` for
+    SmolLM2-135M-Instruct from :func:`hfspec.assets.offline_target_path`).
+    ``tokens`` and ``eval_tokens`` count target-generated positions; ``seq_len``
+    is the longest continuation per prompt; ``steps`` batches of ``batch``
+    sequences are trained. With ``resume`` (the default) staged data and the
+    training checkpoint in ``out_dir`` are reused, so rerunning continues.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kv_heads = heads if kv_heads is None else kv_heads
+    intermediate = 4 * hidden if intermediate is None else intermediate
+    for name, value in dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
+                            tokens=tokens, eval_tokens=eval_tokens, seq_len=seq_len, gen_batch=gen_batch,
+                            top_k=top_k, batch=batch, steps=steps).items():
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads}), and heads by kv_heads ({kv_heads})")
+    if save_dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"save_dtype must be float32, float16 or bfloat16, got {save_dtype!r}")
+    if str(target) == "offline":
+        from hfspec.assets import offline_target_path
+
+        target = offline_target_path(progress=progress)
+    target_path = Path(target)
+    if not (target_path / "config.json").is_file():
+        raise ValueError(f"target must be a local model directory with a config.json (or 'offline'), got {target!s}")
+    s = _Settings(hidden, layers, heads, kv_heads, intermediate, tokens, eval_tokens, seq_len, gen_batch, top_k,
+                  batch, steps, lr, hard_weight, seed, save_dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_settings(out / "train" / "settings.json", s, resume)
+
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    target_model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if top_k > target_model.config.vocab_size:
+        raise ValueError(f"top_k ({top_k}) must not exceed the target vocabulary ({target_model.config.vocab_size})")
+
+    # 1. Stage target-generated text, resumably, for training and for held-out evaluation.
+    train_prompts, eval_prompts = _split_prompts(_load_prompts(), seed)
+    timing_path = out / "data" / "timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {"gen_seconds": 0.0}
+    n_train, dt = _stage_data(target_model, tokenizer, train_prompts, out / "data", "train", tokens, s, progress)
+    timing["gen_seconds"] += dt
+    n_eval, dt = _stage_data(target_model, tokenizer, eval_prompts, out / "data", "eval", eval_tokens, s, progress)
+    timing["gen_seconds"] += dt
+    timing_path.write_text(json.dumps(timing))
+
+    # 2. Train the draft against the target's distributions.
+    draft = _build_draft(target_model, s)
+    losses, train_seconds = _train(draft, _load_samples(out / "data", "train"), out / "train", pad, s, progress)
+
+    # 3. Save it with the target's tokenizer so it loads by path on its own.
+    draft.generation_config.pad_token_id = pad
+    draft.to(getattr(torch, save_dtype)).save_pretrained(out)
+    draft.float()
+    tokenizer.save_pretrained(out)
+
+    # 4. Measure acceptance on held-out prompts and the cost ratio.
+    alpha, agreement, n_pos = _acceptance(target_model, draft, _load_samples(out / "data", "eval"), pad, batch)
+    t_target = decode_step_seconds(target_model)
+    t_draft = decode_step_seconds(draft)
+    c = t_draft / t_target
+    sp_a, g_a = predicted_speedup(alpha, c)
+    sp_g, g_g = predicted_speedup(agreement, c)
+    tail = losses[-max(1, len(losses) // 10):]
+    report = DistillReport(
+        target=str(target_path), out_dir=str(out), draft_params=sum(p.numel() for p in draft.parameters()),
+        hidden=hidden, layers=layers, train_tokens=n_train, eval_tokens=n_pos, steps=len(losses),
+        gen_seconds=round(timing["gen_seconds"], 1), train_seconds=round(train_seconds, 1),
+        final_loss=round(sum(tail) / len(tail), 4), alpha=round(alpha, 4), greedy_agreement=round(agreement, 4),
+        target_step_ms=round(1000 * t_target, 3), draft_step_ms=round(1000 * t_draft, 3), cost_ratio=round(c, 4),
+        speedup_sampled=round(sp_a, 3), gamma_sampled=g_a, speedup_greedy=round(sp_g, 3), gamma_greedy=g_g,
+    )
+    (out / "distill_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    log.info("distilled draft saved to %s: %s", out, report.to_dict())
+    return report
+
+
+def _check_settings(path: Path, s: _Settings, resume: bool) -> None:
+    """Refuse to resume into a checkpoint made with a different architecture or schedule."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    current = asdict(s)
+    if path.is_file() and resume:
+        saved = json.loads(path.read_text())
+        fixed = ("hidden", "layers", "heads", "kv_heads", "intermediate", "batch", "steps", "lr", "hard_weight", "seed")
+        changed = [k for k in fixed if saved.get(k) != current[k]]
+        if changed and (path.parent / "checkpoint.pt").is_file():
+            raise ValueError(
+                f"{path.parent} holds a checkpoint trained with different {', '.join(changed)}; "
+                "use a new out_dir, or pass resume=False (--no-resume) to retrain from scratch"
+            )
+    elif not resume:
+        for stale in (path.parent / "checkpoint.pt",):
+            stale.unlink(missing_ok=True)
+    path.write_text(json.dumps(current, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``distill`` subcommand on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser(
+        "distill",
+        help="train a small draft model for a target model",
+        description="Distil a small draft for a target causal LM on text the target generates, "
+        "then report acceptance (α), greedy agreement, cost ratio and predicted speedup.",
+    )
+    p.add_argument("--target", required=True, help="local target model directory, or 'offline' for SmolLM2-135M-Instruct")
+    p.add_argument("--out", required=True, help="output directory (data, checkpoint, draft, report); reused to resume")
+    p.add_argument("--hidden", type=int, default=128, help="draft hidden size (default 128)")
+    p.add_argument("--layers", type=int, default=4, help="draft transformer layers (default 4)")
+    p.add_argument("--heads", type=int, default=4, help="draft attention heads (default 4)")
+    p.add_argument("--kv-heads", type=int, default=None, help="draft key/value heads (default: --heads)")
+    p.add_argument("--intermediate", type=int, default=None, help="draft MLP size (default 4 x hidden)")
+    p.add_argument("--tokens", type=int, default=200_000, help="target-generated training tokens (default 200000)")
+    p.add_argument("--eval-tokens", type=int, default=10_000, help="held-out evaluation tokens (default 10000)")
+    p.add_argument("--seq-len", type=int, default=128, help="longest continuation generated per prompt (default 128)")
+    p.add_argument("--gen-batch", type=int, default=16, help="prompts generated together (default 16)")
+    p.add_argument("--top-k", type=int, default=32, help="target log-probs kept per position (default 32)")
+    p.add_argument("--batch", type=int, default=16, help="training sequences per step (default 16)")
+    p.add_argument("--steps", type=int, default=2_000, help="training steps (default 2000)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, cosine decay to 10%% (default 2e-3)")
+    p.add_argument("--hard-weight", type=float, default=0.5, help="weight of the hard-label cross-entropy (default 0.5)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--save-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
+                   help="dtype of the saved draft weights (default float16)")
+    p.add_argument("--no-resume", dest="resume", action="store_false", help="retrain from scratch (staged data is kept)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the ``distill`` subcommand; prints the report as JSON."""
+    report = distill(
+        args.target, args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+        intermediate=args.intermediate, tokens=args.tokens, eval_tokens=args.eval_tokens, seq_len=args.seq_len,
+        gen_batch=args.gen_batch, top_k=args.top_k, batch=args.batch, steps=args.steps, lr=args.lr,
+        hard_weight=args.hard_weight, seed=args.seed, save_dtype=args.save_dtype, resume=args.resume,
+        progress=not args.quiet,
+    )
+    print(json.dumps(report.to_dict(), indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hfspec.distill ...``: the ``distill`` subcommand on its own."""
+    parser = argparse.ArgumentParser(prog="python -m hfspec.distill")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["distill", *(argv if argv is not None else __import__("sys").argv[1:])])
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""distill() on a tiny random Llama target: it trains, saves, reports and resumes."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from hfspec import distill as distill_mod
+from hfspec.distill import DistillReport, distill, predicted_speedup
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>"]
+WORDS = ["user", "assistant", "system", "the", "a", "of", "to", "and", "in", "is", "what", "write", "explain", "how"]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """A 2-layer Llama (vocab 160, hidden 32) with a word-level chat tokenizer, saved by path."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+    for i in range(160 - len(vocab)):
+        vocab[f"w{i}"] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>", pad_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # a peaked target, so its distributions are worth learning
+        model.get_input_embeddings().weight.mul_(40.0)
+    path = tmp_path_factory.mktemp("tiny-target")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+SMALL = dict(hidden=16, layers=1, heads=2, tokens=600, eval_tokens=150, seq_len=12, gen_batch=8, top_k=8,
+             batch=8, steps=40, lr=1e-2, progress=False)
+
+
+def test_distill_trains_saves_and_reports(tiny_target, tmp_path):
+    out = tmp_path / "draft"
+    report = distill(tiny_target, out, **SMALL)
+
+    assert isinstance(report, DistillReport)
+    losses = torch.load(out / "train" / "checkpoint.pt", weights_only=False)["losses"]
+    assert len(losses) == SMALL["steps"]
+    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, "training loss did not go down"
+
+    draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert isinstance(draft, LlamaForCausalLM)
+    assert draft.config.vocab_size == 160 and draft.config.hidden_size == 16
+    assert draft.config.tie_word_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template and len(tokenizer) == 160
+
+    assert 0.0 <= report.alpha <= 1.0 and 0.0 <= report.greedy_agreement <= 1.0
+    assert report.cost_ratio > 0 and report.draft_step_ms > 0 and report.target_step_ms > 0
+    assert report.speedup_sampled > 0 and 1 <= report.gamma_sampled <= 8
+    assert report.speedup_greedy > 0 and 1 <= report.gamma_greedy <= 8
+    assert report.train_tokens >= SMALL["tokens"] and report.eval_tokens >= SMALL["eval_tokens"]
+    assert json.loads((out / "distill_report.json").read_text()) == report.to_dict()
+
+
+def test_distill_beats_untrained_draft(tiny_target, tmp_path):
+    untrained = distill(tiny_target, tmp_path / "a", **{**SMALL, "steps": 1, "lr": 1e-6})
+    trained = distill(tiny_target, tmp_path / "b", **SMALL)
+    assert trained.alpha > untrained.alpha + 0.05
+
+
+def test_resume_continues_data_and_training(tiny_target, tmp_path, monkeypatch):
+    out = tmp_path / "draft"
+    real_loss = distill_mod._distill_loss
+    calls = {"n": 0}
+
+    def interrupted_loss(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 25:
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(distill_mod, "_distill_loss", interrupted_loss)
+    with pytest.raises(KeyboardInterrupt):
+        distill(tiny_target, out, **SMALL)
+    first = torch.load(out / "train" / "checkpoint.pt", weights_only=False)
+    assert 0 < first["step"] < SMALL["steps"]
+    shards = sorted(p.name for p in (out / "data").glob("*.pt"))
+
+    # Rerunning must neither regenerate data nor restart training.
+    monkeypatch.setattr(distill_mod, "_distill_loss", real_loss)
+    monkeypatch.setattr(distill_mod, "_generate_shard", lambda *a, **k: pytest.fail("data was regenerated"))
+    steps_before = []
+    real_train_step = distill_mod._lr_at
+    monkeypatch.setattr(distill_mod, "_lr_at", lambda step, s: steps_before.append(step) or real_train_step(step, s))
+    report = distill(tiny_target, out, **SMALL)
+
+    assert steps_before[0] == first["step"]
+    assert report.steps == SMALL["steps"]
+    assert sorted(p.name for p in (out / "data").glob("*.pt")) == shards
+    final = torch.load(out / "train" / "checkpoint.pt", weights_only=False)
+    assert final["losses"][: first["step"]] == first["losses"]
+
+
+def test_resume_refuses_a_different_architecture(tiny_target, tmp_path):
+    out = tmp_path / "draft"
+    distill(tiny_target, out, **{**SMALL, "steps": 2})
+    with pytest.raises(ValueError, match="different hidden"):
+        distill(tiny_target, out, **{**SMALL, "steps": 2, "hidden": 8})
+
+
+def test_bad_arguments_are_rejected(tiny_target, tmp_path):
+    with pytest.raises(ValueError, match="divisible"):
+        distill(tiny_target, tmp_path, hidden=30, heads=4, progress=False)
+    with pytest.raises(ValueError, match="positive"):
+        distill(tiny_target, tmp_path, steps=0, progress=False)
+    with pytest.raises(ValueError, match="config.json"):
+        distill(tmp_path / "missing", tmp_path / "out", progress=False)
+
+
+def test_predicted_speedup_matches_leviathan():
+    # alpha = 0 accepts nothing: best is gamma = 1, speedup 1 / (c + 1).
+    assert predicted_speedup(0.0, 0.1) == pytest.approx((1 / 1.1, 1))
+    # alpha = 1 with free drafts: every draft accepted, the longest gamma wins.
+    assert predicted_speedup(1.0, 0.0) == pytest.approx((9.0, 8))
+    speedup, gamma = predicted_speedup(0.8, 0.05)
+    expected = max((1 - 0.8 ** (g + 1)) / ((1 - 0.8) * (g * 0.05 + 1)) for g in range(1, 9))
+    assert speedup == pytest.approx(expected) and 1 <= gamma <= 8
+    with pytest.raises(ValueError):
+        predicted_speedup(1.5, 0.1)
+
+
+def test_cli_parser_registers_distill():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    distill_mod.add_parser(sub)
+    args = parser.parse_args(["distill", "--target", "offline", "--out", "x", "--hidden", "64", "--no-resume"])
+    assert args.func is distill_mod.run
+    assert args.target == "offline" and args.hidden == 64 and args.resume is False
