@@ -1,0 +1,303 @@
+"""Loading a target/draft pair and its tokenizer, and reading pair presets.
+
+A *preset* is one JSON file naming a target, a draft and the settings that suit
+them (γ, dtype, chat, sampling defaults). Presets ship in ``hfspec/configs/``
+and are found by name; any other JSON file works by path.
+
+Two model names are special: ``"offline"`` as the target is SmolLM2-135M-Instruct,
+built without a model hub (``hfspec.assets.offline_target_path``), and
+``"shipped"`` as the draft is the draft committed with the package
+(``hfspec.assets.shipped_draft_path``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from hfspec.errors import HfspecError
+from hfspec.models import load_model, same_tokenizer
+
+__all__ = ["Preset", "load_pair", "load_preset", "parse_dtype", "preset_names", "resolve_model"]
+
+log = logging.getLogger(__name__)
+
+PRESET_DIR = Path(__file__).resolve().parent / "configs"
+OFFLINE_TARGET = "offline"
+SHIPPED_DRAFT = "shipped"
+
+DTYPES: dict[str, torch.dtype | str] = {
+    "auto": "auto",
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+# -- dtypes and devices ---------------------------------------------------------------------------
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | str:
+    """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` → ``torch.bfloat16``; ``"auto"`` stays ``"auto"``."""
+    if value is None:
+        return "auto"
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower() in DTYPES:
+        return DTYPES[value.lower()]
+    raise HfspecError(f"unknown dtype {value!r}; use one of {', '.join(DTYPES)}")
+
+
+def _check_device(device: str | torch.device | None, role: str) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise HfspecError(f"invalid {role} device {device!r}; use cpu, cuda, cuda:1 or mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise HfspecError(f"{role} device {device!r} asked for CUDA but torch sees no CUDA GPU; use --device cpu")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise HfspecError(f"{role} device {device!r} asked for MPS but it is not available; use --device cpu")
+    return dev
+
+
+def _input_device(model: PreTrainedModel) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+# -- model names ----------------------------------------------------------------------------------
+
+def resolve_model(name: str | Path, role: str) -> str:
+    """Turn the special names ``offline`` (target) and ``shipped`` (draft) into local paths."""
+    name = str(name)
+    if Path(name).expanduser().exists():
+        return name
+    if role == "target" and name == OFFLINE_TARGET:
+        from hfspec import assets
+
+        return str(assets.offline_target_path())
+    if role == "draft" and name == SHIPPED_DRAFT:
+        from hfspec import assets
+
+        path = assets.shipped_draft_path()
+        if not (path / "config.json").is_file():
+            raise HfspecError(f"the shipped draft is not part of this installation (expected it at {path}); "
+                              "pass a draft model with --draft PATH")
+        return str(path)
+    return name
+
+
+# -- the pair -------------------------------------------------------------------------------------
+
+def load_pair(
+    target: str | Path,
+    draft: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = None,
+    device_map: str | dict | None = None,
+    draft_device: str | torch.device | None = None,
+    draft_dtype: str | torch.dtype | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    gguf_file: str | None = None,
+    tokenizer: PreTrainedTokenizerBase | str | Path | None = None,
+) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(target, draft, tokenizer)`` by hub name or local path.
+
+    ``dtype`` applies to both models unless ``draft_dtype`` is given. ``device_map``
+    (e.g. ``"auto"``) spreads the target with accelerate; the draft then goes to
+    ``draft_device``, else ``device``, else the device of the target's embeddings.
+    ``revision`` and ``gguf_file`` apply to the target and its tokenizer. The
+    tokenizer is the target's unless ``tokenizer`` (an object or a path) is given;
+    a draft that ships its own tokenizer must map tokens to the same ids.
+    """
+    if device is not None and device_map is not None:
+        raise HfspecError("pass device or device_map, not both (device_map='auto' places the target itself)")
+    target_dev = _check_device(device, "target")
+    draft_dev = _check_device(draft_device, "draft") or target_dev
+    target_path = resolve_model(target, "target")
+    draft_path = resolve_model(draft, "draft")
+
+    common = {"trust_remote_code": trust_remote_code}
+    target_kwargs: dict[str, Any] = {"dtype": parse_dtype(dtype), **common}
+    if revision is not None:
+        target_kwargs["revision"] = revision
+    if gguf_file is not None:
+        target_kwargs["gguf_file"] = gguf_file
+    if device_map is not None:
+        target_kwargs["device_map"] = device_map
+    target_model = load_model(target_path, "target", **target_kwargs)
+    if target_dev is not None:
+        target_model.to(target_dev)
+
+    draft_model = load_model(draft_path, "draft", dtype=parse_dtype(draft_dtype if draft_dtype is not None else dtype),
+                             **common)
+    draft_model.to(draft_dev if draft_dev is not None else _input_device(target_model))
+
+    tok = _target_tokenizer(tokenizer, target, target_path, revision, gguf_file, trust_remote_code)
+    _check_draft_tokenizer(tok, target, draft, draft_path, trust_remote_code)
+    log.info("loaded target %s (%s, %s) and draft %s (%s, %s)", target, target_model.dtype,
+             _input_device(target_model), draft, draft_model.dtype, draft_model.device)
+    return target_model, draft_model, tok
+
+
+def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: str | None,
+                      gguf_file: str | None, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return tokenizer
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        raise TypeError(f"tokenizer must be a transformers tokenizer or a path, got {type(tokenizer).__name__}")
+    source = str(tokenizer) if tokenizer is not None else target_path
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if tokenizer is None:
+        if revision is not None:
+            kwargs["revision"] = revision
+        if gguf_file is not None:
+            kwargs["gguf_file"] = gguf_file
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, TypeError) as exc:
+        where = f"tokenizer {source!r}" if tokenizer is not None else f"the target {str(target)!r}'s tokenizer"
+        raise HfspecError(f"could not load {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
+                          "pass tokenizer= (a path or a loaded tokenizer)") from None
+
+
+def _check_draft_tokenizer(tok: PreTrainedTokenizerBase, target: Any, draft: Any, draft_path: str,
+                           trust_remote_code: bool) -> None:
+    """Refuse a draft whose own tokenizer gives tokens other ids than the target's."""
+    local = Path(draft_path).expanduser()
+    if local.is_dir() and not any((local / f).is_file() for f in _TOKENIZER_FILES):
+        return  # a bare draft directory: it can only be used with the target's tokenizer
+    try:
+        draft_tok = AutoTokenizer.from_pretrained(draft_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as exc:
+        log.debug("draft %s: no tokenizer to compare (%s)", draft, exc)
+        return
+    if not same_tokenizer(tok, draft_tok):
+        raise HfspecError(
+            f"the draft {str(draft)!r} and the target {str(target)!r} use different tokenizers "
+            f"({len(draft_tok)} vs {len(tok)} tokens, or the same tokens with other ids); "
+            "pick a draft trained with the target's tokenizer"
+        )
+
+
+# -- presets --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Preset:
+    """A ready target/draft pair and the settings that suit it (one JSON file)."""
+
+    name: str
+    target: str  # hub name, local path, or "offline"
+    draft: str  # hub name, local path, or "shipped"
+    description: str = ""
+    gamma: int = 4  # γ: drafts per verification step
+    dtype: str = "auto"  # weights of both models: auto, float32, float16, bfloat16
+    draft_dtype: str | None = None  # the draft's own dtype, if different
+    chat: bool = False  # wrap prompts in the tokenizer's chat template
+    system: str | None = None  # default system message when chat is on
+    gguf_file: str | None = None  # a GGUF file inside the target's directory or repository
+    revision: str | None = None  # the target's hub revision
+    trust_remote_code: bool = False
+    do_sample: bool | None = None  # sampling defaults; None keeps the target's generation_config
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    source: str = ""  # the file it was read from (filled in by load_preset)
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """The ``load_pair`` keyword arguments this preset sets."""
+        kwargs: dict[str, Any] = {"dtype": self.dtype, "trust_remote_code": self.trust_remote_code}
+        for name in ("draft_dtype", "gguf_file", "revision"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        return kwargs
+
+
+_REQUIRED = ("name", "target", "draft")
+_TYPES: dict[str, tuple[type, ...]] = {
+    "name": (str,), "target": (str,), "draft": (str,), "description": (str,), "gamma": (int,),
+    "dtype": (str,), "draft_dtype": (str,), "chat": (bool,), "system": (str,), "gguf_file": (str,),
+    "revision": (str,), "trust_remote_code": (bool,), "do_sample": (bool,), "temperature": (int, float),
+    "top_k": (int,), "top_p": (int, float), "repetition_penalty": (int, float),
+}
+ALLOWED_KEYS = tuple(_TYPES)
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped in ``hfspec/configs``."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def _preset_file(name_or_path: str | Path) -> Path:
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.is_file():
+        return path
+    if text.endswith(".json") or "/" in text or "\\" in text:
+        raise HfspecError(f"preset file {text!r} does not exist; shipped presets: {', '.join(preset_names())}")
+    shipped = PRESET_DIR / f"{text}.json"
+    if not shipped.is_file():
+        raise HfspecError(f"no preset named {text!r}; shipped presets: {', '.join(preset_names())} "
+                          "(or pass the path of a JSON file)")
+    return shipped
+
+
+def load_preset(name_or_path: str | Path) -> Preset:
+    """Read and validate a preset by shipped name (``qwen2.5-7b``) or by path."""
+    path = _preset_file(name_or_path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise HfspecError(f"preset {path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise HfspecError(f"preset {path}: the file must hold one JSON object, got {type(data).__name__}")
+    allowed = ", ".join(ALLOWED_KEYS)
+    unknown = sorted(set(data) - set(_TYPES))
+    if unknown:
+        raise HfspecError(f"preset {path}: unknown key(s) {', '.join(unknown)}; allowed keys: {allowed}")
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise HfspecError(f"preset {path}: missing required key(s) {', '.join(missing)}; allowed keys: {allowed}")
+    for key, value in data.items():
+        kinds = _TYPES[key]
+        optional = key not in _REQUIRED and Preset.__dataclass_fields__[key].default is None
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) != (bool in kinds) or not isinstance(value, kinds):
+            want = " or ".join(k.__name__ for k in kinds)
+            raise HfspecError(f"preset {path}: {key} must be {want}, got {value!r}")
+    _check_values(path, data)
+    return dataclasses.replace(Preset(**data), source=str(path))
+
+
+def _check_values(path: Path, data: dict[str, Any]) -> None:
+    def bad(key: str, rule: str) -> HfspecError:
+        return HfspecError(f"preset {path}: {key} must be {rule}, got {data[key]!r}")
+
+    if data.get("gamma", 1) < 1:
+        raise bad("gamma", ">= 1")
+    for key in ("dtype", "draft_dtype"):
+        if data.get(key) is not None and data[key].lower() not in DTYPES:
+            raise bad(key, "one of " + ", ".join(DTYPES))
+    if data.get("temperature") is not None and not 0 <= data["temperature"] < float("inf"):
+        raise bad("temperature", "a finite number >= 0")
+    if data.get("top_k") is not None and data["top_k"] < 0:
+        raise bad("top_k", ">= 0")
+    if data.get("top_p") is not None and not 0 < data["top_p"] <= 1:
+        raise bad("top_p", "in (0, 1]")
+    if data.get("repetition_penalty") is not None and not data["repetition_penalty"] > 0:
+        raise bad("repetition_penalty", "> 0")
+    for key in ("name", "target", "draft"):
+        if not data[key].strip():
+            raise bad(key, "a non-empty string")
