@@ -5,6 +5,7 @@ absorbed here, so the decoding loop sees one ``forward`` and one vocabulary size
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from pathlib import Path
@@ -21,8 +22,10 @@ log = logging.getLogger(__name__)
 MAX_VOCAB_PADDING = 1024
 
 
-def _cache_kwarg(model: PreTrainedModel) -> str:
-    params = inspect.signature(model.forward).parameters
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(model_class: type) -> str:
+    """transformers renamed ``past_key_values`` to ``cache``; ask the class which it takes."""
+    params = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
@@ -44,7 +47,7 @@ def forward(
         "input_ids": input_ids.to(device),
         "attention_mask": attention_mask.to(device),
         "position_ids": position_ids.to(device),
-        _cache_kwarg(model): cache,
+        _cache_kwarg(type(model)): cache,
         "use_cache": True,
     }
     if logits_to_keep:

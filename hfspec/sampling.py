@@ -28,6 +28,10 @@ from transformers import (
 )
 
 
+# Processors whose output depends only on the logits, never on the token prefix.
+_CONTEXT_FREE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
 def build_processors(
     config: GenerationConfig,
     extra: Sequence[LogitsProcessor] | None = None,
@@ -76,6 +80,9 @@ def process(
         return logits
     if torch.is_tensor(prefixes):
         return processors(prefixes, logits)
+    if all(isinstance(proc, _CONTEXT_FREE) for proc in processors):
+        # Warpers ignore the prefix, so ragged rows can share one call.
+        return processors(prefixes[0][None], logits)
     rows = [processors(ids[None], logits[i : i + 1]) for i, ids in enumerate(prefixes)]
     return torch.cat(rows, dim=0)
 
