@@ -41,6 +41,22 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "bench.jsonl"
 
+DESCRIPTION = """\
+Measure one target/draft pair in one process. Contenders, interleaved per prompt:
+  plain             the target's own generate()
+  assisted          transformers assisted generation, γ drafts per step, constant schedule
+  assisted-default  transformers assisted generation with its default schedule
+  hfspec            hfspec, fixed γ
+  hfspec-heuristic  hfspec, γ +2 after a fully accepted step, -1 otherwise
+  hfspec-cost       hfspec, γ chosen by the cost model from the measured c and v(γ)
+Reported per contender and sampling mode: tokens/s (median and quartiles over
+prompts), speed-up vs plain and vs assisted (medians of per-prompt ratios),
+acceptance rate α, tokens per target pass, the predicted speed-up
+(1-α^(γ+1))/((1-α)(γc+1)), the same with v(γ) for the 1, and efficiency
+(measured ÷ predicted with v). At greedy, every contender's tokens are checked
+against plain's. Then a fixed-γ sweep (--gammas) and a batch row (--batch-size).
+"""
+
 
 # -- settings --------------------------------------------------------------------------------
 
@@ -510,7 +526,8 @@ def format_table(result: dict[str, Any]) -> str:
         "v(γ) = " + ", ".join(f"{g}: {v:.2f}" for g, v in costs["v"].items()),
     ]
     for name, mode in result["modes"].items():
-        lines += ["", f"== {name} ({mode['label']}) ==",
+        title = name if mode["label"] == name else f"{name} ({mode['label']})"
+        lines += ["", f"== {title} ==",
                   f"{'contender':<18}{'γ':>4}{'tok/s':>8}{'[p25-p75]':>14}{'×plain':>8}{'×assist':>8}"
                   f"{'α':>6}{'tok/pass':>9}{'pred':>6}{'pred(v)':>8}{'eff':>6}{'mismatch':>9}"]
         for cname, row in mode["contenders"].items():
@@ -602,9 +619,10 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="draft model: a directory, a hub name, or 'shipped' for the draft committed in the "
                            "package (default: shipped)")
     pair.add_argument("--config", metavar="NAME",
-                      help="a pair preset from hfspec.loading (overrides --target/--draft)")
-    pair.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                      help="weights dtype for both models (default: float32)")
+                      help="a pair preset (a name from hfspec/configs or a JSON path): sets the target and the "
+                           "draft, and the dtype and γ unless --dtype/--gamma are given")
+    pair.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                      help="weights dtype for both models (default: the preset's with --config, else float32)")
     pair.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     work = parser.add_argument_group("the workload")
     work.add_argument("--prompts-file", type=Path, default=None,
@@ -613,8 +631,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            "chat template when it has one")
     work.add_argument("--num-prompts", type=int, default=12, help="use the first N prompts (default: 12)")
     work.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default: 64)")
-    work.add_argument("--gamma", type=int, default=4,
-                      help="γ, drafts per step, for hfspec fixed and transformers assisted (default: 4)")
+    work.add_argument("--gamma", type=int, default=None,
+                      help="γ, drafts per step, for hfspec fixed and transformers assisted "
+                           "(default: the preset's with --config, else 4)")
     work.add_argument("--gammas", type=_int_list, default=(1, 2, 3, 4, 6, 8),
                       help="γ values of the hfspec fixed-γ sweep, comma-separated (default: 1,2,3,4,6,8)")
     work.add_argument("--modes", default="greedy,sample",
@@ -648,19 +667,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``hfspec bench`` on the CLI's subparsers."""
     parser = subparsers.add_parser(
         "bench", help="measure hfspec against generate() and transformers assisted generation",
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     configure(parser)
     parser.set_defaults(func=run)
     return parser
 
 
 def resolve_model(name: str, role: str) -> str:
-    """'offline' and 'shipped' name the package's own assets; anything else is passed through."""
+    """'offline' (target) and 'shipped' (draft) name the package's own models; anything else passes through."""
     from hfspec import assets
 
-    if name == "offline":
+    if Path(name).expanduser().exists():
+        return name
+    if role == "target" and name == "offline":
         return str(assets.offline_target_path())
-    if name == "shipped":
+    if role == "draft" and name == "shipped":
         path = assets.shipped_draft_path()
         if not (path / "config.json").is_file():
             raise SystemExit(f"the shipped draft is not built yet ({path}); pass --draft PATH")
@@ -668,27 +689,40 @@ def resolve_model(name: str, role: str) -> str:
     return name
 
 
+def apply_preset(args: argparse.Namespace) -> None:
+    """Fill --target, --draft, --dtype and --gamma from --config, unless given on the command line."""
+    if not args.config:
+        return
+    try:
+        from hfspec.loading import load_preset
+    except ImportError:
+        raise SystemExit("--config needs hfspec.loading.load_preset, which this install lacks") from None
+    preset = load_preset(args.config)
+    args.target, args.draft = preset.target, preset.draft
+    if args.dtype is None and preset.dtype != "auto":
+        args.dtype = preset.dtype
+    if args.gamma is None:
+        args.gamma = preset.gamma
+
+
 def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(target, draft, tokenizer) from --config or --target/--draft."""
+    """(target, draft, tokenizer), through hfspec.loading when this install has it."""
+    dtype = getattr(torch, args.dtype or "float32")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        from hfspec.loading import load_pair
+    except ImportError:
+        load_pair = None
+    if load_pair is not None:
+        return load_pair(args.target, args.draft, dtype=dtype, device=device)
     from transformers import AutoTokenizer
 
     from hfspec.models import load_model
 
-    target, draft = args.target, args.draft
-    if args.config:
-        try:
-            from hfspec.loading import load_preset
-        except ImportError:
-            raise SystemExit("--config needs hfspec.loading.load_preset, which this install lacks") from None
-        preset = load_preset(args.config)
-        get = preset.get if isinstance(preset, dict) else lambda k: getattr(preset, k)
-        target, draft = get("target"), get("draft")
-    dtype = getattr(torch, args.dtype)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target_path, draft_path = resolve_model(str(target), "target"), resolve_model(str(draft), "draft")
-    target_model = load_model(target_path, "target", dtype=dtype).to(device)
-    draft_model = load_model(draft_path, "draft", dtype=dtype).to(device)
-    return target_model, draft_model, AutoTokenizer.from_pretrained(target_path)
+    target_path, draft_path = resolve_model(str(args.target), "target"), resolve_model(str(args.draft), "draft")
+    target = load_model(target_path, "target", dtype=dtype).to(device)
+    draft = load_model(draft_path, "draft", dtype=dtype).to(device)
+    return target, draft, AutoTokenizer.from_pretrained(target_path)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -720,7 +754,7 @@ def environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
         pass
     return {"command": " ".join(sys.argv), "cpu": cpu, "threads": torch.get_num_threads(),
             "device": str(bench.device), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "dtype": args.dtype, "target": str(args.target),
+            "python": platform.python_version(), "dtype": str(bench.target.dtype).replace("torch.", ""), "target": str(args.target),
             "draft": str(args.draft), "max_new_tokens": args.max_new_tokens, "gamma": args.gamma}
 
 
@@ -728,6 +762,9 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``hfspec bench``; returns the exit status."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    apply_preset(args)
+    if args.gamma is None:
+        args.gamma = 4
     settings = settings_from(args)
     prompts = load_prompts(args.prompts_file)[: args.num_prompts]
     target, draft, tokenizer = load(args)
@@ -753,7 +790,8 @@ def write_outputs(result: dict[str, Any], json_path: str | None, plot_path: Path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = configure(argparse.ArgumentParser(prog="hfspec bench", description=__doc__.split("\n\n")[0]))
+    parser = configure(argparse.ArgumentParser(prog="hfspec bench", description=DESCRIPTION,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter))
     return run(parser.parse_args(argv))
 
 

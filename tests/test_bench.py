@@ -1,0 +1,177 @@
+"""hfspec bench: its arithmetic, its report's shape, and one end-to-end run on a tiny pair (no timing checks)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hfspec import bench
+from hfspec.bench import Bench, Contender, Mode, Run, Settings
+from hfspec.stats import RowStats, Stats
+
+GREEDY = Mode("greedy", False)
+SAMPLE = Mode("sample", True, 0.7, 0.95, 0)
+CONTENDER_KEYS = {
+    "kind", "schedule", "gamma", "tokens_per_second", "speedup_vs_plain", "speedup_vs_assisted",
+    "acceptance_rate", "mean_accepted_length", "mean_gamma", "acceptance_by_position", "prediction_gamma",
+    "predicted_speedup", "predicted_speedup_v", "efficiency", "new_tokens", "seconds",
+}
+
+
+def test_predicted_speedup_matches_hand_values():
+    # α=0.8, γ=4, c=0.1: (1 - 0.8^5) / (0.2 * (0.4 + 1)) = 0.67232 / 0.28
+    pred, pred_v, g = bench.prediction(0.8, 4, 0.1, {4: 1.5})
+    assert g == 4
+    assert pred == pytest.approx(2.401142857, rel=1e-9)
+    assert pred_v == pytest.approx(0.67232 / 0.38, rel=1e-9)
+    # α=0: only the bonus token, at the price of γ draft steps and one verification.
+    assert bench.prediction(0.0, 1, 0.5, {})[0] == pytest.approx(1 / 1.5)
+    # α=1: every draft accepted, γ+1 tokens per step.
+    assert bench.prediction(1.0, 3, 0.2, {3: 1.2})[1] == pytest.approx(4 / 1.8)
+    # An adaptive run's mean γ is rounded, and a missing v(γ) borrows the nearest measured one.
+    assert bench.prediction(0.5, 2.4, 0.1, {1: 1.1, 3: 1.3})[2] == 2
+    assert bench.prediction(None, 4, 0.1, {}) == (None, None, None)
+
+
+def test_ratios_spread_and_mismatches():
+    assert bench.median_ratio([2.0, 9.0, 3.0], [1.0, 3.0, 1.0]) == 3.0
+    assert bench.median_ratio([1.0], [0.0]) is None
+    s = bench.spread([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert (s["median"], s["p25"], s["p75"], s["min"], s["max"]) == (3.0, 2.0, 4.0, 1.0, 5.0)
+    assert bench.mismatches([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == []
+    assert bench.mismatches([[1, 2, 3], [4, 5]], [[1, 9, 3], [4, 5, 6]]) == [
+        {"prompt": 0, "position": 1, "reference_length": 3, "length": 3},
+        {"prompt": 1, "position": 2, "reference_length": 2, "length": 3},
+    ]
+    assert bench.trim([5, 6, 2, 7, 2], {2}) == [5, 6, 2]
+    assert bench.trim([5, 6, 7, 2], {2}, length=2) == [5, 6]
+
+
+def _stats(drafted: int, accepted: int, passes: int, committed: int) -> Stats:
+    row = RowStats(committed, accepted, passes, drafted, "length")
+    # Only the first two draft positions are filled in: 5 of 5, then 2 of 4 accepted.
+    return Stats(passes, drafted, drafted, accepted, committed, (5, 2), (5, 4), 0.0, 0.0, 1.0, (row,))
+
+
+def test_summary_arithmetic():
+    plain = [Run([[1] * 10], 1.0, 11, 0), Run([[1] * 10], 2.0, 11, 0)]  # 10 and 5 tok/s
+    assisted = [Run([[1] * 10], 0.5, 4, 12), Run([[1] * 10], 1.0, 4, 12)]  # 20 and 10 tok/s
+    # 20 drafted (γ=4, 5 passes), 15 accepted: α = 0.75, 4 tokens per pass.
+    spec = [Run([[1] * 20], 0.5, 6, 21, _stats(20, 15, 5, 20)), Run([[1] * 20], 1.0, 6, 21, _stats(20, 15, 5, 20))]
+    c, v = 0.1, {4: 1.5}
+    row = bench.summarize(Contender("hfspec", "hfspec", 4, "fixed"), spec, plain, assisted, c, v, greedy=False)
+    assert row["speedup_vs_plain"] == pytest.approx(4.0)
+    assert row["speedup_vs_assisted"] == pytest.approx(2.0)
+    assert row["acceptance_rate"] == pytest.approx(0.75)
+    assert row["mean_accepted_length"] == pytest.approx(4.0)
+    assert row["acceptance_by_position"] == [1.0, 0.5]
+    pred_v = (1 - 0.75 ** 5) / (0.25 * (4 * 0.1 + 1.5))
+    assert row["predicted_speedup_v"] == pytest.approx(pred_v)
+    assert row["efficiency"] == pytest.approx(4.0 / pred_v)
+    assert "greedy_mismatches" not in row
+
+    # transformers' counts come from forward calls: 4 rounds commit 10 tokens, so 6 of 12 drafts were accepted.
+    row = bench.summarize(Contender("assisted", "assisted", 3, "constant"), assisted, plain, assisted, c, v,
+                          greedy=True)
+    assert row["acceptance_rate"] == pytest.approx(0.5)
+    assert row["mean_accepted_length"] == pytest.approx(2.5)
+    assert row["speedup_vs_assisted"] == pytest.approx(1.0)
+    assert row["greedy_mismatches"] == []
+
+
+def test_assistant_settings_are_constant_and_restored(tiny_pair):
+    _, draft, _ = tiny_pair("llama")
+    before = draft.generation_config.to_dict()
+    with bench.assistant_settings(draft, 3):
+        conf = draft.generation_config
+        assert (conf.num_assistant_tokens, conf.num_assistant_tokens_schedule) == (3, "constant")
+        assert conf.assistant_confidence_threshold == 0
+    assert draft.generation_config.to_dict() == before
+
+
+def test_prompts_from_jsonl_and_text(tmp_path):
+    shipped = bench.load_prompts()
+    assert len(shipped) >= 20 and all(p["prompt"] and p["kind"] != "-" for p in shipped)
+    assert len({p["id"] for p in shipped}) == len(shipped)
+    text = tmp_path / "p.txt"
+    text.write_text("first prompt\n\nsecond\\nline two\n")
+    assert [p["prompt"] for p in bench.load_prompts(text)] == ["first prompt", "second\nline two"]
+
+
+def _tiny_settings(**kw) -> Settings:
+    base = dict(gamma=2, gammas=(1, 2), modes=(GREEDY,), warmup=0, batch_size=2, batch_repeats=1, cost_repeats=2,
+                progress=False)
+    return Settings(**{**base, **kw})
+
+
+class _Wrong(Bench):
+    """Changes the last token of one contender's output, as a broken implementation would."""
+
+    def _generate(self, contender, rows, mode, seed):
+        tokens, stats = super()._generate(contender, rows, mode, seed)
+        if contender.name == "hfspec-heuristic":
+            tokens = [t[:-1] + [(t[-1] + 1) % 60 + 3] for t in tokens]
+        return tokens, stats
+
+
+def test_greedy_check_flags_a_wrong_contender(tiny_pair):
+    target, draft, tok = tiny_pair("llama", sharpness=4.0)
+    prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}, {"id": "b", "kind": "-", "prompt": "w20 w21"}]
+    result = bench.run_bench(_Wrong(target, draft, tok, max_new_tokens=6, gamma=2), prompts,
+                             _tiny_settings(batch_size=0))
+    rows = result["modes"]["greedy"]["contenders"]
+    assert len(rows["hfspec-heuristic"]["greedy_mismatches"]) == 2
+    for name in ("plain", "assisted", "assisted-default", "hfspec", "hfspec-cost"):
+        assert rows[name]["greedy_mismatches"] == [], name
+    assert "mismatch" in bench.format_table(result)
+
+
+def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
+    target = model_dir("llama", seed=0, sharpness=4.0)
+    draft = model_dir("llama", seed=0, sharpness=4.0, hidden=16)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "kind": "chat", "prompt": "w10 w11 w12"}\n'
+                       '{"id": "b", "kind": "list", "prompt": "w20 w21"}\n')
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    status = bench.main([
+        "--target", str(target), "--draft", str(draft), "--prompts-file", str(prompts), "--num-prompts", "2",
+        "--max-new-tokens", "6", "--gamma", "2", "--gammas", "1,2", "--warmup", "1", "--batch-size", "2",
+        "--batch-repeats", "1", "--cost-repeats", "2", "--threads", "1", "--no-progress",
+        "--json", str(out), "--plot", str(png),
+    ])
+    assert status == 0
+    assert "hfspec-heuristic" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(result) >= {"environment", "costs", "modes", "prompts"}
+    assert result["costs"]["c"] > 0 and set(result["costs"]["v"]) == {"1", "2"}
+    assert set(result["modes"]) == {"greedy", "sample"}
+    for name, mode in result["modes"].items():
+        assert set(mode["contenders"]) == {"plain", "assisted", "assisted-default", "hfspec", "hfspec-heuristic",
+                                           "hfspec-cost"}
+        for row in mode["contenders"].values():
+            assert set(row) - {"greedy_mismatches"} == CONTENDER_KEYS
+            assert row["new_tokens"] > 0
+        assert [s["gamma"] for s in mode["sweep"]] == [1, 2]
+        assert len(mode["per_prompt"]) == 2
+        batch = mode["batch"]
+        assert set(batch["tokens_per_second"]) == {"plain_batched", "hfspec_batched", "hfspec_serial"}
+        assert batch["batched_vs_serial"] > 0
+    greedy = result["modes"]["greedy"]
+    # Same target on both sides of every comparison: greedy outputs must agree token for token.
+    assert all(row["greedy_mismatches"] == [] for row in greedy["contenders"].values())
+    assert greedy["batch"]["greedy_mismatches"] == []
+    assert greedy["contenders"]["hfspec"]["acceptance_rate"] is not None
+
+
+def test_bench_subcommand_is_registered():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    bench.add_parser(sub)
+    args = parser.parse_args(["bench", "--gammas", "1,3", "--json"])
+    assert args.func is bench.run and args.gammas == (1, 3) and args.json == "-"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--gammas", "0,2"])
