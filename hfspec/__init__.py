@@ -1,6 +1,7 @@
 """hfspec: lossless speculative decoding for Hugging Face causal LMs."""
 from __future__ import annotations
 
+from hfspec.api import generate
 from hfspec.errors import HfspecError, NumericalFault
 from hfspec.generator import GenerateOutput, SpeculativeGenerator
 from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma

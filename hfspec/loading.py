@@ -87,7 +87,7 @@ def resolve_model(name: str | Path, role: str) -> str:
     if role == "draft" and name == SHIPPED_DRAFT:
         from hfspec import assets
 
-        path = assets.shipped_draft_path()
+        path = Path(assets.shipped_draft_path())
         if not (path / "config.json").is_file():
             raise HfspecError(f"the shipped draft is not part of this installation (expected it at {path}); "
                               "pass a draft model with --draft PATH")

@@ -1,0 +1,196 @@
+"""Text in, text out: ``hfspec.generate("Write a haiku.")``.
+
+The pair is loaded once per process and reused: calls with the same models and
+loading options share one ``SpeculativeGenerator``. With no target, draft or
+config, the ``smollm2-offline`` preset is used (SmolLM2-135M-Instruct and the
+shipped draft, chat template on).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from hfspec import loading
+from hfspec.errors import HfspecError
+from hfspec.generator import SpeculativeGenerator
+from hfspec.loading import Preset
+from hfspec.policy import GammaPolicy
+from hfspec.stats import Stats
+
+__all__ = ["Completion", "DEFAULT_PRESET", "clear_cache", "complete", "encode", "generate", "load", "resolve_preset"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRESET = "smollm2-offline"
+DEFAULT_MAX_NEW_TOKENS = 128
+
+# Loaded pairs, keyed by the models and the loading options.
+_PAIRS: dict[tuple, SpeculativeGenerator] = {}
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What one call produced, row by row, and the settings it ran with."""
+
+    texts: tuple[str, ...]  # new text only, special tokens skipped
+    tokens: tuple[tuple[int, ...], ...]  # new token ids
+    stats: Stats
+    settings: dict[str, Any]
+
+
+def resolve_preset(target: str | Path | None = None, draft: str | Path | None = None,
+                   config: str | Path | Preset | None = None) -> Preset:
+    """The pair to use: a preset (by name, path or object), a target/draft pair, or the default."""
+    if config is not None:
+        if target is not None or draft is not None:
+            raise HfspecError("pass either a config preset or target and draft, not both")
+        return config if isinstance(config, Preset) else loading.load_preset(config)
+    if target is None and draft is None:
+        return loading.load_preset(DEFAULT_PRESET)
+    if target is None or draft is None:
+        missing = "target" if target is None else "draft"
+        raise HfspecError(f"no {missing} given: pass both target and draft (or a config preset, or neither "
+                          f"for the default {DEFAULT_PRESET} pair)")
+    return Preset(name="custom", target=str(target), draft=str(draft))
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return ("id", id(value))
+
+
+def load(preset: Preset, **load_kwargs: Any) -> SpeculativeGenerator:
+    """The generator for ``preset``, loaded on first use and cached for the process."""
+    kwargs = {**preset.load_kwargs(), **load_kwargs}
+    key = (preset.target, preset.draft, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
+    if key not in _PAIRS:
+        log.info("loading target %s and draft %s", preset.target, preset.draft)
+        _PAIRS[key] = SpeculativeGenerator(*loading.load_pair(preset.target, preset.draft, **kwargs))
+    return _PAIRS[key]
+
+
+def clear_cache() -> None:
+    """Forget every loaded pair (frees their memory once nothing else holds them)."""
+    _PAIRS.clear()
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str], *, chat: bool,
+           system: str | None = None) -> list[list[int]]:
+    """Token ids of each prompt; with ``chat`` wrapped as a user turn in the chat template."""
+    if system is not None and not chat:
+        raise HfspecError("a system message needs the chat template: turn chat on (chat=True / --chat)")
+    if not chat:
+        return [list(tokenizer(p)["input_ids"]) for p in prompts]
+    if not getattr(tokenizer, "chat_template", None):
+        raise HfspecError("this tokenizer has no chat template; turn chat off (chat=False / --no-chat) "
+                          "or use an instruct model that ships one")
+    ids = []
+    for p in prompts:
+        messages = ([{"role": "system", "content": system}] if system is not None else [])
+        messages.append({"role": "user", "content": p})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return ids
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return value if value is not None else default
+
+
+def complete(
+    gen: SpeculativeGenerator,
+    prompts: list[str],
+    *,
+    preset: Preset,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    gamma: int | GammaPolicy | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    seed: int | None = None,
+    chat: bool | None = None,
+    system: str | None = None,
+    streamer: Any = None,
+) -> Completion:
+    """Generate for text prompts with ``gen``; unset settings come from ``preset``."""
+    if gen.tokenizer is None:
+        raise HfspecError("the generator has no tokenizer; build it with SpeculativeGenerator(target, draft, tokenizer)")
+    chat = bool(_pick(chat, preset.chat))
+    system = system if system is not None else (preset.system if chat else None)
+    settings = {
+        "preset": preset.name, "target": preset.target, "draft": preset.draft,
+        "gamma": _pick(gamma, preset.gamma), "max_new_tokens": max_new_tokens,
+        "do_sample": bool(_pick(do_sample, _pick(preset.do_sample, False))),
+        "temperature": _pick(temperature, preset.temperature), "top_k": _pick(top_k, preset.top_k),
+        "top_p": _pick(top_p, preset.top_p), "repetition_penalty": _pick(repetition_penalty, preset.repetition_penalty),
+        "seed": seed, "chat": chat, "system": system,
+    }
+    ids = encode(gen.tokenizer, prompts, chat=chat, system=system)
+    out = gen.generate(
+        ids, max_new_tokens=max_new_tokens, gamma=settings["gamma"], do_sample=settings["do_sample"],
+        temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"],
+        repetition_penalty=settings["repetition_penalty"], seed=seed, streamer=streamer,
+    )
+    start = out.prompt_length
+    tokens = tuple(tuple(out.sequences[i, start: start + row.committed].tolist())
+                   for i, row in enumerate(out.stats.rows))
+    texts = tuple(gen.tokenizer.decode(list(t), skip_special_tokens=True) for t in tokens)
+    if isinstance(settings["gamma"], GammaPolicy):
+        settings["gamma"] = str(settings["gamma"])
+    return Completion(texts, tokens, out.stats, settings)
+
+
+def generate(
+    prompt: str | list[str],
+    *,
+    target: str | Path | None = None,
+    draft: str | Path | None = None,
+    config: str | Path | Preset | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    gamma: int | GammaPolicy | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    seed: int | None = None,
+    chat: bool | None = None,
+    system: str | None = None,
+    streamer: Any = None,
+    return_stats: bool = False,
+    **load_kwargs: Any,
+) -> str | list[str] | tuple[str | list[str], Stats]:
+    """Continue ``prompt`` (one string or a list) with speculative decoding; returns the new text only.
+
+    The pair is ``target`` + ``draft`` (hub names or paths), or a ``config`` preset
+    (a shipped name such as ``"qwen2.5-7b"`` or a JSON path), or by default the
+    offline SmolLM2 pair. Settings left as ``None`` come from the preset, then from
+    the target's generation config; ``do_sample`` defaults to greedy and ``chat``
+    to off (on for the default pair). ``gamma`` is γ, the drafts per step, or a
+    ``GammaPolicy``. ``seed`` makes sampling reproducible. ``load_kwargs`` go to
+    ``hfspec.loading.load_pair`` (``dtype``, ``device``, ``device_map``, ...).
+    With ``return_stats`` the result is ``(text, stats)``.
+    """
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise TypeError("prompt must be a string or a non-empty list of strings; "
+                        "for token ids use SpeculativeGenerator.generate")
+    preset = resolve_preset(target, draft, config)
+    gen = load(preset, **load_kwargs)
+    result = complete(gen, prompts, preset=preset, max_new_tokens=max_new_tokens, gamma=gamma, do_sample=do_sample,
+                      temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                      seed=seed, chat=chat, system=system, streamer=streamer)
+    text: str | list[str] = result.texts[0] if isinstance(prompt, str) else list(result.texts)
+    return (text, result.stats) if return_stats else text

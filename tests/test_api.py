@@ -1,0 +1,157 @@
+"""hfspec.generate: text in, new text out, one load per pair."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hfspec
+import tiny
+from hfspec import Stats, api, assets, loading
+from hfspec.errors import HfspecError
+from hfspec.policy import HeuristicGamma
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    api.clear_cache()
+    yield
+    api.clear_cache()
+
+
+@pytest.fixture
+def pair(model_dir):
+    return str(model_dir("llama", seed=0)), str(model_dir("llama", seed=1))
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Counts calls of load_pair."""
+    calls = []
+    real = loading.load_pair
+
+    def counting(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_pair", counting)
+    return calls
+
+
+def target_greedy(path: str, ids: list[int], n: int) -> str:
+    model, tok = tiny.load(path)
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
+    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def test_string_prompt_returns_only_the_new_text(pair):
+    target, draft = pair
+    text = hfspec.generate("w10 w11 w12", target=target, draft=draft, max_new_tokens=12, gamma=3)
+    assert isinstance(text, str) and text
+    assert "w10 w11 w12" not in text
+    assert text == target_greedy(target, [10, 11, 12], 12)
+
+
+def test_list_of_prompts_of_different_lengths(pair):
+    target, draft = pair
+    prompts = ["w10 w11 w12 w13 w14", "w20", "w30 w31"]
+    texts = hfspec.generate(prompts, target=target, draft=draft, max_new_tokens=8)
+    assert isinstance(texts, list) and len(texts) == 3
+    assert texts == [hfspec.generate(p, target=target, draft=draft, max_new_tokens=8) for p in prompts]
+
+
+def test_chat_applies_the_template(pair):
+    target, draft = pair
+    text = hfspec.generate("w10 w11", target=target, draft=draft, max_new_tokens=8, chat=True, system="w40")
+    ids = tiny.make_tokenizer(64)("<s> system : w40 </s> <s> user : w10 w11 </s> <s> assistant :")["input_ids"]
+    assert text == target_greedy(target, ids, 8)
+    assert text != hfspec.generate("w10 w11", target=target, draft=draft, max_new_tokens=8)
+
+
+def test_chat_without_a_template_is_a_clear_error():
+    tok = tiny.make_tokenizer(64)
+    tok.chat_template = None
+    with pytest.raises(HfspecError, match="no chat template; turn chat off"):
+        api.encode(tok, ["w10"], chat=True)
+    with pytest.raises(HfspecError, match="system message needs the chat template"):
+        api.encode(tok, ["w10"], chat=False, system="w40")
+
+
+def test_pair_is_loaded_once_and_reused(pair, loads):
+    target, draft = pair
+    first = hfspec.generate("w10", target=target, draft=draft, max_new_tokens=4)
+    second = hfspec.generate(["w10", "w11"], target=target, draft=draft, max_new_tokens=4, gamma=2)
+    assert len(loads) == 1 and second[0] == first
+    hfspec.generate("w10", target=target, draft=draft, max_new_tokens=4, dtype="bfloat16")
+    assert len(loads) == 2, "other loading options are another pair"
+
+
+def test_return_stats(pair):
+    target, draft = pair
+    text, stats = hfspec.generate("w10 w11", target=target, draft=draft, max_new_tokens=9, return_stats=True)
+    assert isinstance(stats, Stats) and stats.committed == 9 and len(text.split()) == 9
+    assert 0 <= stats.acceptance_rate <= 1
+
+
+def test_seed_makes_sampling_reproducible_and_equal_to_the_generator(pair):
+    target, draft = pair
+    kwargs = dict(target=target, draft=draft, max_new_tokens=12, do_sample=True, temperature=1.0, gamma=3)
+    a = hfspec.generate("w10 w11", seed=7, **kwargs)
+    assert a == hfspec.generate("w10 w11", seed=7, **kwargs)
+    assert a != hfspec.generate("w10 w11", seed=8, **kwargs)
+    gen = api.load(api.resolve_preset(target, draft))
+    out = gen.generate([10, 11], max_new_tokens=12, do_sample=True, temperature=1.0, gamma=3, seed=7)
+    assert a == gen.tokenizer.decode(out.sequences[0, out.prompt_length:], skip_special_tokens=True)
+
+
+def test_adaptive_gamma_is_still_lossless(pair):
+    target, draft = pair
+    fixed = hfspec.generate("w10 w11", target=target, draft=draft, max_new_tokens=16, gamma=2)
+    assert fixed == hfspec.generate("w10 w11", target=target, draft=draft, max_new_tokens=16, gamma=HeuristicGamma())
+
+
+def test_config_preset_supplies_defaults(pair, tmp_path):
+    target, draft = pair
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"name": "tiny", "target": target, "draft": draft, "gamma": 2, "chat": True,
+                                "dtype": "float32"}))
+    text = hfspec.generate("w10", config=str(path), max_new_tokens=8)
+    assert text == hfspec.generate("w10", target=target, draft=draft, max_new_tokens=8, chat=True)
+    assert text != hfspec.generate("w10", config=str(path), max_new_tokens=8, chat=False)
+
+
+def test_default_pair_is_the_offline_preset_with_chat(pair, monkeypatch, loads):
+    target, draft = pair
+    monkeypatch.setattr(assets, "offline_target_path", lambda **kw: target)
+    monkeypatch.setattr(assets, "shipped_draft_path", lambda: draft)
+    text = hfspec.generate("w10", max_new_tokens=8)
+    assert loads[0][0] == ("offline", "shipped") and loads[0][1]["dtype"] == "float32"
+    api.clear_cache()
+    assert text == hfspec.generate("w10", target=target, draft=draft, max_new_tokens=8, chat=True)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"config": "gpt2-xl", "target": "x"}, HfspecError, "either a config preset or target and draft"),
+    ({"target": "x"}, HfspecError, "no draft given: pass both"),
+    ({"draft": "x"}, HfspecError, "no target given"),
+    ({"config": "nope"}, HfspecError, "no preset named 'nope'"),
+])
+def test_pair_selection_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        hfspec.generate("w10", **kwargs)
+
+
+@pytest.mark.parametrize("prompt", [[], [1, 2], None, ["w1", 2]])
+def test_prompt_must_be_text(prompt):
+    with pytest.raises(TypeError, match="string or a non-empty list of strings"):
+        hfspec.generate(prompt)
+
+
+def test_bad_settings_are_refused(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="top_p must be in"):
+        hfspec.generate("w10", target=target, draft=draft, do_sample=True, top_p=0.0)
+    with pytest.raises(ValueError, match="gamma"):
+        hfspec.generate("w10", target=target, draft=draft, gamma=0)
