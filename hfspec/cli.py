@@ -1,0 +1,317 @@
+"""The ``hfspec`` command line: ``generate``, plus ``distill`` and ``bench`` when installed.
+
+Every user error ends as one line ``hfspec: error: ...`` on stderr and exit status 2;
+Ctrl-C ends with status 130 after printing what was already generated.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import math
+import sys
+from typing import Any, NoReturn
+
+from transformers import TextStreamer
+from transformers.utils import logging as hf_logging
+
+from hfspec import __version__, api
+from hfspec.errors import HfspecError, NumericalFault
+from hfspec.loading import DTYPES, Preset, preset_names
+from hfspec.policy import CostModelGamma, GammaPolicy, HeuristicGamma
+
+log = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+# Errors a user can fix; anything else is a bug and keeps its traceback.
+USER_ERRORS = (HfspecError, NumericalFault, ValueError, TypeError, OSError, RuntimeError)
+OPTIONAL_COMMANDS = ("distill", "bench")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of usage plus message."""
+
+    def error(self, message: str) -> NoReturn:
+        _error(f"{message} (see '{self.prog} --help')")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _error(message: str) -> None:
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    sys.stderr.write(f"hfspec: error: {lines[0] if lines else 'unknown error'}\n")
+
+
+# -- flag values, checked as they are parsed -----------------------------------------------------
+
+def _number(kind: type, check, rule: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} "
+                                             f"{rule}, got {text!r}") from None
+        if (kind is float and math.isnan(value)) or not check(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
+        return value
+    return parse
+
+
+gamma_value = _number(int, lambda v: v >= 1, ">= 1")
+count_value = _number(int, lambda v: v >= 0, ">= 0")
+temperature_value = _number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)")
+top_p_value = _number(float, lambda v: 0 < v <= 1, "in (0, 1]")
+penalty_value = _number(float, lambda v: 0 < v < math.inf, "a number > 0 (1 disables it)")
+cost_value = _number(float, lambda v: 0 < v < math.inf, "a number > 0")
+
+
+# -- the parser ---------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="hfspec",
+        description="Lossless speculative decoding for Hugging Face causal language models: a small draft "
+        "model proposes tokens, the target model verifies them in one pass, and the output is distributed "
+        "exactly as the target's own sampling (greedy output is identical).",
+        epilog="Run 'hfspec COMMAND --help' for the flags of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"hfspec {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log progress to stderr and show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_generate(sub)
+    for name in OPTIONAL_COMMANDS:
+        _add_optional(sub, name)
+    return parser
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="generate text with speculative decoding",
+        description="Continue PROMPT with a target model, a draft model proposing γ tokens per step. "
+        f"With no --target/--draft/--config the offline default pair ({api.DEFAULT_PRESET}: "
+        "SmolLM2-135M-Instruct and the draft shipped with hfspec) is used; its target is built "
+        "once from PyPI without a model hub.",
+    )
+    p.add_argument("prompt", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
+    pair = p.add_argument_group("models (--target and --draft together, or --config)")
+    pair.add_argument("--target", help="target model: hub name, local directory, or 'offline'")
+    pair.add_argument("--draft", help="draft model sharing the target's tokenizer: hub name, local directory, "
+                      "or 'shipped'")
+    pair.add_argument("--config", metavar="NAME|PATH",
+                      help=f"a pair preset: a shipped name ({', '.join(preset_names())}) or a JSON file")
+    pair.add_argument("--device", help="where to run: cpu, cuda, cuda:1, mps, or 'auto' to spread the target "
+                      "over the available devices (default: cpu)")
+    pair.add_argument("--dtype", type=str.lower, choices=list(DTYPES),
+                      help="weight dtype of both models (default: the preset's, else auto = as saved)")
+
+    spec = p.add_argument_group("speculation")
+    spec.add_argument("--gamma", type=gamma_value, help="γ: draft tokens per verification step, >= 1 "
+                      "(default: the preset's, else 4; the starting value with --adaptive heuristic)")
+    spec.add_argument("--adaptive", choices=["heuristic", "cost"],
+                      help="choose γ as decoding goes: 'heuristic' grows γ after fully accepted steps and "
+                      "shrinks it otherwise; 'cost' picks the γ with the best predicted speedup from the "
+                      "running acceptance rate and --draft-cost")
+    spec.add_argument("--draft-cost", type=cost_value, metavar="C",
+                      help="with --adaptive cost: time of one draft step / one target step (default: estimated "
+                      "from the parameter counts)")
+
+    sampling = p.add_argument_group("sampling (greedy unless --do-sample)")
+    sampling.add_argument("--max-new-tokens", type=count_value, default=api.DEFAULT_MAX_NEW_TOKENS,
+                          help=f"most new tokens to generate, >= 0 (default {api.DEFAULT_MAX_NEW_TOKENS})")
+    sampling.add_argument("--do-sample", action="store_true", default=None,
+                          help="sample instead of greedy decoding (still exactly the target's distribution)")
+    sampling.add_argument("--temperature", type=temperature_value,
+                          help="sampling temperature, >= 0; 0 means greedy")
+    sampling.add_argument("--top-k", type=count_value, help="keep the k most likely tokens, >= 0 (0 disables)")
+    sampling.add_argument("--top-p", type=top_p_value, help="nucleus sampling mass, in (0, 1]")
+    sampling.add_argument("--repetition-penalty", type=penalty_value, help="penalty for repeated tokens, > 0 "
+                          "(1 disables it)")
+    sampling.add_argument("--seed", type=count_value, help="random seed, >= 0: the same seed and settings give "
+                          "the same text")
+
+    prompt = p.add_argument_group("prompt format")
+    prompt.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                        help="wrap PROMPT as a user turn in the tokenizer's chat template "
+                        "(default: the preset's; on for the default pair)")
+    prompt.add_argument("--system", help="system message for the chat template (needs chat on)")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--stream", action="store_true", help="print the text as tokens are committed")
+    out.add_argument("--stats", action="store_true",
+                     help="print acceptance rate, mean accepted length and tokens/s to stderr")
+    out.add_argument("--json", action="store_true",
+                     help="print one JSON object: text, tokens, stats and settings")
+    p.set_defaults(func=run_generate)
+
+
+def _add_optional(sub, name: str) -> None:
+    """Register ``hfspec NAME`` from ``hfspec/NAME.py`` if it is there and imports."""
+    try:
+        module = importlib.import_module(f"hfspec.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"hfspec.{name}":
+            return  # not part of this installation
+        reason = f"it needs the missing package {exc.name!r} (pip install 'hfspec[bench]')"
+        _add_unavailable(sub, name, reason)
+        return
+    except Exception as exc:  # a broken optional command must not take the others down
+        _add_unavailable(sub, name, f"{type(exc).__name__}: {exc}")
+        return
+    module.add_parser(sub)
+    sub.choices[name].set_defaults(func=module.run)
+
+
+def _add_unavailable(sub, name: str, reason: str) -> None:
+    p = sub.add_parser(name, help=f"(unavailable: {reason})", add_help=False)
+    p.set_defaults(accepts_extra=True)  # whatever flags follow, the answer is the same
+
+    def unavailable(args: argparse.Namespace) -> int:
+        raise HfspecError(f"'hfspec {name}' is unavailable: {reason}")
+
+    p.set_defaults(func=unavailable)
+
+
+# -- generate -------------------------------------------------------------------------------------
+
+class _Streamer(TextStreamer):
+    """A TextStreamer that writes to the current stdout and remembers whether a line is open."""
+
+    def __init__(self, tokenizer: Any):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.line_open = False
+        self.ended = False
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        sys.stdout.write(text + ("\n" if stream_end else ""))
+        sys.stdout.flush()
+        if text:
+            self.line_open = True
+        if stream_end:
+            self.line_open, self.ended = False, True
+
+    def close_line(self) -> None:
+        """After an interruption: flush what is decoded and end the line."""
+        if not self.ended:
+            self.end()
+        elif self.line_open:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+def _check_combination(args: argparse.Namespace) -> None:
+    if args.config is not None and (args.target is not None or args.draft is not None):
+        raise HfspecError("use --config or --target/--draft, not both")
+    if (args.target is None) != (args.draft is None):
+        missing = "--draft" if args.draft is None else "--target"
+        raise HfspecError(f"{missing} is missing: give --target and --draft together "
+                          "(or --config NAME, or neither for the default pair)")
+    if args.stream and args.json:
+        raise HfspecError("--stream and --json both write to stdout; pick one")
+    if args.draft_cost is not None and args.adaptive != "cost":
+        raise HfspecError("--draft-cost only applies with --adaptive cost")
+
+
+def _read_prompt(text: str) -> str:
+    if text != "-":
+        return text
+    prompt = sys.stdin.read()
+    return prompt[:-1] if prompt.endswith("\n") else prompt
+
+
+def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    if args.dtype is not None:
+        kwargs["dtype"] = args.dtype
+    if args.device == "auto":
+        kwargs["device_map"] = "auto"
+    elif args.device is not None:
+        kwargs["device"] = args.device
+    return kwargs
+
+
+def _policy(args: argparse.Namespace, preset: Preset, gen) -> int | GammaPolicy | None:
+    if args.adaptive is None:
+        return args.gamma
+    start = args.gamma if args.gamma is not None else preset.gamma
+    if args.adaptive == "heuristic":
+        return HeuristicGamma(value=start)
+    cost = args.draft_cost
+    if cost is None:
+        # Decoding is memory-bound, so parameter counts are a fair first guess at the step cost ratio.
+        cost = gen.draft.num_parameters() / gen.target.num_parameters()
+    return CostModelGamma(cost=cost, maximum=max(8, start))
+
+
+def _stats_line(stats) -> str:
+    return (f"hfspec: acceptance rate {stats.acceptance_rate:.1%} | mean accepted length "
+            f"{stats.mean_accepted_length:.2f} tokens/pass | {stats.tokens_per_second:.1f} tokens/s | "
+            f"{stats.committed} tokens in {stats.time_total:.2f} s")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    _check_combination(args)
+    prompt = _read_prompt(args.prompt)
+    preset = api.resolve_preset(args.target, args.draft, args.config)
+    if args.do_sample is None and not preset.do_sample and (args.temperature or args.top_k or args.top_p):
+        log.warning("--temperature/--top-k/--top-p only apply when sampling; decoding greedily (add --do-sample)")
+    gen = api.load(preset, **_load_kwargs(args))
+    streamer = _Streamer(gen.tokenizer) if args.stream else None
+    try:
+        result = api.complete(
+            gen, [prompt], preset=preset, max_new_tokens=args.max_new_tokens, gamma=_policy(args, preset, gen),
+            do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            repetition_penalty=args.repetition_penalty, seed=args.seed, chat=args.chat, system=args.system,
+            streamer=streamer,
+        )
+    except KeyboardInterrupt:
+        if streamer is not None:
+            streamer.close_line()
+        sys.stderr.write("hfspec: interrupted\n")
+        return EXIT_INTERRUPTED
+    if args.json:
+        settings = {**result.settings, "device": args.device, "dtype": args.dtype or preset.dtype,
+                    "adaptive": args.adaptive}
+        print(json.dumps({"text": result.texts[0], "tokens": list(result.tokens[0]),
+                          "stats": result.stats.to_dict(), "settings": settings}))
+    elif not args.stream:
+        print(result.texts[0])
+    if args.stats:
+        sys.stderr.write(_stats_line(result.stats) + "\n")
+    return 0
+
+
+# -- entry point ----------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and not getattr(args, "accepts_extra", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version, or a bad flag (already reported)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="hfspec: %(levelname)s: %(message)s", stream=sys.stderr)
+    if not args.verbose:
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        sys.stderr.write("hfspec: interrupted\n")
+        return EXIT_INTERRUPTED
+    except USER_ERRORS as exc:
+        if args.verbose:
+            raise
+        _error(str(exc) or type(exc).__name__)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

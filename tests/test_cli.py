@@ -1,0 +1,239 @@
+"""The hfspec command line, in process through main() and once as a real subprocess."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hfspec.generator
+from hfspec import api, cli
+
+PROMPT = "w10 w11 w12"
+GENERATE_FLAGS = [
+    "--target", "--draft", "--config", "--device", "--dtype", "--gamma", "--adaptive", "--draft-cost",
+    "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed",
+    "--chat", "--no-chat", "--system", "--stream", "--stats", "--json",
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    api.clear_cache()
+    yield
+    api.clear_cache()
+
+
+@pytest.fixture
+def pair(model_dir):
+    return ["--target", str(model_dir("llama", seed=0)), "--draft", str(model_dir("llama", seed=1))]
+
+
+@pytest.fixture
+def preset(model_dir, tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"name": "tiny", "target": str(model_dir("llama", seed=0)),
+                                "draft": str(model_dir("llama", seed=1)), "gamma": 3, "chat": True}))
+    return str(path)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop what building the fixtures printed
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hfspec: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# -- help -----------------------------------------------------------------------------------------
+
+def test_help_lists_the_commands(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "generate" in out and "COMMAND --help" in out
+
+
+def test_generate_help_explains_every_flag(capsys):
+    code, out, _ = run(capsys, "generate", "--help")
+    assert code == 0
+    for flag in GENERATE_FLAGS:
+        assert flag in out, flag
+    assert "'-' to read it from stdin" in out and "smollm2-offline" in out
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    code, _, err = run(capsys)
+    assert code == 2 and "usage: hfspec" in err
+
+
+# -- generate -------------------------------------------------------------------------------------
+
+def test_generate_prints_the_same_text_as_the_api(capsys, pair, model_dir):
+    code, out, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "10", "--stats")
+    expected = api.generate(PROMPT, target=str(model_dir("llama", seed=0)), draft=str(model_dir("llama", seed=1)),
+                            max_new_tokens=10)
+    assert code == 0 and out == expected + "\n"
+    assert "acceptance rate" in err and "mean accepted length" in err and "tokens/s" in err
+
+
+def test_prompt_from_stdin(capsys, pair, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT + "\n"))
+    code, from_stdin, _ = run(capsys, "generate", "-", *pair, "--max-new-tokens", "6")
+    assert code == 0 and from_stdin == run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "6")[1]
+
+
+def test_json_output(capsys, pair):
+    code, out, _ = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "7", "--json", "--gamma", "2")
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) == {"text", "tokens", "stats", "settings"}
+    assert len(data["tokens"]) == 7 and data["stats"]["committed"] == 7
+    assert data["text"] == " ".join(f"w{t}" for t in data["tokens"])
+    assert "acceptance_rate" in data["stats"] and "tokens_per_second" in data["stats"]
+    assert data["settings"]["gamma"] == 2 and data["settings"]["do_sample"] is False
+
+
+def test_stream_prints_the_same_text(capsys, pair):
+    plain = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "9")[1]
+    code, streamed, _ = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "9", "--stream")
+    assert code == 0 and streamed == plain
+
+
+def test_config_preset_with_chat(capsys, preset, pair):
+    code, out, _ = run(capsys, "generate", PROMPT, "--config", preset, "--max-new-tokens", "8", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["settings"]["chat"] is True and data["settings"]["gamma"] == 3
+    assert data["text"] + "\n" == run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "8", "--chat")[1]
+    no_chat = run(capsys, "generate", PROMPT, "--config", preset, "--max-new-tokens", "8", "--no-chat")[1]
+    assert no_chat != data["text"] + "\n"
+
+
+def test_adaptive_gamma_keeps_greedy_output(capsys, pair):
+    fixed = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "12")[1]
+    for policy in ("heuristic", "cost"):
+        code, out, _ = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "12", "--adaptive", policy)
+        assert code == 0 and out == fixed, policy
+
+
+def test_seed_reproducible_between_runs_and_equal_to_python(capsys, pair, model_dir):
+    args = ["generate", "w10 w11", *pair, "--max-new-tokens", "12", "--do-sample", "--temperature", "1.0",
+            "--gamma", "3"]
+    first = run(capsys, *args, "--seed", "5")[1]
+    assert first == run(capsys, *args, "--seed", "5")[1]
+    assert first != run(capsys, *args, "--seed", "6")[1]
+    gen = hfspec.SpeculativeGenerator.from_pretrained(str(model_dir("llama", seed=0)), str(model_dir("llama", seed=1)))
+    out = gen.generate([10, 11], max_new_tokens=12, do_sample=True, temperature=1.0, gamma=3, seed=5)
+    assert first == gen.tokenizer.decode(out.sequences[0, out.prompt_length:], skip_special_tokens=True) + "\n"
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, says", [
+    (["--gamma", "0"], "--gamma: must be >= 1"),
+    (["--gamma", "two"], "--gamma: expected an integer"),
+    (["--temperature", "-0.5"], "--temperature: must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature: must be a finite number >= 0"),
+    (["--top-p", "0"], "--top-p: must be in (0, 1]"),
+    (["--top-p", "1.01"], "--top-p: must be in (0, 1]"),
+    (["--top-k", "-1"], "--top-k: must be >= 0"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens: must be >= 0"),
+    (["--repetition-penalty", "0"], "--repetition-penalty: must be a number > 0"),
+    (["--seed", "-1"], "--seed: must be >= 0"),
+    (["--dtype", "fp8"], "--dtype: invalid choice"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_invalid_flag_values_give_one_line_and_exit_2(capsys, pair, flags, says):
+    code, out, err = run(capsys, "generate", PROMPT, *pair, *flags)
+    assert code == 2 and out == ""
+    assert says in one_error_line(err)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--target", "/no/such/model", "--draft", "/no/such/draft"], "target path '/no/such/model' does not exist"),
+    (["--target", "x"], "--draft is missing"),
+    (["--config", "no-such-preset"], "no preset named 'no-such-preset'"),
+    (["--config", "gpt2-xl", "--target", "x", "--draft", "y"], "use --config or --target/--draft, not both"),
+    (["--stream", "--json"], "pick one"),
+    (["--draft-cost", "0.1"], "--draft-cost only applies with --adaptive cost"),
+])
+def test_usage_errors_give_one_line_and_exit_2(capsys, argv, says):
+    code, _, err = run(capsys, "generate", PROMPT, *argv)
+    assert code == 2 and says in one_error_line(err)
+
+
+def test_errors_from_the_generator_give_one_line(capsys, pair):
+    code, _, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "5000")
+    assert code == 2 and "context window" in one_error_line(err)
+
+
+def test_bad_preset_file_gives_one_line(capsys, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"name": "bad",\n "target": "t", "draft": "d", "gama": 2}')
+    code, _, err = run(capsys, "generate", PROMPT, "--config", str(path))
+    assert code == 2 and "unknown key(s) gama" in one_error_line(err)
+
+
+def test_ctrl_c_while_streaming_prints_the_partial_text(capsys, pair, monkeypatch):
+    full = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "30", "--gamma", "2")[1]
+    real, calls = hfspec.generator.forward, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 12:  # prefill is 2 calls, each step 3: a few steps have committed tokens
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hfspec.generator, "forward", interrupted)
+    code, out, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "30", "--gamma", "2", "--stream")
+    assert code == 130 and "interrupted" in err
+    assert out.endswith("\n") and out.count("\n") == 1
+    partial = out.strip()
+    assert 3 <= len(partial.split()) < 30 and full.startswith(partial)
+
+
+# -- optional commands ----------------------------------------------------------------------------
+
+def test_optional_commands_are_guarded(capsys, monkeypatch):
+    real = cli.importlib.import_module
+
+    def fake(name, *args):
+        if name == "hfspec.distill":
+            raise ModuleNotFoundError("No module named 'hfspec.distill'", name="hfspec.distill")
+        if name == "hfspec.bench":
+            raise SyntaxError("invalid syntax")
+        return real(name, *args)
+
+    monkeypatch.setattr(cli.importlib, "import_module", fake)
+    assert run(capsys, "generate", "--help")[0] == 0
+    code, _, err = run(capsys, "distill", "--help")
+    assert code == 2 and "invalid choice: 'distill'" in one_error_line(err)
+    code, _, err = run(capsys, "bench", "--anything")
+    assert code == 2 and "'hfspec bench' is unavailable: SyntaxError" in one_error_line(err)
+
+
+# -- a real process -------------------------------------------------------------------------------
+
+def test_subprocess_stream_chat_and_json(pair, preset, tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "HFSPEC_CACHE": str(tmp_path / "cache")}
+
+    def hfspec_cmd(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hfspec.cli", "generate", PROMPT, *argv], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    streamed = hfspec_cmd(*pair, "--max-new-tokens", "8", "--chat", "--stream")
+    assert streamed.returncode == 0, streamed.stderr
+    as_json = hfspec_cmd("--config", preset, "--max-new-tokens", "8", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"
+    bad = hfspec_cmd(*pair, "--top-p", "2")
+    assert bad.returncode == 2 and bad.stdout == "" and one_error_line(bad.stderr)
