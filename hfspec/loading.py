@@ -124,8 +124,8 @@ def load_pair(
         raise HfspecError("pass device or device_map, not both (device_map='auto' places the target itself)")
     target_dev = _check_device(device, "target")
     draft_dev = _check_device(draft_device, "draft") or target_dev
+    draft_path = resolve_model(draft, "draft")  # first: it is cheap, the offline target may need a download
     target_path = resolve_model(target, "target")
-    draft_path = resolve_model(draft, "draft")
 
     common = {"trust_remote_code": trust_remote_code}
     target_kwargs: dict[str, Any] = {"dtype": parse_dtype(dtype), **common}
