@@ -101,13 +101,14 @@ def _add_generate(sub) -> None:
                       "or 'shipped'")
     pair.add_argument("--config", metavar="NAME|PATH",
                       help=f"a pair preset: a shipped name ({', '.join(preset_names())}) or a JSON file")
-    pair.add_argument("--device", help="where to run: cpu, cuda, cuda:1, mps, or 'auto' to spread the target "
+    pair.add_argument("--device", metavar="DEVICE", help="where to run: cpu, cuda, cuda:1, mps, or 'auto' to spread the target "
                       "over the available devices (default: cpu)")
-    pair.add_argument("--dtype", type=str.lower, choices=list(DTYPES),
-                      help="weight dtype of both models (default: the preset's, else auto = as saved)")
+    pair.add_argument("--dtype", type=str.lower, choices=list(DTYPES), metavar="DTYPE",
+                      help="weight dtype of both models: auto (as saved), float32, float16 or bfloat16 "
+                      "(default: the preset's, else auto)")
 
     spec = p.add_argument_group("speculation")
-    spec.add_argument("--gamma", type=gamma_value, help="γ: draft tokens per verification step, >= 1 "
+    spec.add_argument("--gamma", type=gamma_value, metavar="N", help="γ: draft tokens per verification step, >= 1 "
                       "(default: the preset's, else 4; the starting value with --adaptive heuristic)")
     spec.add_argument("--adaptive", choices=["heuristic", "cost"],
                       help="choose γ as decoding goes: 'heuristic' grows γ after fully accepted steps and "
@@ -117,25 +118,25 @@ def _add_generate(sub) -> None:
                       help="with --adaptive cost: time of one draft step / one target step (default: estimated "
                       "from the parameter counts)")
 
-    sampling = p.add_argument_group("sampling (greedy unless --do-sample)")
-    sampling.add_argument("--max-new-tokens", type=count_value, default=api.DEFAULT_MAX_NEW_TOKENS,
+    sampling = p.add_argument_group("sampling (greedy unless --do-sample, or a preset that samples)")
+    sampling.add_argument("--max-new-tokens", type=count_value, default=api.DEFAULT_MAX_NEW_TOKENS, metavar="N",
                           help=f"most new tokens to generate, >= 0 (default {api.DEFAULT_MAX_NEW_TOKENS})")
     sampling.add_argument("--do-sample", action="store_true", default=None,
                           help="sample instead of greedy decoding (still exactly the target's distribution)")
-    sampling.add_argument("--temperature", type=temperature_value,
+    sampling.add_argument("--temperature", type=temperature_value, metavar="T",
                           help="sampling temperature, >= 0; 0 means greedy")
-    sampling.add_argument("--top-k", type=count_value, help="keep the k most likely tokens, >= 0 (0 disables)")
-    sampling.add_argument("--top-p", type=top_p_value, help="nucleus sampling mass, in (0, 1]")
-    sampling.add_argument("--repetition-penalty", type=penalty_value, help="penalty for repeated tokens, > 0 "
+    sampling.add_argument("--top-k", type=count_value, metavar="K", help="keep the k most likely tokens, >= 0 (0 disables)")
+    sampling.add_argument("--top-p", type=top_p_value, metavar="P", help="nucleus sampling mass, in (0, 1]")
+    sampling.add_argument("--repetition-penalty", type=penalty_value, metavar="R", help="penalty for repeated tokens, > 0 "
                           "(1 disables it)")
-    sampling.add_argument("--seed", type=count_value, help="random seed, >= 0: the same seed and settings give "
+    sampling.add_argument("--seed", type=count_value, metavar="S", help="random seed, >= 0: the same seed and settings give "
                           "the same text")
 
     prompt = p.add_argument_group("prompt format")
     prompt.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                         help="wrap PROMPT as a user turn in the tokenizer's chat template "
                         "(default: the preset's; on for the default pair)")
-    prompt.add_argument("--system", help="system message for the chat template (needs chat on)")
+    prompt.add_argument("--system", metavar="TEXT", help="system message for the chat template (needs chat on)")
 
     out = p.add_argument_group("output")
     out.add_argument("--stream", action="store_true", help="print the text as tokens are committed")
@@ -290,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         if extra and not getattr(args, "accepts_extra", False):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            where = f"hfspec {args.command}" if args.command else "hfspec"
+            _error(f"unrecognized arguments: {' '.join(extra)} (see '{where} --help')")
+            return EXIT_USAGE
     except SystemExit as exc:  # --help, --version, or a bad flag (already reported)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command is None:

@@ -149,7 +149,7 @@ def test_seed_reproducible_between_runs_and_equal_to_python(capsys, pair, model_
     (["--repetition-penalty", "0"], "--repetition-penalty: must be a number > 0"),
     (["--seed", "-1"], "--seed: must be >= 0"),
     (["--dtype", "fp8"], "--dtype: invalid choice"),
-    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--bogus"], "unrecognized arguments: --bogus (see 'hfspec generate --help')"),
 ])
 def test_invalid_flag_values_give_one_line_and_exit_2(capsys, pair, flags, says):
     code, out, err = run(capsys, "generate", PROMPT, *pair, *flags)
@@ -218,6 +218,13 @@ def test_optional_commands_are_guarded(capsys, monkeypatch):
     assert code == 2 and "invalid choice: 'distill'" in one_error_line(err)
     code, _, err = run(capsys, "bench", "--anything")
     assert code == 2 and "'hfspec bench' is unavailable: SyntaxError" in one_error_line(err)
+
+
+@pytest.mark.parametrize("name", cli.OPTIONAL_COMMANDS)
+def test_optional_commands_are_registered_when_present(capsys, name):
+    pytest.importorskip(f"hfspec.{name}")
+    code, out, _ = run(capsys, name, "--help")
+    assert code == 0 and f"usage: hfspec {name}" in out
 
 
 # -- a real process -------------------------------------------------------------------------------
