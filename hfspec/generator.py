@@ -141,6 +141,7 @@ class _Run:
         self.sample = conf.do_sample
         self.eos = cfg.eos_ids(conf)
         self.vocab = gen.vocab_size
+        self.needs_context = sampling.needs_context(processors)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -200,6 +201,14 @@ class _Run:
         self.t_target += t2 - t1
         self.accept(gamma, num_accepted, next_token, remaining)
 
+    def process(self, logits: torch.Tensor, extra: int) -> torch.Tensor:
+        """Processed scores (B, V) for the position after each row's first ``lengths + extra`` tokens."""
+        if not self.processors:
+            return logits
+        if not self.needs_context:
+            return sampling.process(self.processors, logits, self.tokens[:, :1])
+        return sampling.process(self.processors, logits, self.prefixes(extra))
+
     def prefixes(self, extra: int) -> torch.Tensor | list[torch.Tensor]:
         """Each row's tokens up to ``lengths + extra`` (the context a processor sees)."""
         ends = self.lengths + extra
@@ -230,8 +239,7 @@ class _Run:
             logits = forward(self.gen.draft, feed, self.kv_draft.extend_mask(valid), positions,
                              self.kv_draft.cache, logits_to_keep=1)[:, -1, : self.vocab]
             self.draft_passes += 1
-            scores = self.checked(sampling.process(self.processors, logits.to(self.tokens.device),
-                                                   self.prefixes(i)), "draft")
+            scores = self.checked(self.process(logits.to(self.tokens.device), i), "draft")
             if self.sample:
                 q = sampling.probs_from_logits(scores)
                 token = sampling.sample(q, self.generator)
@@ -253,8 +261,7 @@ class _Run:
         logits = forward(self.gen.target, feed, self.kv_target.extend_mask(torch.ones_like(feed)), positions,
                          self.kv_target.cache)[..., : self.vocab].to(self.tokens.device)
         self.target_passes += 1
-        scores = torch.stack([sampling.process(self.processors, logits[:, i], self.prefixes(i))
-                              for i in range(gamma + 1)], dim=1)  # (B, γ+1, V)
+        scores = torch.stack([self.process(logits[:, i], i) for i in range(gamma + 1)], dim=1)  # (B, γ+1, V)
         scores = self.checked(scores, "target")
         if not self.sample:
             return sampling.verify_greedy(drafts, scores.argmax(dim=-1))

@@ -80,11 +80,13 @@ def process(
         return logits
     if torch.is_tensor(prefixes):
         return processors(prefixes, logits)
-    if all(isinstance(proc, _CONTEXT_FREE) for proc in processors):
-        # Warpers ignore the prefix, so ragged rows can share one call.
-        return processors(prefixes[0][None], logits)
     rows = [processors(ids[None], logits[i : i + 1]) for i, ids in enumerate(prefixes)]
     return torch.cat(rows, dim=0)
+
+
+def needs_context(processors: LogitsProcessorList) -> bool:
+    """False when every processor ignores the token prefix (pure warpers), so any prefix will do."""
+    return not all(isinstance(proc, _CONTEXT_FREE) for proc in processors)
 
 
 def probs_from_logits(logits: torch.Tensor) -> torch.Tensor:

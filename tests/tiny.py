@@ -52,7 +52,7 @@ def make_config(arch: str, vocab_size: int, *, hidden: int = 32, layers: int = 2
 
 
 def build(directory: Path, arch: str = "llama", *, vocab_size: int = 64, seed: int = 0, tokenizer_size: int | None = None,
-          sharpness: float = 1.0, **config_kwargs) -> Path:
+          sharpness: float = 1.0, perturb: float = 0.0, perturb_seed: int = 1, **config_kwargs) -> Path:
     """Build, save and return the path of a tiny model (and its tokenizer).
 
     ``sharpness`` scales the output layer so the next-token distributions are more
@@ -63,6 +63,11 @@ def build(directory: Path, arch: str = "llama", *, vocab_size: int = 64, seed: i
     if sharpness != 1.0:
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(sharpness)
+    if perturb:
+        g = torch.Generator().manual_seed(perturb_seed)
+        with torch.no_grad():
+            for w in model.parameters():
+                w.add_(torch.randn(w.shape, generator=g) * w.std().nan_to_num(0.0) * perturb)
     model.generation_config.pad_token_id = PAD
     model.save_pretrained(directory)
     save_tokenizer(make_tokenizer(tokenizer_size or vocab_size), directory)
