@@ -154,7 +154,7 @@ def _add_optional(sub, name: str) -> None:
     except ModuleNotFoundError as exc:
         if exc.name == f"hfspec.{name}":
             return  # not part of this installation
-        reason = f"it needs the missing package {exc.name!r} (pip install 'hfspec[bench]')"
+        reason = f"it needs the missing package {exc.name!r}; install it with pip"
         _add_unavailable(sub, name, reason)
         return
     except Exception as exc:  # a broken optional command must not take the others down

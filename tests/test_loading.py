@@ -101,6 +101,12 @@ def test_bad_device_is_refused_before_loading(model_dir):
         load_pair(model_dir("llama"), model_dir("llama"), device="cpu", device_map="auto")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error(model_dir):
+    with pytest.raises(HfspecError, match="torch sees no CUDA GPU; use --device cpu"):
+        load_pair(model_dir("llama"), model_dir("llama"), device="cuda")
+
+
 def test_special_names_resolve_through_assets(monkeypatch, tmp_path, model_dir):
     monkeypatch.setattr(assets, "offline_target_path", lambda **kw: model_dir("llama", seed=0))
     monkeypatch.setattr(assets, "shipped_draft_path", lambda: tmp_path / "no-draft")
