@@ -26,6 +26,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import random
 import statistics
 import time
@@ -65,7 +66,7 @@ class DistillReport:
     train_tokens: int  # target-generated positions used for training
     eval_tokens: int  # held-out positions used for α and agreement
     steps: int
-    gen_seconds: float  # wall time spent generating data (all runs summed)
+    gen_seconds: float  # time spent generating data, summed over shards (and processes)
     train_seconds: float  # wall time spent training (all runs summed)
     final_loss: float  # mean training loss over the last 10% of steps
     alpha: float  # E[Σ_x min(p, q)] at temperature 1
@@ -98,6 +99,7 @@ class _Settings:
     steps: int
     lr: float
     hard_weight: float
+    negatives: int
     seed: int
     save_dtype: str
 
@@ -136,6 +138,31 @@ def _distill_loss(
     soft = -(p * logq.gather(-1, top_ids)).sum(-1)  # (N,)
     hard = -logq.gather(-1, token[:, None]).squeeze(-1)  # (N,)
     return (soft + hard_weight * hard).mean()
+
+
+def _candidate_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, top_ids: torch.Tensor, token: torch.Tensor, negatives: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits over a sampled subset of the vocabulary: the output layer dominates training cost.
+
+    The subset is every id in the target's top-k or sampled, plus ``negatives`` uniform
+    draws from the rest, whose logits get log((V − |U|)/|R|) added so that the softmax
+    normaliser stays an unbiased estimate of the full one (sampled softmax).
+    Returns (logits (N, C), top_ids and token re-indexed into the subset).
+    """
+    vocab = weight.shape[0]
+    must = torch.unique(torch.cat([top_ids.flatten(), token]))  # (U,), sorted
+    if negatives <= 0 or negatives >= vocab - must.numel():
+        return hidden @ weight.T, top_ids, token
+    draws = torch.randint(vocab, (negatives,), generator=generator)
+    rest = torch.unique(draws[~torch.isin(draws, must)])  # (R,)
+    cand = torch.cat([must, rest])
+    logits = hidden @ weight[cand].T  # (N, U + R)
+    correction = torch.zeros(cand.numel())
+    correction[must.numel():] = math.log((vocab - must.numel()) / max(1, rest.numel()))
+    # Every top-k id and token is in ``must``, which leads ``cand``, so its position is its index.
+    return logits + correction, torch.searchsorted(must, top_ids), torch.searchsorted(must, token)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -242,28 +269,59 @@ def _shard_tokens(shard: dict) -> int:
 def _stage_data(
     target, tokenizer, prompts: list[str], data_dir: Path, split: str, budget: int, s: _Settings, progress: bool
 ) -> tuple[int, float]:
-    """Generate shards ``{split}-NNNNN.pt`` until ``budget`` tokens exist; returns (tokens, seconds spent now)."""
+    """Generate shards ``{split}-NNNNN.pt`` until ``budget`` tokens exist; returns (tokens, generation seconds).
+
+    Each shard is claimed with a lock file first, so several processes staging into
+    the same directory share the work; a lock whose process is gone is taken over.
+    """
     data_dir.mkdir(parents=True, exist_ok=True)
-    have, index = 0, 0
-    while (data_dir / f"{split}-{index:05d}.pt").is_file():
-        have += torch.load(data_dir / f"{split}-{index:05d}.pt")["tokens"]
-        index += 1
-    if have >= budget:
-        return have, 0.0
-    t0 = time.perf_counter()
+    have, index, spent = 0, 0, 0.0
     seed = s.seed + (0 if split == "train" else 1_000_003)
-    with tqdm(total=budget, initial=have, desc=f"generating {split} data", unit="tok", disable=not progress) as bar:
+    with tqdm(total=budget, desc=f"generating {split} data", unit="tok", disable=not progress) as bar:
         while have < budget:
-            chosen, temperature = _shard_plan(index, len(prompts), s.gen_batch, seed)
-            shard = _generate_shard(target, tokenizer, [prompts[i] for i in chosen], temperature, s, seed + index)
-            shard["tokens"] = _shard_tokens(shard)
-            tmp = data_dir / f".{split}-{index:05d}.pt.tmp"
-            torch.save(shard, tmp)
-            tmp.replace(data_dir / f"{split}-{index:05d}.pt")  # a shard is either whole or absent
-            have += shard["tokens"]
+            path = data_dir / f"{split}-{index:05d}.pt"
+            if path.is_file():
+                shard = torch.load(path)
+                n = shard["tokens"]
+                spent += shard.get("seconds", 0.0)
+            elif _claim(data_dir / f".{split}-{index:05d}.lock"):
+                t0 = time.perf_counter()
+                chosen, temperature = _shard_plan(index, len(prompts), s.gen_batch, seed)
+                shard = _generate_shard(target, tokenizer, [prompts[i] for i in chosen], temperature, s, seed + index)
+                n = shard["tokens"] = _shard_tokens(shard)
+                shard["seconds"] = time.perf_counter() - t0
+                spent += shard["seconds"]
+                tmp = data_dir / f".{split}-{index:05d}.pt.tmp"
+                torch.save(shard, tmp)
+                tmp.replace(path)  # a shard is either whole or absent
+                (data_dir / f".{split}-{index:05d}.lock").unlink(missing_ok=True)
+            else:
+                n = 0  # another process is generating this shard
+            have += n
             index += 1
-            bar.update(shard["tokens"])
-    return have, time.perf_counter() - t0
+            bar.update(n)
+    return have, spent
+
+
+def _claim(lock: Path) -> bool:
+    """Atomically create ``lock`` holding our pid; take it over if its process has died."""
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text() or 0)
+                os.kill(pid, 0)
+                return False  # alive: its owner is working on the shard
+            except (ProcessLookupError, ValueError, FileNotFoundError):
+                lock.unlink(missing_ok=True)  # stale
+                continue
+            except PermissionError:
+                return False
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
 
 
 def _load_samples(data_dir: Path, split: str) -> list[dict]:
@@ -353,11 +411,13 @@ def _train(draft, samples: list[dict], train_dir: Path, pad: int, s: _Settings, 
     ckpt = train_dir / "checkpoint.pt"
     opt = torch.optim.AdamW(draft.parameters(), lr=s.lr, betas=(0.9, 0.98), weight_decay=0.01)
     step, losses, seconds = 0, [], 0.0
+    sampler = torch.Generator().manual_seed(s.seed)
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
         draft.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, losses, seconds = state["step"], state["losses"], state["seconds"]
+        sampler.set_state(state["sampler"])
         log.info("resuming training at step %d of %d", step, s.steps)
     rng = random.Random(s.seed)
     order: list[int] = []
@@ -379,9 +439,11 @@ def _train(draft, samples: list[dict], train_dir: Path, pad: int, s: _Settings, 
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, s)
             hidden = draft.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-            # Project only the positions that predict generated tokens: the vocabulary dominates cost.
-            logits = draft.lm_head(hidden[batch["pos"]])  # (N, V)
-            loss = _distill_loss(logits, batch["top_ids"], batch["top_logp"], batch["token"], s.hard_weight)
+            # Project only the positions that predict generated tokens, onto a sampled vocabulary.
+            logits, top_ids, token = _candidate_logits(
+                hidden[batch["pos"]], draft.lm_head.weight, batch["top_ids"], batch["token"], s.negatives, sampler
+            )
+            loss = _distill_loss(logits, top_ids, batch["top_logp"], token, s.hard_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -396,7 +458,8 @@ def _train(draft, samples: list[dict], train_dir: Path, pad: int, s: _Settings, 
                 t_last = now
                 tmp = train_dir / "checkpoint.pt.tmp"
                 torch.save(
-                    {"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "losses": losses, "seconds": seconds},
+                    {"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "losses": losses,
+                     "seconds": seconds, "sampler": sampler.get_state()},
                     tmp,
                 )
                 tmp.replace(ckpt)
@@ -462,19 +525,24 @@ def distill(
     steps: int = 2_000,
     lr: float = 2e-3,
     hard_weight: float = 0.5,
+    negatives: int = 4096,
     seed: int = 0,
     save_dtype: str = "float16",
     resume: bool = True,
+    data_only: bool = False,
     progress: bool = True,
-) -> DistillReport:
+) -> DistillReport | None:
     """Distil a draft for ``target`` into ``out_dir`` and report its quality.
 
     ``target`` is a local model directory (or the word ``"offline"`` for
     SmolLM2-135M-Instruct from :func:`hfspec.assets.offline_target_path`).
     ``tokens`` and ``eval_tokens`` count target-generated positions; ``seq_len``
     is the longest continuation per prompt; ``steps`` batches of ``batch``
-    sequences are trained. With ``resume`` (the default) staged data and the
-    training checkpoint in ``out_dir`` are reused, so rerunning continues.
+    sequences are trained, each against the target's top-k plus ``negatives``
+    sampled vocabulary entries (0 trains against the full vocabulary).
+    With ``resume`` (the default) staged data and the training checkpoint in ``out_dir`` are reused, so rerunning continues.
+    With ``data_only`` it returns None once the data is staged; such a run
+    beside a full one on the same ``out_dir`` shares the generation work.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -497,10 +565,11 @@ def distill(
     if not (target_path / "config.json").is_file():
         raise ValueError(f"target must be a local model directory with a config.json (or 'offline'), got {target!s}")
     s = _Settings(hidden, layers, heads, kv_heads, intermediate, tokens, eval_tokens, seq_len, gen_batch, top_k,
-                  batch, steps, lr, hard_weight, seed, save_dtype)
+                  batch, steps, lr, hard_weight, negatives, seed, save_dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _check_settings(out / "train" / "settings.json", s, resume)
+    if not data_only:
+        _check_settings(out / "train" / "settings.json", s, resume)
 
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     target_model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
@@ -510,13 +579,10 @@ def distill(
 
     # 1. Stage target-generated text, resumably, for training and for held-out evaluation.
     train_prompts, eval_prompts = _split_prompts(_load_prompts(), seed)
-    timing_path = out / "data" / "timing.json"
-    timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {"gen_seconds": 0.0}
-    n_train, dt = _stage_data(target_model, tokenizer, train_prompts, out / "data", "train", tokens, s, progress)
-    timing["gen_seconds"] += dt
-    n_eval, dt = _stage_data(target_model, tokenizer, eval_prompts, out / "data", "eval", eval_tokens, s, progress)
-    timing["gen_seconds"] += dt
-    timing_path.write_text(json.dumps(timing))
+    n_train, gen_train = _stage_data(target_model, tokenizer, train_prompts, out / "data", "train", tokens, s, progress)
+    _, gen_eval = _stage_data(target_model, tokenizer, eval_prompts, out / "data", "eval", eval_tokens, s, progress)
+    if data_only:
+        return None
 
     # 2. Train the draft against the target's distributions.
     draft = _build_draft(target_model, s)
@@ -539,7 +605,7 @@ def distill(
     report = DistillReport(
         target=str(target_path), out_dir=str(out), draft_params=sum(p.numel() for p in draft.parameters()),
         hidden=hidden, layers=layers, train_tokens=n_train, eval_tokens=n_pos, steps=len(losses),
-        gen_seconds=round(timing["gen_seconds"], 1), train_seconds=round(train_seconds, 1),
+        gen_seconds=round(gen_train + gen_eval, 1), train_seconds=round(train_seconds, 1),
         final_loss=round(sum(tail) / len(tail), 4), alpha=round(alpha, 4), greedy_agreement=round(agreement, 4),
         target_step_ms=round(1000 * t_target, 3), draft_step_ms=round(1000 * t_draft, 3), cost_ratio=round(c, 4),
         speedup_sampled=round(sp_a, 3), gamma_sampled=g_a, speedup_greedy=round(sp_g, 3), gamma_greedy=g_g,
@@ -555,7 +621,7 @@ def _check_settings(path: Path, s: _Settings, resume: bool) -> None:
     current = asdict(s)
     if path.is_file() and resume:
         saved = json.loads(path.read_text())
-        fixed = ("hidden", "layers", "heads", "kv_heads", "intermediate", "batch", "steps", "lr", "hard_weight", "seed")
+        fixed = ("hidden", "layers", "heads", "kv_heads", "intermediate", "batch", "steps", "lr", "hard_weight", "negatives", "seed")
         changed = [k for k in fixed if saved.get(k) != current[k]]
         if changed and (path.parent / "checkpoint.pt").is_file():
             raise ValueError(
@@ -595,10 +661,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2_000, help="training steps (default 2000)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, cosine decay to 10%% (default 2e-3)")
     p.add_argument("--hard-weight", type=float, default=0.5, help="weight of the hard-label cross-entropy (default 0.5)")
+    p.add_argument("--negatives", type=int, default=4096,
+                   help="random vocabulary negatives per step for the sampled softmax; 0 = full vocabulary (default 4096)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--save-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
                    help="dtype of the saved draft weights (default float16)")
     p.add_argument("--no-resume", dest="resume", action="store_false", help="retrain from scratch (staged data is kept)")
+    p.add_argument("--data-only", action="store_true",
+                   help="only generate the data, then exit; run beside a full run on the same --out to share the work")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
     return p
@@ -610,10 +680,11 @@ def run(args: argparse.Namespace) -> int:
         args.target, args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
         intermediate=args.intermediate, tokens=args.tokens, eval_tokens=args.eval_tokens, seq_len=args.seq_len,
         gen_batch=args.gen_batch, top_k=args.top_k, batch=args.batch, steps=args.steps, lr=args.lr,
-        hard_weight=args.hard_weight, seed=args.seed, save_dtype=args.save_dtype, resume=args.resume,
-        progress=not args.quiet,
+        hard_weight=args.hard_weight, negatives=args.negatives, seed=args.seed, save_dtype=args.save_dtype, resume=args.resume,
+        data_only=args.data_only, progress=not args.quiet,
     )
-    print(json.dumps(report.to_dict(), indent=2))
+    if report is not None:
+        print(json.dumps(report.to_dict(), indent=2))
     return 0
 
 

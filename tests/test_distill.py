@@ -150,3 +150,45 @@ def test_cli_parser_registers_distill():
     args = parser.parse_args(["distill", "--target", "offline", "--out", "x", "--hidden", "64", "--no-resume"])
     assert args.func is distill_mod.run
     assert args.target == "offline" and args.hidden == 64 and args.resume is False
+
+
+def test_candidate_logits_keep_targets_and_estimate_the_normaliser():
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden = 5000, 8
+    weight = 0.3 * torch.randn(vocab, hidden, generator=gen)
+    h = torch.randn(6, hidden, generator=gen)
+    top_ids = torch.randint(vocab, (6, 4), generator=gen)
+    token = top_ids[:, 0]
+    logits, top_idx, token_idx = distill_mod._candidate_logits(h, weight, top_ids, token, 1000, gen)
+    assert logits.shape[0] == 6 and logits.shape[1] < vocab
+    full = h @ weight.T
+    # Re-indexed ids point at the same logits as in the full vocabulary.
+    assert torch.allclose(logits.gather(-1, top_idx), full.gather(-1, top_ids))
+    assert torch.allclose(logits.gather(-1, token_idx[:, None]), full.gather(-1, token[:, None]))
+    # The corrected normaliser is close to the full one.
+    assert torch.allclose(logits.logsumexp(-1), full.logsumexp(-1), atol=0.1)
+    # Zero negatives means the full vocabulary.
+    logits, top_idx, _ = distill_mod._candidate_logits(h, weight, top_ids, token, 0, gen)
+    assert logits.shape == (6, vocab) and torch.equal(top_idx, top_ids)
+
+
+def test_claim_skips_live_locks_and_takes_over_stale_ones(tmp_path):
+    import os
+
+    live = tmp_path / ".train-00000.lock"
+    live.write_text(str(os.getpid()))
+    assert not distill_mod._claim(live)
+    stale = tmp_path / ".train-00001.lock"
+    stale.write_text("999999999")
+    assert distill_mod._claim(stale)
+    assert stale.read_text() == str(os.getpid())
+    fresh = tmp_path / ".train-00002.lock"
+    assert distill_mod._claim(fresh) and not distill_mod._claim(fresh)
+
+
+def test_data_only_stages_shards_and_stops(tiny_target, tmp_path):
+    out = tmp_path / "draft"
+    assert distill(tiny_target, out, data_only=True, **SMALL) is None
+    assert list((out / "data").glob("train-*.pt")) and list((out / "data").glob("eval-*.pt"))
+    assert not (out / "train" / "checkpoint.pt").exists()
+    assert not list((out / "data").glob(".*.lock"))
