@@ -162,7 +162,8 @@ def _candidate_logits(
     correction = torch.zeros(cand.numel())
     correction[must.numel():] = math.log((vocab - must.numel()) / max(1, rest.numel()))
     # Every top-k id and token is in ``must``, which leads ``cand``, so its position is its index.
-    return logits + correction, torch.searchsorted(must, top_ids), torch.searchsorted(must, token)
+    top_idx = torch.searchsorted(must, top_ids.contiguous())
+    return logits + correction, top_idx, torch.searchsorted(must, token.contiguous())
 
 
 # --------------------------------------------------------------------------- prompts
@@ -485,23 +486,33 @@ def _acceptance(target, draft, samples: list[dict], pad: int, batch: int) -> tup
 
 
 @torch.inference_mode()
-def decode_step_seconds(model, *, context: int = 64, steps: int = 32, warmup: int = 8, seed: int = 0) -> float:
-    """Median wall time of one batch-1 decode step with a KV cache, after warm-up."""
+def decode_step_seconds(
+    *models, context: int = 64, steps: int = 32, warmup: int = 8, seed: int = 0
+) -> tuple[float, ...]:
+    """Median wall time of one batch-1 decode step with a KV cache, after warm-up, per model.
+
+    The models take their steps in turn, so that on a shared machine each sees the
+    same background load and the ratio of their times stays fair.
+    """
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(model.config.vocab_size, (1, context), generator=gen)
-    cache = DynamicCache(config=model.config)
-    # transformers renamed past_key_values to cache; the cache object is updated in place either way.
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    token = model(input_ids=ids, use_cache=True, **{key: cache}).logits[:, -1:].argmax(-1)
-    times = []
+    ids = torch.randint(min(m.config.vocab_size for m in models), (1, context), generator=gen)
+    state = []
+    for model in models:
+        cache = DynamicCache(config=model.config)
+        # transformers renamed past_key_values to cache; the cache object is updated in place either way.
+        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        token = model(input_ids=ids, use_cache=True, **{key: cache}).logits[:, -1:].argmax(-1)
+        state.append([model, key, cache, token])
+    times: list[list[float]] = [[] for _ in models]
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        token = model(input_ids=token, use_cache=True, **{key: cache}).logits[:, -1:].argmax(-1)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for j, (model, key, cache, token) in enumerate(state):
+            t0 = time.perf_counter()
+            state[j][3] = model(input_ids=token, use_cache=True, **{key: cache}).logits[:, -1:].argmax(-1)
+            if i >= warmup:
+                times[j].append(time.perf_counter() - t0)
+    return tuple(statistics.median(t) for t in times)
 
 
 # --------------------------------------------------------------------------- driver
@@ -596,8 +607,7 @@ def distill(
 
     # 4. Measure acceptance on held-out prompts and the cost ratio.
     alpha, agreement, n_pos = _acceptance(target_model, draft, _load_samples(out / "data", "eval"), pad, batch)
-    t_target = decode_step_seconds(target_model)
-    t_draft = decode_step_seconds(draft)
+    t_target, t_draft = decode_step_seconds(target_model, draft, steps=64)
     c = t_draft / t_target
     sp_a, g_a = predicted_speedup(alpha, c)
     sp_g, g_g = predicted_speedup(agreement, c)

@@ -192,3 +192,11 @@ def test_data_only_stages_shards_and_stops(tiny_target, tmp_path):
     assert list((out / "data").glob("train-*.pt")) and list((out / "data").glob("eval-*.pt"))
     assert not (out / "train" / "checkpoint.pt").exists()
     assert not list((out / "data").glob(".*.lock"))
+
+
+def test_decode_step_seconds_times_each_model(tiny_target):
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=160, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    times = distill_mod.decode_step_seconds(target, small, steps=4, warmup=1)
+    assert len(times) == 2 and all(t > 0 for t in times)
