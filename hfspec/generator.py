@@ -92,6 +92,7 @@ class SpeculativeGenerator:
         generator: torch.Generator | None = None,
         seed: int | None = None,
         streamer: Any = None,
+        on_context_limit: str = "error",
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` per row, distributed exactly as the target's own sampling.
 
@@ -101,7 +102,11 @@ class SpeculativeGenerator:
         ``target.generate(do_sample=False)``). ``gamma`` (γ) is the number of drafts per
         step, or a ``GammaPolicy``. Randomness comes only from ``generator`` (or a new
         one seeded with ``seed``; with neither, torch's global generator).
+        ``on_context_limit``: ``"error"`` refuses prompts that would run past the models'
+        context window; ``"stop"`` ends such rows there, with stop reason ``"context"``.
         """
+        if on_context_limit not in ("error", "stop"):
+            raise ValueError(f"on_context_limit must be 'error' or 'stop', got {on_context_limit!r}")
         conf = cfg.resolve(
             self.target.generation_config, generation_config,
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -110,14 +115,15 @@ class SpeculativeGenerator:
             suppress_tokens=suppress_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         )
         policy = as_policy(gamma)
-        ids, mask = prepare_inputs(input_ids, attention_mask, self.tokenizer, self.vocab_size,
-                                   self._context_window(), conf.max_new_tokens, conf.bos_token_id)
+        window = self._context_window()
+        ids, mask = prepare_inputs(input_ids, attention_mask, self.tokenizer, self.vocab_size, window,
+                                   conf.max_new_tokens if on_context_limit == "error" else 1, conf.bos_token_id)
         if streamer is not None and ids.shape[0] != 1:
             raise ValueError("a streamer needs a single prompt (batch size 1); drop streamer= for batches")
         device = self.target.get_output_embeddings().weight.device
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(seed))
-        run = _Run(self, conf, sampling.build_processors(conf, logits_processor), policy, generator, streamer)
+        run = _Run(self, conf, sampling.build_processors(conf, logits_processor), policy, generator, streamer, window)
         try:
             return run.execute(ids.to(device), mask.to(device))
         finally:
@@ -135,9 +141,9 @@ class _Run:
     """The state of one ``generate`` call. Rows are the active prompts; finished rows leave."""
 
     def __init__(self, gen: SpeculativeGenerator, conf: GenerationConfig, processors, policy: GammaPolicy,
-                 generator: torch.Generator | None, streamer: Any):
+                 generator: torch.Generator | None, streamer: Any, window: int | None):
         self.gen, self.conf, self.processors, self.policy = gen, conf, processors, policy
-        self.generator, self.streamer = generator, streamer
+        self.generator, self.streamer, self.window = generator, streamer, window
         self.sample = conf.do_sample
         self.eos = cfg.eos_ids(conf)
         self.vocab = gen.vocab_size
@@ -152,6 +158,10 @@ class _Run:
         max_new = self.conf.max_new_tokens
         self.prompt_lens = mask.sum(dim=1)
         self.lengths = self.prompt_lens.clone()
+        # Per-row budget of new tokens: max_new_tokens, or less where the context window ends first.
+        self.limit = torch.full_like(self.prompt_lens, max_new)
+        if self.window is not None:
+            self.limit = torch.minimum(self.limit, self.window - self.prompt_lens)
         # Row-major token buffer: row b's committed tokens are tokens[b, :lengths[b]], drafts follow.
         # Room for drafts past a row's end: γ never exceeds max_new_tokens - 1.
         self.tokens = torch.zeros(batch, int(self.prompt_lens.max()) + 2 * max_new + 2, dtype=torch.long,
@@ -172,8 +182,7 @@ class _Run:
         self.prefill(ids, mask)
         if self.streamer is not None:
             self.streamer.put(ids.cpu())
-        if max_new == 0:
-            self.finish(torch.ones(batch, dtype=torch.bool, device=device), "length")
+        self.finish(self.limit <= 0, torch.zeros_like(self.limit, dtype=torch.bool))
         while self.rows.numel():
             self.step()
         return self.output(ids, start)
@@ -190,7 +199,7 @@ class _Run:
     # -- one step ----------------------------------------------------------------------------
 
     def step(self) -> None:
-        remaining = self.conf.max_new_tokens - (self.lengths - self.prompt_lens)
+        remaining = self.limit - (self.lengths - self.prompt_lens)
         gamma = max(0, min(self.policy.gamma(), int(remaining.max()) - 1))
         t0 = time.perf_counter()
         drafts, q = self.propose(gamma)
@@ -320,26 +329,28 @@ class _Run:
             self.kv_draft.rollback(fed, self.draft_start)
             self.lag = (num_accepted == gamma).long()
 
-        done_length = (self.lengths - self.prompt_lens) >= self.conf.max_new_tokens
-        finished = has_eos | done_length
-        if bool(finished.any()):
-            self.finish(finished, None, has_eos)
+        self.finish(has_eos | (self.lengths - self.prompt_lens >= self.limit), has_eos)
         if self.gen.check_invariants and self.rows.numel():
             self.kv_target.check(self.lengths - 1, "target")
             self.kv_draft.check(self.lengths - 1 - self.lag, "draft")
 
-    def finish(self, finished: torch.Tensor, reason: str | None, has_eos: torch.Tensor | None = None) -> None:
+    def finish(self, finished: torch.Tensor, has_eos: torch.Tensor) -> None:
         """Store finished rows' outputs and drop them from the batch so they cost nothing more."""
+        if not bool(finished.any()):
+            return
         for b in finished.nonzero().flatten().tolist():
             row = int(self.rows[b])
-            why = reason or ("eos" if has_eos is not None and bool(has_eos[b]) else "length")
+            if bool(has_eos[b]):
+                why = "eos"
+            else:
+                why = "length" if int(self.limit[b]) == self.conf.max_new_tokens else "context"
             accepted, passes, drafted, _ = self.row_counts[row].tolist()
             new_tokens = self.tokens[b, self.prompt_lens[b] : self.lengths[b]].clone()
             self.results[row] = (new_tokens, RowStats(int(new_tokens.numel()), accepted, passes, drafted, why))
         keep = (~finished).nonzero().flatten()
         if keep.numel() == self.rows.numel():
             return
-        for name in ("rows", "lengths", "prompt_lens", "lag", "tokens"):
+        for name in ("rows", "lengths", "prompt_lens", "limit", "lag", "tokens"):
             setattr(self, name, getattr(self, name)[keep])
         self.kv_target.select_rows(keep)
         self.kv_draft.select_rows(keep)

@@ -117,6 +117,17 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(z > 0, r / z.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
+def check_distribution(probs: torch.Tensor, name: str, tol: float = 1e-3) -> None:
+    """Refuse rows that are not probability distributions: they would bias every acceptance."""
+    if probs.numel() == 0:
+        return
+    sums = probs.sum(dim=-1)
+    if not bool(((sums - 1).abs() <= tol).all() & (probs >= 0).all()):
+        worst = float((sums - 1).abs().nan_to_num(float("inf")).max())
+        raise ValueError(f"{name} is not a probability distribution (a row sums to 1 ± {worst:.3g} or has "
+                         "negative or NaN entries); pass softmax outputs of the processed logits")
+
+
 def verify(
     draft_tokens: torch.Tensor,
     q: torch.Tensor,
@@ -142,6 +153,8 @@ def verify(
             f"verify expects draft_tokens (B, γ), q (B, γ, V), p (B, γ+1, V); got "
             f"{tuple(draft_tokens.shape)}, {tuple(q.shape)}, {tuple(p.shape)}"
         )
+    check_distribution(q, "q (draft)")
+    check_distribution(p, "p (target)")
     idx = draft_tokens.unsqueeze(-1)
     q_x = q.gather(-1, idx).squeeze(-1)  # (B, γ)
     p_x = p[:, :gamma].gather(-1, idx).squeeze(-1)  # (B, γ)

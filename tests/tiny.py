@@ -39,15 +39,16 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return tok
 
 
-def make_config(arch: str, vocab_size: int, *, hidden: int = 32, layers: int = 2, eos: int | None = EOS):
-    common = dict(vocab_size=vocab_size, bos_token_id=BOS, eos_token_id=eos, pad_token_id=PAD)
+def make_config(arch: str, vocab_size: int, *, hidden: int = 32, layers: int = 2, eos: int | None = EOS,
+                window: int = 4096, **extra):
+    common = dict(vocab_size=vocab_size, bos_token_id=BOS, eos_token_id=eos, pad_token_id=PAD, **extra)
     if arch == "gpt2":
-        return AutoConfig.for_model("gpt2", n_embd=hidden, n_layer=layers, n_head=4, n_positions=4096, **common)
+        return AutoConfig.for_model("gpt2", n_embd=hidden, n_layer=layers, n_head=4, n_positions=window, **common)
     if arch == "gpt_neox":
         return AutoConfig.for_model("gpt_neox", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                                    intermediate_size=2 * hidden, max_position_embeddings=4096, **common)
+                                    intermediate_size=2 * hidden, max_position_embeddings=window, **common)
     return AutoConfig.for_model(arch, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=window,
                                 tie_word_embeddings=False, **common)
 
 
