@@ -212,8 +212,6 @@ class _Run:
 
     def process(self, logits: torch.Tensor, extra: int) -> torch.Tensor:
         """Processed scores (B, V) for the position after each row's first ``lengths + extra`` tokens."""
-        if not self.processors:
-            return logits
         if not self.needs_context:
             return sampling.process(self.processors, logits, self.tokens[:, :1])
         return sampling.process(self.processors, logits, self.prefixes(extra))
@@ -248,7 +246,7 @@ class _Run:
             logits = forward(self.gen.draft, feed, self.kv_draft.extend_mask(valid), positions,
                              self.kv_draft.cache, logits_to_keep=1)[:, -1, : self.vocab]
             self.draft_passes += 1
-            scores = self.checked(self.process(logits.to(self.tokens.device), i), "draft")
+            scores = self.checked(logits.to(self.tokens.device), "draft", i)
             if self.sample:
                 q = sampling.probs_from_logits(scores)
                 token = sampling.sample(q, self.generator)
@@ -270,8 +268,7 @@ class _Run:
         logits = forward(self.gen.target, feed, self.kv_target.extend_mask(torch.ones_like(feed)), positions,
                          self.kv_target.cache)[..., : self.vocab].to(self.tokens.device)
         self.target_passes += 1
-        scores = torch.stack([self.process(logits[:, i], i) for i in range(gamma + 1)], dim=1)  # (B, γ+1, V)
-        scores = self.checked(scores, "target")
+        scores = self.checked(logits, "target", 0)  # (B, γ+1, V)
         if not self.sample:
             return sampling.verify_greedy(drafts, scores.argmax(dim=-1))
         p = sampling.probs_from_logits(scores)
@@ -279,15 +276,24 @@ class _Run:
             q = p.new_zeros(p.shape[0], 0, p.shape[-1])
         return sampling.verify(drafts, q, p, self.generator)
 
-    def checked(self, scores: torch.Tensor, role: str) -> torch.Tensor:
-        """Refuse NaN (or +inf) logits: they would silently turn into arbitrary tokens."""
-        if bool(torch.isnan(scores).any() | torch.isposinf(scores).any()):
+    def checked(self, logits: torch.Tensor, role: str, extra: int) -> torch.Tensor:
+        """Process raw ``logits`` (..., V), refusing values that would silently become arbitrary tokens.
+
+        One reduction finds any NaN or inf in the raw logits (their sum is then not finite).
+        """
+        if not bool(torch.isfinite(logits.sum())):
             step = self.target_passes + (0 if role == "target" else 1)
             raise NumericalFault(
                 f"the {role} model produced NaN or infinite logits at step {step}; "
                 "check its weights and dtype (fp16 overflows are common: try dtype=bfloat16 or float32)"
             )
-        if bool(torch.isneginf(scores).all(dim=-1).any()):
+        if not self.processors:
+            return logits
+        if logits.dim() == 3:  # (B, γ+1, V): position i continues each row's first lengths + i tokens
+            scores = torch.stack([self.process(logits[:, i], extra + i) for i in range(logits.shape[1])], dim=1)
+        else:
+            scores = self.process(logits, extra)
+        if bool((scores.amax(dim=-1) == float("-inf")).any()):
             raise NumericalFault(f"the {role} logits leave no token possible after processing "
                                  "(every token was filtered out); relax bad_words_ids/suppress_tokens")
         return scores
