@@ -193,8 +193,14 @@ class _Run:
             return
         prefix, prefix_mask = ids[:, :-1], mask[:, :-1]
         positions = (prefix_mask.cumsum(dim=1) - 1).clamp(min=0)
-        for model, kv in ((self.gen.target, self.kv_target), (self.gen.draft, self.kv_draft)):
-            forward(model, prefix, kv.extend_mask(prefix_mask), positions, kv.cache, logits_to_keep=1)
+        t0 = time.perf_counter()
+        forward(self.gen.target, prefix, self.kv_target.extend_mask(prefix_mask), positions, self.kv_target.cache,
+                logits_to_keep=1)
+        t1 = time.perf_counter()
+        forward(self.gen.draft, prefix, self.kv_draft.extend_mask(prefix_mask), positions, self.kv_draft.cache,
+                logits_to_keep=1)
+        self.t_target += t1 - t0
+        self.t_draft += time.perf_counter() - t1
 
     # -- one step ----------------------------------------------------------------------------
 

@@ -34,8 +34,8 @@ class Stats:
     committed: int
     accepted_by_position: tuple[int, ...]  # accepts at draft position i (verification counts)
     drafted_by_position: tuple[int, ...]
-    time_draft: float  # seconds in draft forwards and draft sampling
-    time_target: float  # seconds in target forwards and verification
+    time_draft: float  # seconds in draft forwards (prefill included) and draft sampling
+    time_target: float  # seconds in target forwards (prefill included) and verification
     time_total: float
     rows: tuple[RowStats, ...] = field(default_factory=tuple)
 
