@@ -11,8 +11,10 @@ import json
 import logging
 import math
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
+from tqdm.auto import tqdm
 from transformers import TextStreamer
 from transformers.utils import logging as hf_logging
 
@@ -20,6 +22,7 @@ from hfspec import __version__, api
 from hfspec.errors import HfspecError, NumericalFault
 from hfspec.loading import DTYPES, Preset, preset_names
 from hfspec.policy import CostModelGamma, GammaPolicy, HeuristicGamma
+from hfspec.stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,7 @@ EXIT_INTERRUPTED = 130
 # Errors a user can fix; anything else is a bug and keeps its traceback.
 USER_ERRORS = (HfspecError, NumericalFault, ValueError, TypeError, OSError, RuntimeError)
 OPTIONAL_COMMANDS = ("distill", "bench")
+DEFAULT_BATCH_SIZE = 8
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,6 +63,7 @@ def _number(kind: type, check, rule: str):
 
 
 gamma_value = _number(int, lambda v: v >= 1, ">= 1")
+batch_value = _number(int, lambda v: v >= 1, ">= 1")
 count_value = _number(int, lambda v: v >= 0, ">= 0")
 temperature_value = _number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)")
 top_p_value = _number(float, lambda v: 0 < v <= 1, "in (0, 1]")
@@ -89,12 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_generate(sub) -> None:
     p = sub.add_parser(
         "generate", help="generate text with speculative decoding",
-        description="Continue PROMPT with a target model, a draft model proposing γ tokens per step. "
+        description="Continue PROMPT (or each prompt of --prompts-file) with a target model, a draft model "
+        "proposing γ tokens per step. "
         f"With no --target/--draft/--config the offline default pair ({api.DEFAULT_PRESET}: "
         "SmolLM2-135M-Instruct and the draft shipped with hfspec) is used; its target is built "
         "once from PyPI without a model hub.",
     )
-    p.add_argument("prompt", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
+    p.add_argument("prompt", metavar="PROMPT", nargs="?",
+                   help="the prompt text, or '-' to read it from stdin (or --prompts-file for many prompts)")
     pair = p.add_argument_group("models (--target and --draft together, or --config)")
     pair.add_argument("--target", help="target model: hub name, local directory, or 'offline'")
     pair.add_argument("--draft", help="draft model sharing the target's tokenizer: hub name, local directory, "
@@ -130,7 +137,7 @@ def _add_generate(sub) -> None:
     sampling.add_argument("--repetition-penalty", type=penalty_value, metavar="R", help="penalty for repeated tokens, > 0 "
                           "(1 disables it)")
     sampling.add_argument("--seed", type=count_value, metavar="S", help="random seed, >= 0: the same seed and settings give "
-                          "the same text")
+                          "the same text (with --prompts-file, batch k is seeded with S + k)")
 
     prompt = p.add_argument_group("prompt format")
     prompt.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -138,12 +145,24 @@ def _add_generate(sub) -> None:
                         "(default: the preset's; on for the default pair)")
     prompt.add_argument("--system", metavar="TEXT", help="system message for the chat template (needs chat on)")
 
+    many = p.add_argument_group("many prompts (instead of PROMPT)")
+    many.add_argument("--prompts-file", metavar="PATH",
+                      help="read the prompts from PATH ('-' for stdin): one prompt per line (blank lines skipped), "
+                      "or JSONL with a \"prompt\" string and an optional \"id\" on every line (the id defaults "
+                      "to the line number); results come out in input order")
+    many.add_argument("--batch-size", type=batch_value, metavar="N",
+                      help=f"with --prompts-file: prompts decoded together, >= 1 (default {DEFAULT_BATCH_SIZE}); "
+                      "greedy text does not depend on it")
+
     out = p.add_argument_group("output")
-    out.add_argument("--stream", action="store_true", help="print the text as tokens are committed")
+    out.add_argument("--stream", action="store_true", help="print the text as tokens are committed (one PROMPT only)")
     out.add_argument("--stats", action="store_true",
-                     help="print acceptance rate, mean accepted length and tokens/s to stderr")
+                     help="print acceptance rate, mean accepted length and tokens/s to stderr (totals over all "
+                     "prompts with --prompts-file)")
     out.add_argument("--json", action="store_true",
-                     help="print one JSON object: text, tokens, stats and settings")
+                     help="print one JSON object: text, tokens, stats and settings; with --prompts-file, one JSON "
+                     "line per prompt: id, prompt, text, tokens (the count), stop_reason, accepted, "
+                     "target_passes, mean_accepted_length")
     p.set_defaults(func=run_generate)
 
 
@@ -212,6 +231,15 @@ def _check_combination(args: argparse.Namespace) -> None:
         raise HfspecError("--stream and --json both write to stdout; pick one")
     if args.draft_cost is not None and args.adaptive != "cost":
         raise HfspecError("--draft-cost only applies with --adaptive cost")
+    if args.prompts_file is not None:
+        if args.prompt is not None:
+            raise HfspecError("give PROMPT or --prompts-file, not both")
+        if args.stream:
+            raise HfspecError("--stream needs a single PROMPT; drop it with --prompts-file")
+    elif args.prompt is None:
+        raise HfspecError("no prompt: give PROMPT ('-' reads stdin) or --prompts-file PATH")
+    elif args.batch_size is not None:
+        raise HfspecError("--batch-size only applies with --prompts-file")
 
 
 def _read_prompt(text: str) -> str:
@@ -219,6 +247,44 @@ def _read_prompt(text: str) -> str:
         return text
     prompt = sys.stdin.read()
     return prompt[:-1] if prompt.endswith("\n") else prompt
+
+
+def _json_object(line: str) -> dict | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _read_prompts_file(path: str) -> list[tuple[Any, str]]:
+    """(id, prompt) pairs: one prompt per line, or JSONL with a "prompt" (and optional "id") per line."""
+    name = "stdin" if path == "-" else path
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise HfspecError(f"prompts file '{path}' does not exist") from None
+    except OSError as exc:
+        raise HfspecError(f"cannot read prompts file '{path}': {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise HfspecError(f"prompts file '{path}' is not UTF-8 text") from None
+    lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    if not lines:
+        raise HfspecError(f"prompts file '{name}' has no prompts (every line is blank)")
+    objects = [_json_object(line) for _, line in lines]
+    if all(obj is None for obj in objects):
+        return lines
+    first = next(n for (n, _), obj in zip(lines, objects) if obj is not None)
+    items = []
+    for (n, _), obj in zip(lines, objects):
+        if obj is None:
+            raise HfspecError(f"{name}:{n}: not a JSON object, but line {first} is; a JSONL prompts file needs "
+                              '{"prompt": "..."} on every line')
+        if not isinstance(obj.get("prompt"), str):
+            raise HfspecError(f'{name}:{n}: this JSON object has no "prompt" string; a JSONL prompts file needs '
+                              '{"prompt": "..."} on every line')
+        items.append((obj.get("id", n), obj["prompt"]))
+    return items
 
 
 def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -251,21 +317,29 @@ def _stats_line(stats) -> str:
             f"{stats.committed} tokens in {stats.time_total:.2f} s")
 
 
+def _complete(args: argparse.Namespace, preset: Preset, gen, prompts: list[str], *, gamma: int | GammaPolicy | None,
+              seed: int | None, streamer: Any = None) -> api.Completion:
+    return api.complete(
+        gen, prompts, preset=preset, max_new_tokens=args.max_new_tokens, gamma=gamma, do_sample=args.do_sample,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty, seed=seed, chat=args.chat, system=args.system, streamer=streamer,
+    )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     _check_combination(args)
-    prompt = _read_prompt(args.prompt)
+    items = _read_prompts_file(args.prompts_file) if args.prompts_file is not None else None
+    prompt = _read_prompt(args.prompt) if items is None else None
     preset = api.resolve_preset(args.target, args.draft, args.config)
     if args.do_sample is None and not preset.do_sample and (args.temperature or args.top_k or args.top_p):
         log.warning("--temperature/--top-k/--top-p only apply when sampling; decoding greedily (add --do-sample)")
     gen = api.load(preset, **_load_kwargs(args))
+    if items is not None:
+        return _generate_many(args, preset, gen, items)
     streamer = _Streamer(gen.tokenizer) if args.stream else None
     try:
-        result = api.complete(
-            gen, [prompt], preset=preset, max_new_tokens=args.max_new_tokens, gamma=_policy(args, preset, gen),
-            do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            repetition_penalty=args.repetition_penalty, seed=args.seed, chat=args.chat, system=args.system,
-            streamer=streamer,
-        )
+        result = _complete(args, preset, gen, [prompt], gamma=_policy(args, preset, gen), seed=args.seed,
+                           streamer=streamer)
     except KeyboardInterrupt:
         if streamer is not None:
             streamer.close_line()
@@ -280,6 +354,34 @@ def run_generate(args: argparse.Namespace) -> int:
         print(result.texts[0])
     if args.stats:
         sys.stderr.write(_stats_line(result.stats) + "\n")
+    return 0
+
+
+def _generate_many(args: argparse.Namespace, preset: Preset, gen, items: list[tuple[Any, str]]) -> int:
+    """Decode ``items`` in batches; each batch's results are printed, in input order, as soon as it ends."""
+    size = args.batch_size or DEFAULT_BATCH_SIZE
+    batches = [items[i: i + size] for i in range(0, len(items), size)]
+    policy = _policy(args, preset, gen)  # shared, so an adaptive γ keeps what it learned
+    parts: list[Stats] = []
+    # tqdm decides on None: a bar on an interactive stderr, none when stderr is redirected.
+    with tqdm(total=len(batches), desc="batches", unit="batch", disable=True if len(batches) < 2 else None) as bar:
+        for k, batch in enumerate(batches):
+            seed = None if args.seed is None else args.seed + k
+            result = _complete(args, preset, gen, [prompt for _, prompt in batch], gamma=policy, seed=seed)
+            parts.append(result.stats)
+            for (key, prompt), text, row in zip(batch, result.texts, result.stats.rows):
+                if args.json:
+                    line = json.dumps({"id": key, "prompt": prompt, "text": text, "tokens": row.committed,
+                                       "stop_reason": row.stop_reason, "accepted": row.accepted,
+                                       "target_passes": row.target_passes,
+                                       "mean_accepted_length": row.mean_accepted_length})
+                    bar.write(line, file=sys.stdout)
+                else:
+                    bar.write(text, file=sys.stdout, end="\n\n")
+            sys.stdout.flush()
+            bar.update(1)
+    if args.stats:
+        sys.stderr.write(_stats_line(Stats.combine(parts)) + f" | {len(items)} prompts\n")
     return 0
 
 

@@ -39,6 +39,23 @@ class Stats:
     time_total: float
     rows: tuple[RowStats, ...] = field(default_factory=tuple)
 
+    @classmethod
+    def combine(cls, parts: list[Stats]) -> Stats:
+        """Totals over several calls (say, the batches of one job): counts and times add, rows concatenate."""
+        def add(vectors: list[tuple[int, ...]]) -> tuple[int, ...]:
+            width = max((len(v) for v in vectors), default=0)
+            return tuple(sum(v[i] for v in vectors if i < len(v)) for i in range(width))
+
+        return cls(
+            target_passes=sum(s.target_passes for s in parts), draft_passes=sum(s.draft_passes for s in parts),
+            drafted=sum(s.drafted for s in parts), accepted=sum(s.accepted for s in parts),
+            committed=sum(s.committed for s in parts),
+            accepted_by_position=add([s.accepted_by_position for s in parts]),
+            drafted_by_position=add([s.drafted_by_position for s in parts]),
+            time_draft=sum(s.time_draft for s in parts), time_target=sum(s.time_target for s in parts),
+            time_total=sum(s.time_total for s in parts), rows=tuple(r for s in parts for r in s.rows),
+        )
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0

@@ -17,8 +17,9 @@ PROMPT = "w10 w11 w12"
 GENERATE_FLAGS = [
     "--target", "--draft", "--config", "--device", "--dtype", "--gamma", "--adaptive", "--draft-cost",
     "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed",
-    "--chat", "--no-chat", "--system", "--stream", "--stats", "--json",
+    "--chat", "--no-chat", "--system", "--prompts-file", "--batch-size", "--stream", "--stats", "--json",
 ]
+PROMPTS = ["w10 w11 w12", "w30", "w20 w21 w22 w23 w24 w25 w26"]  # different lengths, so batches are padded
 
 
 @pytest.fixture(autouse=True)
@@ -133,6 +134,78 @@ def test_seed_reproducible_between_runs_and_equal_to_python(capsys, pair, model_
     gen = hfspec.SpeculativeGenerator.from_pretrained(str(model_dir("llama", seed=0)), str(model_dir("llama", seed=1)))
     out = gen.generate([10, 11], max_new_tokens=12, do_sample=True, temperature=1.0, gamma=3, seed=5)
     assert first == gen.tokenizer.decode(out.sequences[0, out.prompt_length:], skip_special_tokens=True) + "\n"
+
+
+# -- many prompts ---------------------------------------------------------------------------------
+
+def test_prompts_file_rows_equal_each_prompt_alone(capsys, pair, tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text(f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n  \n{PROMPTS[2]}\n")
+    code, out, err = run(capsys, "generate", "--prompts-file", str(path), *pair, "--max-new-tokens", "8",
+                         "--batch-size", "2", "--json", "--stats")
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == [1, 3, 5] and [r["prompt"] for r in rows] == PROMPTS
+    for row, prompt in zip(rows, PROMPTS):
+        assert set(row) == {"id", "prompt", "text", "tokens", "stop_reason", "accepted", "target_passes",
+                            "mean_accepted_length"}
+        alone = json.loads(run(capsys, "generate", prompt, *pair, "--max-new-tokens", "8", "--json")[1])
+        assert row["text"] == alone["text"] and row["tokens"] == len(alone["tokens"])
+        assert row["stop_reason"] == alone["stats"]["rows"][0]["stop_reason"]
+        assert row["tokens"] == row["accepted"] + row["target_passes"]
+        assert row["mean_accepted_length"] == pytest.approx(row["tokens"] / row["target_passes"])
+    assert "acceptance rate" in err and f"{sum(r['tokens'] for r in rows)} tokens in" in err and "3 prompts" in err
+
+
+def test_jsonl_prompts_file_with_chat_keeps_ids(capsys, preset, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"id": "a", "prompt": PROMPTS[0]}, {"prompt": PROMPTS[1]}, {"id": 7, "prompt": PROMPTS[2]}]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    code, out, _ = run(capsys, "generate", "--prompts-file", str(path), "--config", preset, "--max-new-tokens", "8",
+                       "--batch-size", "2", "--json")
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == ["a", 2, 7] and [r["prompt"] for r in rows] == PROMPTS
+    for row, prompt in zip(rows, PROMPTS):  # the preset turns chat on: each row as its prompt alone
+        assert row["text"] + "\n" == run(capsys, "generate", prompt, "--config", preset, "--max-new-tokens", "8")[1]
+
+
+def test_prompts_from_stdin_print_texts_between_blank_lines(capsys, pair, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(PROMPTS)))
+    code, out, _ = run(capsys, "generate", "--prompts-file", "-", *pair, "--max-new-tokens", "6")
+    alone = [run(capsys, "generate", p, *pair, "--max-new-tokens", "6")[1] for p in PROMPTS]
+    assert code == 0 and out == "".join(text + "\n" for text in alone)
+
+
+@pytest.mark.parametrize("content, says", [
+    ('{"prompt": "w10"}\n{"id": 2}\n', ':2: this JSON object has no "prompt" string'),
+    ('{"prompt": "w10"}\n{"prompt": 5}\n', ':2: this JSON object has no "prompt" string'),
+    ('{"prompt": "w10"}\n\nw11 w12\n', ':3: not a JSON object, but line 1 is'),
+    ('w11 w12\n{"prompt": "w10"}\n', ':1: not a JSON object, but line 2 is'),
+    ("\n  \n", "has no prompts"),
+])
+def test_bad_prompts_file_gives_one_line(capsys, pair, tmp_path, content, says):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    code, out, err = run(capsys, "generate", "--prompts-file", str(path), *pair)
+    line = one_error_line(err)
+    assert code == 2 and out == "" and str(path) in line and says in line
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--prompts-file", "/no/such/prompts.txt"], "prompts file '/no/such/prompts.txt' does not exist"),
+    (["--prompts-file", "{file}", PROMPT], "give PROMPT or --prompts-file, not both"),
+    (["--prompts-file", "{file}", "--stream"], "--stream needs a single PROMPT"),
+    (["--prompts-file", "{file}", "--batch-size", "0"], "--batch-size: must be >= 1"),
+    ([PROMPT, "--batch-size", "2"], "--batch-size only applies with --prompts-file"),
+    ([], "no prompt: give PROMPT"),
+])
+def test_prompts_file_usage_errors_give_one_line(capsys, pair, tmp_path, argv, says):
+    path = tmp_path / "prompts.txt"
+    path.write_text(PROMPT + "\n")
+    argv = [str(path) if a == "{file}" else a for a in argv]
+    code, out, err = run(capsys, "generate", *argv, *pair)
+    assert code == 2 and out == "" and says in one_error_line(err)
 
 
 # -- errors ---------------------------------------------------------------------------------------
