@@ -21,6 +21,14 @@ def predicted_speedup(alpha: float, gamma: int, cost: float, verify_cost: float 
     return expected_tokens / (gamma * cost + verify_cost)
 
 
+def best_gamma(alpha: float, cost: float, verify_cost: dict[int, float] | None = None,
+               maximum: int = 8) -> tuple[int, float]:
+    """The γ in 1..maximum with the highest predicted speedup, and that speedup."""
+    verify_cost = verify_cost or {}
+    return max(((g, predicted_speedup(alpha, g, cost, verify_cost.get(g, 1.0))) for g in range(1, maximum + 1)),
+               key=lambda pair: pair[1])
+
+
 class GammaPolicy:
     """Interface: ``gamma()`` before a step, ``update(drafted, accepted)`` after it."""
 
@@ -66,9 +74,10 @@ class HeuristicGamma(GammaPolicy):
 class CostModelGamma(GammaPolicy):
     """Pick the γ that maximises the predicted speedup from running estimates.
 
-    α is estimated per drafted token from a decayed count (each accepted/drafted
-    pair is evidence), c and v(γ) are given (measured by the caller, e.g. ``hfspec
-    bench``). The prior α keeps the first steps sensible before evidence accrues.
+    α is estimated per drafted token from exponentially decayed counts of accepted
+    drafts and Bernoulli trials; c and v(γ) are given (measured by the caller, e.g.
+    ``hfspec bench``). The prior α, worth ``prior_weight`` trials, keeps the first
+    steps sensible before evidence accrues.
     """
 
     cost: float
@@ -80,14 +89,17 @@ class CostModelGamma(GammaPolicy):
     _accepted: float = 0.0
     _trials: float = 0.0
 
+    def __post_init__(self) -> None:
+        # The prior is pseudo-evidence: it decays like real evidence as steps accrue.
+        self._accepted = self.prior_alpha * self.prior_weight
+        self._trials = self.prior_weight
+
     @property
     def alpha(self) -> float:
-        return (self._accepted + self.prior_alpha * self.prior_weight) / (self._trials + self.prior_weight)
+        return self._accepted / self._trials
 
     def gamma(self) -> int:
-        a = min(self.alpha, 0.999)
-        return max(range(1, self.maximum + 1),
-                   key=lambda g: predicted_speedup(a, g, self.cost, self.verify_cost.get(g, 1.0)))
+        return best_gamma(min(self.alpha, 0.999), self.cost, self.verify_cost, self.maximum)[0]
 
     def update(self, drafted: int, accepted: list[int]) -> None:
         # A run of n accepts then a rejection is n successes in n+1 Bernoulli trials;
