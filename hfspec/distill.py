@@ -276,32 +276,35 @@ def _stage_data(
     the same directory share the work; a lock whose process is gone is taken over.
     """
     data_dir.mkdir(parents=True, exist_ok=True)
-    have, index, spent = 0, 0, 0.0
     seed = s.seed + (0 if split == "train" else 1_000_003)
-    with tqdm(total=budget, desc=f"generating {split} data", unit="tok", disable=not progress) as bar:
-        while have < budget:
-            path = data_dir / f"{split}-{index:05d}.pt"
-            if path.is_file():
+    seen: dict[Path, tuple[int, float]] = {}  # shard -> (tokens, seconds), whoever wrote it
+
+    def staged() -> tuple[int, float]:
+        for path in data_dir.glob(f"{split}-*.pt"):
+            if path not in seen:
                 shard = torch.load(path)
-                n = shard["tokens"]
-                spent += shard.get("seconds", 0.0)
-            elif _claim(data_dir / f".{split}-{index:05d}.lock"):
+                seen[path] = (shard["tokens"], shard.get("seconds", 0.0))
+        return sum(n for n, _ in seen.values()), sum(t for _, t in seen.values())
+
+    index = 0
+    with tqdm(total=budget, desc=f"generating {split} data", unit="tok", disable=not progress) as bar:
+        while (have := staged()[0]) < budget:
+            bar.update(have - bar.n)
+            path = data_dir / f"{split}-{index:05d}.pt"
+            lock = data_dir / f".{split}-{index:05d}.lock"
+            if not path.is_file() and _claim(lock):  # else written, or being written by another process
                 t0 = time.perf_counter()
                 chosen, temperature = _shard_plan(index, len(prompts), s.gen_batch, seed)
                 shard = _generate_shard(target, tokenizer, [prompts[i] for i in chosen], temperature, s, seed + index)
-                n = shard["tokens"] = _shard_tokens(shard)
+                shard["tokens"] = _shard_tokens(shard)
                 shard["seconds"] = time.perf_counter() - t0
-                spent += shard["seconds"]
                 tmp = data_dir / f".{split}-{index:05d}.pt.tmp"
                 torch.save(shard, tmp)
                 tmp.replace(path)  # a shard is either whole or absent
-                (data_dir / f".{split}-{index:05d}.lock").unlink(missing_ok=True)
-            else:
-                n = 0  # another process is generating this shard
-            have += n
+                lock.unlink(missing_ok=True)
             index += 1
-            bar.update(n)
-    return have, spent
+        bar.update(have - bar.n)
+    return staged()
 
 
 def _claim(lock: Path) -> bool:

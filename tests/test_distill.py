@@ -200,3 +200,20 @@ def test_decode_step_seconds_times_each_model(tiny_target):
                                          num_attention_heads=2, num_key_value_heads=2))
     times = distill_mod.decode_step_seconds(target, small, steps=4, warmup=1)
     assert len(times) == 2 and all(t > 0 for t in times)
+
+
+def test_staging_counts_every_shard_and_fills_gaps(tiny_target, tmp_path, monkeypatch):
+    out = tmp_path / "draft"
+    distill(tiny_target, out, data_only=True, **SMALL)
+    data = out / "data"
+    shards = sorted(data.glob("train-*.pt"))
+    sizes = {p.name: torch.load(p)["tokens"] for p in shards}
+    # A shard lost by a dead process leaves a gap: only that shard is generated again.
+    shards[1].unlink()
+    (data / f".{shards[1].stem}.lock").write_text("999999999")
+    made = []
+    real = distill_mod._generate_shard
+    monkeypatch.setattr(distill_mod, "_generate_shard", lambda *a, **k: made.append(1) or real(*a, **k))
+    distill(tiny_target, out, data_only=True, **{**SMALL, "tokens": sum(sizes.values())})
+    assert len(made) == 1 and shards[1].is_file()
+    assert torch.load(shards[1])["tokens"] == sizes[shards[1].name]
