@@ -13,11 +13,11 @@ nice -n 10 python -m hfspec.distill $COMMON --out runs/demo --data-only --quiet
 wait
 
 # 2. Train the draft on that data (the shipped configuration).
-mkdir -p runs/draft-l2 && ln -sfn ../demo/data runs/draft-l2/data
-nice -n 10 python -m hfspec.distill $COMMON --out runs/draft-l2 \
-  --hidden 128 --layers 2 --heads 4 --batch 8 --steps 1800 --lr 8e-3
+mkdir -p runs/final && ln -sfn ../demo/data runs/final/data
+nice -n 10 python -m hfspec.distill $COMMON --out runs/final \
+  --hidden 128 --layers 2 --heads 4 --batch 16 --steps 2400 --lr 8e-3
 
 # 3. Copy the draft (fp16 weights, tokenizer, report) into the package.
 DEST=hfspec/drafts/smollm2-135m-instruct-draft
 mkdir -p "$DEST"
-cp runs/draft-l2/{config.json,generation_config.json,model.safetensors,tokenizer.json,tokenizer_config.json,chat_template.jinja,distill_report.json} "$DEST"/
+cp runs/final/{config.json,generation_config.json,model.safetensors,tokenizer.json,tokenizer_config.json,chat_template.jinja,distill_report.json} "$DEST"/
