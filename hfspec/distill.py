@@ -29,6 +29,7 @@ import math
 import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -706,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hfspec.distill")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
-    args = parser.parse_args(["distill", *(argv if argv is not None else __import__("sys").argv[1:])])
+    args = parser.parse_args(["distill", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
