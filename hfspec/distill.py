@@ -22,7 +22,6 @@ Everything lives under ``out_dir``: ``data/`` (generated shards), ``train/``
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import math
@@ -37,6 +36,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+from hfspec.models import cache_kwarg
+from hfspec.policy import best_gamma
 
 __all__ = [
     "DistillReport",
@@ -117,14 +119,8 @@ def predicted_speedup(alpha: float, cost_ratio: float, max_gamma: int = 8) -> tu
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
     if cost_ratio < 0:
         raise ValueError(f"cost_ratio must be non-negative, got {cost_ratio}")
-    best = (0.0, 1)
-    for gamma in range(1, max_gamma + 1):
-        # Expected tokens per round; γ+1 when every draft token is accepted.
-        tokens = gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-        speedup = tokens / (gamma * cost_ratio + 1.0)
-        if speedup > best[0]:
-            best = (speedup, gamma)
-    return best
+    gamma, speedup = best_gamma(alpha, cost_ratio, maximum=max_gamma)
+    return speedup, gamma
 
 
 def _distill_loss(
@@ -505,8 +501,7 @@ def decode_step_seconds(
     state = []
     for model in models:
         cache = DynamicCache(config=model.config)
-        # transformers renamed past_key_values to cache; the cache object is updated in place either way.
-        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        key = cache_kwarg(type(model))
         token = model(input_ids=ids, use_cache=True, **{key: cache}).logits[:, -1:].argmax(-1)
         state.append([model, key, cache, token])
     times: list[list[float]] = [[] for _ in models]

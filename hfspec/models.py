@@ -23,7 +23,7 @@ MAX_VOCAB_PADDING = 1024
 
 
 @functools.lru_cache(maxsize=None)
-def _cache_kwarg(model_class: type) -> str:
+def cache_kwarg(model_class: type) -> str:
     """transformers renamed ``past_key_values`` to ``cache``; ask the class which it takes."""
     params = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -47,7 +47,7 @@ def forward(
         "input_ids": input_ids.to(device),
         "attention_mask": attention_mask.to(device),
         "position_ids": position_ids.to(device),
-        _cache_kwarg(type(model)): cache,
+        cache_kwarg(type(model)): cache,
         "use_cache": True,
     }
     if logits_to_keep:
