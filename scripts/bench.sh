@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measured run behind docs/BENCHMARKS.md: SmolLM2-135M-Instruct (built offline) as the
-# target, the draft shipped in the package, on CPU. About 15 minutes on 2 cores.
+# target, the draft shipped in the package, on CPU. It took 23 minutes on 2 cores shared
+# with background jobs (with --threads 1, which such sharing needs).
 # Extra arguments go to `hfspec bench` (e.g. --draft PATH, --num-prompts 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
