@@ -33,6 +33,7 @@ import torch
 from hfspec.cache import KVState
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
+from hfspec.loading import load_pair, load_preset
 from hfspec.models import forward
 from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, predicted_speedup
 from hfspec.stats import Stats
@@ -673,30 +674,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_model(name: str, role: str) -> str:
-    """'offline' (target) and 'shipped' (draft) name the package's own models; anything else passes through."""
-    from hfspec import assets
-
-    if Path(name).expanduser().exists():
-        return name
-    if role == "target" and name == "offline":
-        return str(assets.offline_target_path())
-    if role == "draft" and name == "shipped":
-        path = assets.shipped_draft_path()
-        if not (path / "config.json").is_file():
-            raise SystemExit(f"the shipped draft is not built yet ({path}); pass --draft PATH")
-        return str(path)
-    return name
-
-
 def apply_preset(args: argparse.Namespace) -> None:
     """Fill --target, --draft, --dtype and --gamma from --config, unless given on the command line."""
     if not args.config:
         return
-    try:
-        from hfspec.loading import load_preset
-    except ImportError:
-        raise SystemExit("--config needs hfspec.loading.load_preset, which this install lacks") from None
     preset = load_preset(args.config)
     args.target, args.draft = preset.target, preset.draft
     if args.dtype is None and preset.dtype != "auto":
@@ -706,23 +687,10 @@ def apply_preset(args: argparse.Namespace) -> None:
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(target, draft, tokenizer), through hfspec.loading when this install has it."""
+    """(target, draft, tokenizer) through hfspec.loading, which also resolves 'offline' and 'shipped'."""
     dtype = getattr(torch, args.dtype or "float32")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        from hfspec.loading import load_pair
-    except ImportError:
-        load_pair = None
-    if load_pair is not None:
-        return load_pair(args.target, args.draft, dtype=dtype, device=device)
-    from transformers import AutoTokenizer
-
-    from hfspec.models import load_model
-
-    target_path, draft_path = resolve_model(str(args.target), "target"), resolve_model(str(args.draft), "draft")
-    target = load_model(target_path, "target", dtype=dtype).to(device)
-    draft = load_model(draft_path, "draft", dtype=dtype).to(device)
-    return target, draft, AutoTokenizer.from_pretrained(target_path)
+    return load_pair(args.target, args.draft, dtype=dtype, device=device)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
