@@ -84,7 +84,7 @@ class CostModelGamma(GammaPolicy):
     verify_cost: dict[int, float] = field(default_factory=dict)
     maximum: int = 8
     prior_alpha: float = 0.6
-    prior_weight: float = 8.0
+    prior_weight: float = 2.0
     decay: float = 0.98
     _accepted: float = 0.0
     _trials: float = 0.0
