@@ -171,7 +171,7 @@ class _Run:
         self.rows = torch.arange(batch, device=device)  # original index of each active row
         self.lag = torch.zeros(batch, dtype=torch.long, device=device)
         self.results: dict[int, tuple[torch.Tensor, RowStats]] = {}
-        self.row_counts = torch.zeros(batch, 4, dtype=torch.long)  # accepted, passes, drafted, per row
+        self.row_counts = torch.zeros(batch, 3, dtype=torch.long)  # accepted, passes, drafted, per row
         self.t_draft = self.t_target = 0.0
         self.target_passes = self.draft_passes = 0
         self.by_pos_acc: list[int] = []
@@ -323,16 +323,16 @@ class _Run:
             self.streamer.put(new[0, : int(commit[0])].cpu())
         self.lengths += commit
 
-        accepted_list = num_accepted.tolist()
-        self.policy.update(gamma, accepted_list)
+        self.policy.update(gamma, num_accepted.tolist())
         counts = torch.stack([commit - 1, torch.ones_like(commit), torch.full_like(commit, gamma)], dim=1)
-        self.row_counts[self.rows.cpu(), :3] += counts.cpu()
+        self.row_counts[self.rows.cpu()] += counts.cpu()
+        accepted_at = (num_accepted[:, None] > torch.arange(gamma, device=num_accepted.device)).sum(0).tolist()
         while len(self.by_pos_drafted) < gamma:
             self.by_pos_drafted.append(0)
             self.by_pos_acc.append(0)
-        for i in range(gamma):
+        for i, n in enumerate(accepted_at):
             self.by_pos_drafted[i] += batch
-            self.by_pos_acc[i] += sum(1 for n in accepted_list if n > i)
+            self.by_pos_acc[i] += n
 
         # Roll back: the target keeps pending + accepted drafts; the draft keeps what it was fed of those.
         self.kv_target.rollback(num_accepted + 1, self.target_start)
@@ -356,7 +356,7 @@ class _Run:
                 why = "eos"
             else:
                 why = "length" if int(self.limit[b]) == self.conf.max_new_tokens else "context"
-            accepted, passes, drafted, _ = self.row_counts[row].tolist()
+            accepted, passes, drafted = self.row_counts[row].tolist()
             new_tokens = self.tokens[b, self.prompt_lens[b] : self.lengths[b]].clone()
             self.results[row] = (new_tokens, RowStats(int(new_tokens.numel()), accepted, passes, drafted, why))
         keep = (~finished).nonzero().flatten()

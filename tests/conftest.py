@@ -41,3 +41,13 @@ def tiny_pair(model_dir):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def fresh_api_cache():
+    """Forget pairs that hfspec.api loaded, before and after a test."""
+    from hfspec import api
+
+    api.clear_cache()
+    yield
+    api.clear_cache()

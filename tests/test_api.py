@@ -13,11 +13,7 @@ from hfspec.errors import HfspecError
 from hfspec.policy import HeuristicGamma
 
 
-@pytest.fixture(autouse=True)
-def fresh_cache():
-    api.clear_cache()
-    yield
-    api.clear_cache()
+pytestmark = pytest.mark.usefixtures("fresh_api_cache")
 
 
 @pytest.fixture

@@ -22,11 +22,7 @@ GENERATE_FLAGS = [
 PROMPTS = ["w10 w11 w12", "w30", "w20 w21 w22 w23 w24 w25 w26"]  # different lengths, so batches are padded
 
 
-@pytest.fixture(autouse=True)
-def fresh_cache():
-    api.clear_cache()
-    yield
-    api.clear_cache()
+pytestmark = pytest.mark.usefixtures("fresh_api_cache")
 
 
 @pytest.fixture
