@@ -105,6 +105,7 @@ class _Settings:
     negatives: int
     seed: int
     save_dtype: str
+    init_from: str = ""  # a draft directory whose weights start training ("" = fresh)
 
 
 # --------------------------------------------------------------------------- math
@@ -391,6 +392,25 @@ def _build_draft(target, s: _Settings):
     return draft
 
 
+def _warm_start(draft, path: Path) -> None:
+    """Copy the weights of the draft saved at ``path`` into ``draft``; the architectures must match."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    saved = AutoConfig.from_pretrained(path)
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+    differ = [f"{k} {getattr(saved, k, None)} vs {getattr(draft.config, k, None)}"
+              for k in keys if getattr(saved, k, None) != getattr(draft.config, k, None)]
+    if differ:
+        raise ValueError(
+            f"init_from {path} has a different architecture ({'; '.join(differ)}, saved vs requested); "
+            "pass the same --hidden/--layers/--heads/--kv-heads/--intermediate as the draft it starts from"
+        )
+    source = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    draft.load_state_dict(source.state_dict())
+    draft.tie_weights()
+
+
 def _rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     if isinstance(params, dict) and "rope_theta" in params:
@@ -540,6 +560,7 @@ def distill(
     save_dtype: str = "float16",
     resume: bool = True,
     data_only: bool = False,
+    init_from: str | Path | None = None,
     progress: bool = True,
 ) -> DistillReport | None:
     """Distil a draft for ``target`` into ``out_dir`` and report its quality.
@@ -553,6 +574,9 @@ def distill(
     With ``resume`` (the default) staged data and the training checkpoint in ``out_dir`` are reused, so rerunning continues.
     With ``data_only`` it returns None once the data is staged; such a run
     beside a full one on the same ``out_dir`` shares the generation work.
+    ``init_from`` names an earlier draft (same architecture) whose weights start
+    training instead of a fresh initialisation, with a new optimiser and schedule:
+    how to train a draft further on more data or for more steps.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -574,8 +598,11 @@ def distill(
     target_path = Path(target)
     if not (target_path / "config.json").is_file():
         raise ValueError(f"target must be a local model directory with a config.json (or 'offline'), got {target!s}")
+    if init_from is not None and not (Path(init_from) / "config.json").is_file():
+        raise ValueError(f"init_from must be a draft directory with a config.json, got {init_from!s}")
     s = _Settings(hidden, layers, heads, kv_heads, intermediate, tokens, eval_tokens, seq_len, gen_batch, top_k,
-                  batch, steps, lr, hard_weight, negatives, seed, save_dtype)
+                  batch, steps, lr, hard_weight, negatives, seed, save_dtype,
+                  "" if init_from is None else str(Path(init_from).resolve()))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not data_only:
@@ -596,6 +623,8 @@ def distill(
 
     # 2. Train the draft against the target's distributions.
     draft = _build_draft(target_model, s)
+    if s.init_from:
+        _warm_start(draft, Path(s.init_from))  # a checkpoint in out_dir, if any, still wins: it resumes
     losses, train_seconds = _train(draft, _load_samples(out / "data", "train"), out / "train", pad, s, progress)
 
     # 3. Save it with the target's tokenizer so it loads by path on its own.
@@ -630,8 +659,9 @@ def _check_settings(path: Path, s: _Settings, resume: bool) -> None:
     current = asdict(s)
     if path.is_file() and resume:
         saved = json.loads(path.read_text())
-        fixed = ("hidden", "layers", "heads", "kv_heads", "intermediate", "batch", "steps", "lr", "hard_weight", "negatives", "seed")
-        changed = [k for k in fixed if saved.get(k) != current[k]]
+        fixed = ("hidden", "layers", "heads", "kv_heads", "intermediate", "batch", "steps", "lr", "hard_weight",
+                 "negatives", "seed", "init_from")
+        changed = [k for k in fixed if saved.get(k, "" if k == "init_from" else None) != current[k]]
         if changed and (path.parent / "checkpoint.pt").is_file():
             raise ValueError(
                 f"{path.parent} holds a checkpoint trained with different {', '.join(changed)}; "
@@ -675,6 +705,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--save-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
                    help="dtype of the saved draft weights (default float16)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from the weights of an earlier draft with the same architecture (new optimiser and "
+                   "schedule), to train it further on more data or for more steps")
     p.add_argument("--no-resume", dest="resume", action="store_false", help="retrain from scratch (staged data is kept)")
     p.add_argument("--data-only", action="store_true",
                    help="only generate the data, then exit; run beside a full run on the same --out to share the work")
@@ -690,7 +723,7 @@ def run(args: argparse.Namespace) -> int:
         intermediate=args.intermediate, tokens=args.tokens, eval_tokens=args.eval_tokens, seq_len=args.seq_len,
         gen_batch=args.gen_batch, top_k=args.top_k, batch=args.batch, steps=args.steps, lr=args.lr,
         hard_weight=args.hard_weight, negatives=args.negatives, seed=args.seed, save_dtype=args.save_dtype, resume=args.resume,
-        data_only=args.data_only, progress=not args.quiet,
+        data_only=args.data_only, init_from=args.init_from, progress=not args.quiet,
     )
     if report is not None:
         print(json.dumps(report.to_dict(), indent=2))

@@ -122,6 +122,29 @@ def test_resume_refuses_a_different_architecture(tiny_target, tmp_path):
         distill(tiny_target, out, **{**SMALL, "steps": 2, "hidden": 8})
 
 
+def test_init_from_starts_where_an_earlier_draft_ended(tiny_target, tmp_path):
+    first = distill(tiny_target, tmp_path / "a", **SMALL)
+    data = tmp_path / "a" / "data"
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "data").symlink_to(data)  # same data, so the losses compare
+    more = distill(tiny_target, tmp_path / "b", **{**SMALL, "steps": 10}, init_from=tmp_path / "a")
+    fresh_losses = torch.load(tmp_path / "a" / "train" / "checkpoint.pt", weights_only=False)["losses"]
+    warm_losses = torch.load(tmp_path / "b" / "train" / "checkpoint.pt", weights_only=False)["losses"]
+    # The warm start begins near the end of the first run, far below a fresh start.
+    assert warm_losses[0] < 0.8 * fresh_losses[0]
+    assert abs(warm_losses[0] - sum(fresh_losses[-5:]) / 5) < 0.3 * fresh_losses[0]
+    assert more.alpha > first.alpha - 0.1
+    assert json.loads((tmp_path / "b" / "train" / "settings.json").read_text())["init_from"] == str((tmp_path / "a").resolve())
+
+
+def test_init_from_refuses_a_different_architecture(tiny_target, tmp_path):
+    distill(tiny_target, tmp_path / "a", **{**SMALL, "steps": 2})
+    with pytest.raises(ValueError, match="hidden_size 16 vs 8"):
+        distill(tiny_target, tmp_path / "b", **{**SMALL, "steps": 2, "hidden": 8}, init_from=tmp_path / "a")
+    with pytest.raises(ValueError, match="config.json"):
+        distill(tiny_target, tmp_path / "c", **SMALL, init_from=tmp_path / "missing")
+
+
 def test_bad_arguments_are_rejected(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="divisible"):
         distill(tiny_target, tmp_path, hidden=30, heads=4, progress=False)
