@@ -5,8 +5,11 @@ Every contender runs in one process on the same prompts, interleaved per prompt
 alike. Speed-ups are medians of per-prompt ratios of tokens per second.
 
 The cost model is Leviathan et al. (arXiv 2211.17192, Thm 3.8): with acceptance
-rate α, γ drafts per step and a draft step costing c target steps, the expected
-speed-up is (1 - α^(γ+1)) / ((1 - α)(γc + 1)). Verifying γ+1 tokens is not free
+rate α (the probability that one draft token is accepted), γ drafts per step and a
+draft step costing c target steps, the expected speed-up is
+(1 - α^(γ+1)) / ((1 - α)(γc + 1)). α is fitted to the measured tokens per target
+pass, (1 - α^(γ+1)) / (1 - α); the share of drafts accepted is reported beside it
+but is not α (it is smaller: later drafts are only reached when earlier ones pass). Verifying γ+1 tokens is not free
 on every machine, so the bench also measures v(γ), a target forward over γ+1 new
 tokens ÷ one over a single token, and predicts (1 - α^(γ+1)) / ((1 - α)(γc + v(γ))).
 Efficiency is the measured speed-up ÷ that prediction: what the implementation
@@ -35,7 +38,9 @@ from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import load_pair, load_preset
 from hfspec.models import forward
-from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, predicted_speedup
+from hfspec.policy import (
+    CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, alpha_from_tokens_per_pass, predicted_speedup,
+)
 from hfspec.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -52,7 +57,8 @@ Measure one target/draft pair in one process. Contenders, interleaved per prompt
   hfspec-cost       hfspec, γ chosen by the cost model from the measured c and v(γ)
 Reported per contender and sampling mode: tokens/s (median and quartiles over
 prompts), speed-up vs plain and vs assisted (medians of per-prompt ratios),
-acceptance rate α, tokens per target pass, the predicted speed-up
+acceptance (acc: drafts accepted ÷ drafted; α: the per-token rate of the cost
+model, fitted to tokens per target pass), tokens per target pass, the predicted speed-up
 (1-α^(γ+1))/((1-α)(γc+1)), the same with v(γ) for the 1, and efficiency
 (measured ÷ predicted with v). At greedy, every contender's tokens are checked
 against plain's. Then a fixed-γ sweep (--gammas) and a batch row (--batch-size).
@@ -349,7 +355,7 @@ def acceptance(contender: Contender, runs: Sequence[Run]) -> dict[str, Any]:
     and γ draft forwards, and commits its accepted drafts plus one token.
     """
     if contender.kind == "plain":
-        return {"acceptance_rate": None, "mean_accepted_length": 1.0, "mean_gamma": 0.0,
+        return {"acceptance_rate": None, "alpha": None, "mean_accepted_length": 1.0, "mean_gamma": 0.0,
                 "acceptance_by_position": []}
     if contender.kind == "hfspec":
         stats = [r.stats for r in runs]
@@ -369,9 +375,12 @@ def acceptance(contender: Contender, runs: Sequence[Run]) -> dict[str, Any]:
         committed = sum(r.new_tokens for r in runs)
         accepted = max(0, committed - passes)
         by_position = []
+    length = committed / passes if passes else None
+    gamma = drafted / passes if passes else None
     return {"acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_length": committed / passes if passes else None,
-            "mean_gamma": drafted / passes if passes else None,
+            "alpha": alpha_from_tokens_per_pass(length, max(1, round(gamma))) if length and gamma else None,
+            "mean_accepted_length": length,
+            "mean_gamma": gamma,
             "acceptance_by_position": by_position}
 
 
@@ -404,7 +413,7 @@ def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], a
     tps = [r.tokens_per_second for r in runs]
     acc = acceptance(contender, runs)
     vs_plain = median_ratio(tps, [r.tokens_per_second for r in plain])
-    pred, pred_v, g = prediction(acc["acceptance_rate"], contender.gamma or acc["mean_gamma"], cost, verify_cost)
+    pred, pred_v, g = prediction(acc["alpha"], contender.gamma or acc["mean_gamma"], cost, verify_cost)
     row = {
         "kind": contender.kind, "schedule": contender.schedule, "gamma": contender.gamma,
         "tokens_per_second": spread(tps),
@@ -467,7 +476,7 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
             "label": mode.label(), **mode.kwargs(),
             "contenders": {c.name: table[c.name] for c in main},
             "sweep": [{"gamma": g, **{k: table[by_gamma[g]][k] for k in (
-                "speedup_vs_plain", "speedup_vs_assisted", "acceptance_rate", "mean_accepted_length",
+                "speedup_vs_plain", "speedup_vs_assisted", "acceptance_rate", "alpha", "mean_accepted_length",
                 "predicted_speedup", "predicted_speedup_v", "efficiency", "acceptance_by_position")},
                 "tokens_per_second": table[by_gamma[g]]["tokens_per_second"]["median"]} for g in gammas],
             "per_prompt": [{"id": p["id"], "kind": p["kind"], "prompt_tokens": len(e),
@@ -530,7 +539,7 @@ def format_table(result: dict[str, Any]) -> str:
         title = name if mode["label"] == name else f"{name} ({mode['label']})"
         lines += ["", f"== {title} ==",
                   f"{'contender':<18}{'γ':>4}{'tok/s':>8}{'[p25-p75]':>14}{'×plain':>8}{'×assist':>8}"
-                  f"{'α':>6}{'tok/pass':>9}{'pred':>6}{'pred(v)':>8}{'eff':>6}{'mismatch':>9}"]
+                  f"{'acc':>6}{'α':>6}{'tok/pass':>9}{'pred':>6}{'pred(v)':>8}{'eff':>6}{'mismatch':>9}"]
         for cname, row in mode["contenders"].items():
             tps = row["tokens_per_second"]
             g = row["gamma"] if row["gamma"] is not None else (
@@ -540,13 +549,13 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(
                 f"{cname:<18}{g!s:>4}{tps['median']:>8.1f}{iqr:>14}"
                 f"{_fmt(row['speedup_vs_plain']):>8}{_fmt(row['speedup_vs_assisted']):>8}"
-                f"{_fmt(row['acceptance_rate']):>6}{_fmt(row['mean_accepted_length']):>9}"
+                f"{_fmt(row['acceptance_rate']):>6}{_fmt(row['alpha']):>6}{_fmt(row['mean_accepted_length']):>9}"
                 f"{_fmt(row['predicted_speedup']):>6}{_fmt(row['predicted_speedup_v']):>8}"
                 f"{_fmt(row['efficiency']):>6}{'-' if mism is None else len(mism):>9}")
-        lines += ["", "sweep (hfspec, fixed γ):  γ  tok/s  ×plain  α     pred(v)  eff"]
+        lines += ["", "sweep (hfspec, fixed γ):  γ  tok/s  ×plain  acc     α  pred(v)  eff"]
         for s in mode["sweep"]:
             lines.append(f"{'':26}{s['gamma']:>2}{s['tokens_per_second']:>7.1f}{_fmt(s['speedup_vs_plain']):>8}"
-                         f"{_fmt(s['acceptance_rate']):>6}{_fmt(s['predicted_speedup_v']):>9}"
+                         f"{_fmt(s['acceptance_rate']):>6}{_fmt(s['alpha']):>6}{_fmt(s['predicted_speedup_v']):>9}"
                          f"{_fmt(s['efficiency']):>6}")
         if "sweep_mismatches" in mode:
             bad = {k: len(v) for k, v in mode["sweep_mismatches"].items() if v}

@@ -21,6 +21,28 @@ def predicted_speedup(alpha: float, gamma: int, cost: float, verify_cost: float 
     return expected_tokens / (gamma * cost + verify_cost)
 
 
+def alpha_from_tokens_per_pass(tokens_per_pass: float, gamma: int) -> float:
+    """The per-token acceptance rate α whose expected tokens per pass at this γ is the one measured.
+
+    Leviathan et al.'s α is the probability that one draft is accepted, so a pass
+    of γ drafts commits (1 - α^(γ+1)) / (1 - α) tokens on average. The share of
+    drafts accepted is a different, smaller number (α(1 - α^γ) / ((1 - α)γ) in
+    expectation): feeding it to the speed-up formula underestimates the speed-up.
+    Solved by bisection; tokens per pass are clipped to [1, γ + 1].
+    """
+    if gamma < 1:
+        raise ValueError(f"gamma must be at least 1, got {gamma}")
+    target = min(max(tokens_per_pass, 1.0), gamma + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(gamma + 1)) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def best_gamma(alpha: float, cost: float, verify_cost: dict[int, float] | None = None,
                maximum: int = 8) -> tuple[int, float]:
     """The γ in 1..maximum with the highest predicted speedup, and that speedup."""

@@ -8,15 +8,34 @@ import torch
 
 from hfspec import bench
 from hfspec.bench import Bench, Contender, Mode, Run, Settings
+from hfspec.policy import alpha_from_tokens_per_pass
 from hfspec.stats import RowStats, Stats
 
 GREEDY = Mode("greedy", False)
 SAMPLE = Mode("sample", True, 0.7, 0.95, 0)
 CONTENDER_KEYS = {
     "kind", "schedule", "gamma", "tokens_per_second", "speedup_vs_plain", "speedup_vs_assisted",
-    "acceptance_rate", "mean_accepted_length", "mean_gamma", "acceptance_by_position", "prediction_gamma",
+    "acceptance_rate", "alpha", "mean_accepted_length", "mean_gamma", "acceptance_by_position", "prediction_gamma",
     "predicted_speedup", "predicted_speedup_v", "efficiency", "new_tokens", "seconds",
 }
+
+
+def test_alpha_fit_recovers_the_per_token_rate_and_accepted_share_does_not():
+    # Passes of γ drafts, each accepted independently with probability α until the first rejection.
+    gen = torch.Generator().manual_seed(0)
+    for alpha, gamma in [(0.3, 2), (0.6, 4), (0.9, 6)]:
+        passes = 20_000
+        u = torch.rand(passes, gamma, generator=gen) < alpha
+        accepted = torch.cumprod(u.int(), dim=1).sum(dim=1).float()
+        fitted = alpha_from_tokens_per_pass(float(accepted.mean()) + 1, gamma)
+        assert fitted == pytest.approx(alpha, abs=0.015)
+        share = float(accepted.sum()) / (passes * gamma)
+        assert share < alpha - 0.05, "the accepted share is a biased estimate of α"
+    assert alpha_from_tokens_per_pass(1.0, 3) == pytest.approx(0.0, abs=1e-9)
+    assert alpha_from_tokens_per_pass(4.0, 3) == pytest.approx(1.0, abs=1e-9)
+    assert alpha_from_tokens_per_pass(9.0, 3) == pytest.approx(1.0, abs=1e-9)  # clipped
+    with pytest.raises(ValueError, match="gamma"):
+        alpha_from_tokens_per_pass(1.5, 0)
 
 
 def test_predicted_speedup_matches_hand_values():
@@ -66,7 +85,10 @@ def test_summary_arithmetic():
     assert row["acceptance_rate"] == pytest.approx(0.75)
     assert row["mean_accepted_length"] == pytest.approx(4.0)
     assert row["acceptance_by_position"] == [1.0, 0.5]
-    pred_v = (1 - 0.75 ** 5) / (0.25 * (4 * 0.1 + 1.5))
+    # α is fitted to 4 tokens per pass at γ = 4, so the prediction is tokens per pass ÷ (γc + v).
+    alpha = row["alpha"]
+    assert sum(alpha ** i for i in range(5)) == pytest.approx(4.0)
+    pred_v = 4.0 / (4 * 0.1 + 1.5)
     assert row["predicted_speedup_v"] == pytest.approx(pred_v)
     assert row["efficiency"] == pytest.approx(4.0 / pred_v)
     assert "greedy_mismatches" not in row
@@ -76,6 +98,7 @@ def test_summary_arithmetic():
                           greedy=True)
     assert row["acceptance_rate"] == pytest.approx(0.5)
     assert row["mean_accepted_length"] == pytest.approx(2.5)
+    assert sum(row["alpha"] ** i for i in range(4)) == pytest.approx(2.5)
     assert row["speedup_vs_assisted"] == pytest.approx(1.0)
     assert row["greedy_mismatches"] == []
 
