@@ -69,6 +69,7 @@ class DistillReport:
     train_tokens: int  # target-generated positions used for training
     eval_tokens: int  # held-out positions used for α and agreement
     steps: int
+    best_step: int  # the step whose weights were kept: the best held-out α of the periodic checks
     gen_seconds: float  # time spent generating data, summed over shards (and processes)
     train_seconds: float  # wall time spent training (all runs summed)
     final_loss: float  # mean training loss over the last 10% of steps
@@ -81,9 +82,12 @@ class DistillReport:
     gamma_sampled: int
     speedup_greedy: float  # predicted speedup with α = greedy agreement, best γ
     gamma_greedy: int
+    heldout: tuple[tuple[int, float, float], ...] = ()  # (step, α, agreement) of each periodic check
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["heldout"] = [list(check) for check in self.heldout]  # as JSON reads it back
+        return d
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,7 @@ class _Settings:
     negatives: int
     seed: int
     save_dtype: str
+    eval_every: int = 200  # checkpoint and held-out check every this many steps
     init_from: str = ""  # a draft directory whose weights start training ("" = fresh)
 
 
@@ -426,18 +431,30 @@ def _lr_at(step: int, s: _Settings) -> float:
     return s.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac))))
 
 
-def _train(draft, samples: list[dict], train_dir: Path, pad: int, s: _Settings, progress: bool) -> tuple[list[float], float]:
-    """Train with AdamW and a cosine schedule, checkpointing to ``train_dir``; returns (losses, seconds)."""
+def _train(
+    draft, samples: list[dict], heldout: list[dict], train_dir: Path, pad: int, s: _Settings, progress: bool
+) -> tuple[list[float], float, list[tuple[int, float, float]], int]:
+    """Train with AdamW and a cosine schedule, checkpointing to ``train_dir``.
+
+    Every ``s.eval_every`` steps (and at the last) the draft is checked on ``heldout``
+    against the staged target top-k (:func:`_staged_acceptance`, no target forward),
+    and the weights with the best α are the ones left in ``draft`` at the end: a small
+    draft trained for many epochs on a fixed set of target text overfits it.
+    Returns (losses, seconds, checks as (step, α, agreement), best step).
+    """
     train_dir.mkdir(parents=True, exist_ok=True)
     ckpt = train_dir / "checkpoint.pt"
     opt = torch.optim.AdamW(draft.parameters(), lr=s.lr, betas=(0.9, 0.98), weight_decay=0.01)
     step, losses, seconds = 0, [], 0.0
+    checks: list[tuple[int, float, float]] = []
+    best: tuple[int, float, dict] | None = None  # (step, α, weights)
     sampler = torch.Generator().manual_seed(s.seed)
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
         draft.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, losses, seconds = state["step"], state["losses"], state["seconds"]
+        checks, best = state.get("checks", []), state.get("best")
         sampler.set_state(state["sampler"])
         log.info("resuming training at step %d of %d", step, s.steps)
     rng = random.Random(s.seed)
@@ -449,7 +466,6 @@ def _train(draft, samples: list[dict], train_dir: Path, pad: int, s: _Settings, 
         del order[: s.batch]
     draft.train()
     t_last = time.perf_counter()
-    every = max(1, min(200, s.steps // 10))
     with tqdm(total=s.steps, initial=step, desc="training draft", unit="step", disable=not progress) as bar:
         while step < s.steps:
             if not order:
@@ -473,19 +489,27 @@ def _train(draft, samples: list[dict], train_dir: Path, pad: int, s: _Settings, 
             step += 1
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-            if step % every == 0 or step == s.steps:
+            if step % s.eval_every == 0 or step == s.steps:
+                alpha, agreement = _staged_acceptance(draft, heldout, pad, s.batch)
+                draft.train()
+                checks.append((step, round(alpha, 4), round(agreement, 4)))
+                if best is None or alpha > best[1]:
+                    best = (step, alpha, {k: v.detach().clone() for k, v in draft.state_dict().items()})
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", heldout_alpha=f"{alpha:.3f}", best=best[0])
                 now = time.perf_counter()
                 seconds += now - t_last
                 t_last = now
                 tmp = train_dir / "checkpoint.pt.tmp"
                 torch.save(
                     {"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "losses": losses,
-                     "seconds": seconds, "sampler": sampler.get_state()},
+                     "seconds": seconds, "sampler": sampler.get_state(), "checks": checks, "best": best},
                     tmp,
                 )
                 tmp.replace(ckpt)
+    if best is not None:
+        draft.load_state_dict(best[2])
     draft.eval()
-    return losses, seconds
+    return losses, seconds, checks, best[0] if best is not None else step
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -503,6 +527,28 @@ def _acceptance(target, draft, samples: list[dict], pad: int, batch: int) -> tup
         agree += int((p.argmax(-1) == q.argmax(-1)).sum())
         count += p.shape[0]
     return overlap / max(1, count), agree / max(1, count), count
+
+
+@torch.inference_mode()
+def _staged_acceptance(draft, samples: list[dict], pad: int, batch: int) -> tuple[float, float]:
+    """(α, greedy agreement) of ``draft`` against the target's staged top-k: no target forward.
+
+    α sums min(p, q) over the target's top-k ids only, so it falls short of the full
+    α by at most the target's mass outside its top-k; the argmax is the first top-k id.
+    """
+    was_training = draft.training
+    draft.eval()
+    overlap, agree, count = 0.0, 0, 0
+    for i in range(0, len(samples), batch):
+        b = _collate(samples[i : i + batch], pad)
+        logq = draft(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[b["pos"]].float()
+        logq = logq.log_softmax(-1)  # (N, V)
+        p = b["top_logp"].float().exp()  # (N, k)
+        overlap += float(torch.minimum(p, logq.gather(-1, b["top_ids"]).exp()).sum())
+        agree += int((logq.argmax(-1) == b["top_ids"][:, 0]).sum())
+        count += logq.shape[0]
+    draft.train(was_training)
+    return overlap / max(1, count), agree / max(1, count)
 
 
 @torch.inference_mode()
@@ -560,6 +606,7 @@ def distill(
     save_dtype: str = "float16",
     resume: bool = True,
     data_only: bool = False,
+    eval_every: int | None = None,
     init_from: str | Path | None = None,
     progress: bool = True,
 ) -> DistillReport | None:
@@ -574,6 +621,9 @@ def distill(
     With ``resume`` (the default) staged data and the training checkpoint in ``out_dir`` are reused, so rerunning continues.
     With ``data_only`` it returns None once the data is staged; such a run
     beside a full one on the same ``out_dir`` shares the generation work.
+    Every ``eval_every`` steps (default: a tenth of the steps, at most 200) the draft
+    is checked on the held-out data against the staged target top-k, and the weights
+    with the best α are the ones saved.
     ``init_from`` names an earlier draft (same architecture) whose weights start
     training instead of a fresh initialisation, with a new optimiser and schedule:
     how to train a draft further on more data or for more steps.
@@ -581,10 +631,11 @@ def distill(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kv_heads = heads if kv_heads is None else kv_heads
+    eval_every = max(1, min(200, steps // 10)) if eval_every is None else eval_every
     intermediate = 4 * hidden if intermediate is None else intermediate
     for name, value in dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
                             tokens=tokens, eval_tokens=eval_tokens, seq_len=seq_len, gen_batch=gen_batch,
-                            top_k=top_k, batch=batch, steps=steps).items():
+                            top_k=top_k, batch=batch, steps=steps, eval_every=eval_every).items():
         if value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value}")
     if hidden % heads or heads % kv_heads:
@@ -601,8 +652,8 @@ def distill(
     if init_from is not None and not (Path(init_from) / "config.json").is_file():
         raise ValueError(f"init_from must be a draft directory with a config.json, got {init_from!s}")
     s = _Settings(hidden, layers, heads, kv_heads, intermediate, tokens, eval_tokens, seq_len, gen_batch, top_k,
-                  batch, steps, lr, hard_weight, negatives, seed, save_dtype,
-                  "" if init_from is None else str(Path(init_from).resolve()))
+                  batch, steps, lr, hard_weight, negatives, seed, save_dtype, eval_every=eval_every,
+                  init_from="" if init_from is None else str(Path(init_from).resolve()))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not data_only:
@@ -625,7 +676,10 @@ def distill(
     draft = _build_draft(target_model, s)
     if s.init_from:
         _warm_start(draft, Path(s.init_from))  # a checkpoint in out_dir, if any, still wins: it resumes
-    losses, train_seconds = _train(draft, _load_samples(out / "data", "train"), out / "train", pad, s, progress)
+    eval_samples = _load_samples(out / "data", "eval")
+    losses, train_seconds, checks, best_step = _train(
+        draft, _load_samples(out / "data", "train"), eval_samples, out / "train", pad, s, progress
+    )
 
     # 3. Save it with the target's tokenizer so it loads by path on its own.
     draft.generation_config.pad_token_id = pad
@@ -634,7 +688,7 @@ def distill(
     tokenizer.save_pretrained(out)
 
     # 4. Measure acceptance on held-out prompts and the cost ratio.
-    alpha, agreement, n_pos = _acceptance(target_model, draft, _load_samples(out / "data", "eval"), pad, batch)
+    alpha, agreement, n_pos = _acceptance(target_model, draft, eval_samples, pad, batch)
     t_target, t_draft = decode_step_seconds(target_model, draft, steps=64)
     c = t_draft / t_target
     sp_a, g_a = predicted_speedup(alpha, c)
@@ -642,11 +696,12 @@ def distill(
     tail = losses[-max(1, len(losses) // 10):]
     report = DistillReport(
         target=str(target_path), out_dir=str(out), draft_params=sum(p.numel() for p in draft.parameters()),
-        hidden=hidden, layers=layers, train_tokens=n_train, eval_tokens=n_pos, steps=len(losses),
+        hidden=hidden, layers=layers, train_tokens=n_train, eval_tokens=n_pos, steps=len(losses), best_step=best_step,
         gen_seconds=round(gen_train + gen_eval, 1), train_seconds=round(train_seconds, 1),
         final_loss=round(sum(tail) / len(tail), 4), alpha=round(alpha, 4), greedy_agreement=round(agreement, 4),
         target_step_ms=round(1000 * t_target, 3), draft_step_ms=round(1000 * t_draft, 3), cost_ratio=round(c, 4),
         speedup_sampled=round(sp_a, 3), gamma_sampled=g_a, speedup_greedy=round(sp_g, 3), gamma_greedy=g_g,
+        heldout=tuple(tuple(c) for c in checks),
     )
     (out / "distill_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     log.info("distilled draft saved to %s: %s", out, report.to_dict())
@@ -705,6 +760,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--save-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
                    help="dtype of the saved draft weights (default float16)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="checkpoint and check the draft on held-out data every N steps; the weights with the "
+                   "best held-out α are the ones saved (default: a tenth of --steps, at most 200)")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from the weights of an earlier draft with the same architecture (new optimiser and "
                    "schedule), to train it further on more data or for more steps")
@@ -723,7 +781,7 @@ def run(args: argparse.Namespace) -> int:
         intermediate=args.intermediate, tokens=args.tokens, eval_tokens=args.eval_tokens, seq_len=args.seq_len,
         gen_batch=args.gen_batch, top_k=args.top_k, batch=args.batch, steps=args.steps, lr=args.lr,
         hard_weight=args.hard_weight, negatives=args.negatives, seed=args.seed, save_dtype=args.save_dtype, resume=args.resume,
-        data_only=args.data_only, init_from=args.init_from, progress=not args.quiet,
+        data_only=args.data_only, eval_every=args.eval_every, init_from=args.init_from, progress=not args.quiet,
     )
     if report is not None:
         print(json.dumps(report.to_dict(), indent=2))

@@ -145,6 +145,39 @@ def test_init_from_refuses_a_different_architecture(tiny_target, tmp_path):
         distill(tiny_target, tmp_path / "c", **SMALL, init_from=tmp_path / "missing")
 
 
+def test_staged_acceptance_matches_the_target_forward_when_top_k_is_the_vocabulary(tiny_target, tmp_path):
+    out = tmp_path / "draft"
+    distill(tiny_target, out, **{**SMALL, "top_k": 160, "steps": 10})
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    samples = distill_mod._load_samples(out / "data", "eval")
+    pad = AutoTokenizer.from_pretrained(tiny_target).pad_token_id
+    alpha, agreement, _ = distill_mod._acceptance(target, draft, samples, pad, 8)
+    staged_alpha, staged_agreement = distill_mod._staged_acceptance(draft, samples, pad, 8)
+    assert staged_alpha == pytest.approx(alpha, abs=2e-3)  # top-k log-probs are stored in float16
+    assert staged_agreement == pytest.approx(agreement, abs=0.02)
+
+
+def test_the_draft_kept_is_the_best_held_out_check(tiny_target, tmp_path, monkeypatch):
+    scores = iter([0.2, 0.5, 0.3, 0.1])  # checks at steps 10, 20, 30, 40: the second is best
+
+    def scripted(draft, samples, pad, batch):
+        return next(scores), 0.0
+
+    monkeypatch.setattr(distill_mod, "_staged_acceptance", scripted)
+    out = tmp_path / "draft"
+    report = distill(tiny_target, out, **{**SMALL, "eval_every": 10})
+    assert report.best_step == 20
+    assert [c[:2] for c in report.heldout] == [(10, 0.2), (20, 0.5), (30, 0.3), (40, 0.1)]
+    best = torch.load(out / "train" / "checkpoint.pt", weights_only=False)["best"]
+    assert best[0] == 20
+    saved = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    for name, weight in best[2].items():
+        assert torch.equal(saved[name], weight.to(torch.float16).float()), name
+    last = torch.load(out / "train" / "checkpoint.pt", weights_only=False)["model"]
+    assert not torch.equal(last["model.norm.weight"], best[2]["model.norm.weight"])
+
+
 def test_bad_arguments_are_rejected(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="divisible"):
         distill(tiny_target, tmp_path, hidden=30, heads=4, progress=False)
