@@ -109,7 +109,7 @@ class _Settings:
     negatives: int
     seed: int
     save_dtype: str
-    eval_every: int = 200  # checkpoint and held-out check every this many steps
+    eval_every: int  # checkpoint and held-out check every this many steps
     init_from: str = ""  # a draft directory whose weights start training ("" = fresh)
 
 
@@ -491,9 +491,8 @@ def _train(
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             if step % s.eval_every == 0 or step == s.steps:
                 alpha, agreement = _staged_acceptance(draft, heldout, pad, s.batch)
-                draft.train()
                 checks.append((step, round(alpha, 4), round(agreement, 4)))
-                if best is None or alpha > best[1]:
+                if best is None or alpha >= best[1]:  # on a tie, the later (longer trained) weights
                     best = (step, alpha, {k: v.detach().clone() for k, v in draft.state_dict().items()})
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", heldout_alpha=f"{alpha:.3f}", best=best[0])
                 now = time.perf_counter()
