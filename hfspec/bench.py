@@ -9,9 +9,9 @@ rate α (the probability that one draft token is accepted), γ drafts per step a
 draft step costing c target steps, the expected speed-up is
 (1 - α^(γ+1)) / ((1 - α)(γc + 1)). α is fitted to the measured tokens per target
 pass, (1 - α^(γ+1)) / (1 - α); the share of drafts accepted is reported beside it
-but is not α (it is smaller: later drafts are only reached when earlier ones pass). Verifying γ+1 tokens is not free
-on every machine, so the bench also measures v(γ), a target forward over γ+1 new
-tokens ÷ one over a single token, and predicts (1 - α^(γ+1)) / ((1 - α)(γc + v(γ))).
+but is not α (it is smaller: later drafts are only reached when earlier ones pass).
+Verifying γ+1 tokens is not free on every machine, so the bench also measures v(γ),
+a target forward over γ+1 new tokens ÷ one over a single token, and predicts (1 - α^(γ+1)) / ((1 - α)(γc + v(γ))).
 Efficiency is the measured speed-up ÷ that prediction: what the implementation
 keeps of what the cost model promises.
 """
@@ -355,7 +355,7 @@ def acceptance(contender: Contender, runs: Sequence[Run]) -> dict[str, Any]:
     and γ draft forwards, and commits its accepted drafts plus one token.
     """
     if contender.kind == "plain":
-        return {"acceptance_rate": None, "alpha": None, "mean_accepted_length": 1.0, "mean_gamma": 0.0,
+        return {"acceptance_rate": None, "mean_accepted_length": 1.0, "mean_gamma": 0.0,
                 "acceptance_by_position": []}
     if contender.kind == "hfspec":
         stats = [r.stats for r in runs]
@@ -375,12 +375,9 @@ def acceptance(contender: Contender, runs: Sequence[Run]) -> dict[str, Any]:
         committed = sum(r.new_tokens for r in runs)
         accepted = max(0, committed - passes)
         by_position = []
-    length = committed / passes if passes else None
-    gamma = drafted / passes if passes else None
     return {"acceptance_rate": accepted / drafted if drafted else None,
-            "alpha": alpha_from_tokens_per_pass(length, max(1, round(gamma))) if length and gamma else None,
-            "mean_accepted_length": length,
-            "mean_gamma": gamma,
+            "mean_accepted_length": committed / passes if passes else None,
+            "mean_gamma": drafted / passes if passes else None,
             "acceptance_by_position": by_position}
 
 
@@ -413,13 +410,18 @@ def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], a
     tps = [r.tokens_per_second for r in runs]
     acc = acceptance(contender, runs)
     vs_plain = median_ratio(tps, [r.tokens_per_second for r in plain])
-    pred, pred_v, g = prediction(acc["alpha"], contender.gamma or acc["mean_gamma"], cost, verify_cost)
+    gamma = contender.gamma or acc["mean_gamma"]
+    # α for the cost model, fitted at the same (rounded) γ that the prediction uses.
+    alpha = (alpha_from_tokens_per_pass(acc["mean_accepted_length"], max(1, round(gamma)))
+             if gamma and acc["mean_accepted_length"] else None)
+    pred, pred_v, g = prediction(alpha, gamma, cost, verify_cost)
     row = {
         "kind": contender.kind, "schedule": contender.schedule, "gamma": contender.gamma,
         "tokens_per_second": spread(tps),
         "speedup_vs_plain": vs_plain,
         "speedup_vs_assisted": median_ratio(tps, [r.tokens_per_second for r in assisted]),
         **acc,
+        "alpha": alpha,
         "prediction_gamma": g,
         "predicted_speedup": pred,
         "predicted_speedup_v": pred_v,
