@@ -16,6 +16,8 @@ row equals the number of its committed tokens that have been fed to the model.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import DynamicCache
 
@@ -23,9 +25,17 @@ from transformers import DynamicCache
 class KVState:
     """A ``DynamicCache`` plus its 2-D attention mask (B, L), kept in step."""
 
-    def __init__(self, batch: int, device: torch.device):
+    def __init__(self, batch: int, device: torch.device, model: Any = None):
         self.cache = DynamicCache()
         self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
+
+    @staticmethod
+    def is_recurrent(model: Any) -> bool:
+        """True when ``model``'s cache keeps a recurrent state (which masked holes cannot skip)."""
+        return False
+
+    def snapshot(self) -> None:
+        """Remember the state that ``rollback`` may have to return to (key/value caches need nothing)."""
 
     @property
     def length(self) -> int:
@@ -36,11 +46,12 @@ class KVState:
         self.mask = torch.cat([self.mask, valid.to(self.mask.dtype)], dim=1)
         return self.mask
 
-    def rollback(self, keep: torch.Tensor, start: int) -> None:
+    def rollback(self, keep: torch.Tensor, start: int, ids: torch.Tensor | None = None) -> None:
         """Keep, per row, only the first ``keep[b]`` columns written since ``start``.
 
         The cache is cut back to ``start + max(keep)``; shorter rows' extra columns
-        become holes.
+        become holes. ``ids`` (B, k) are the tokens those columns read, for caches
+        that must replay them.
         """
         new_length = start + int(keep.max()) if keep.numel() else start
         removed = self.cache.get_seq_length() - new_length

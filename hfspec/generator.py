@@ -1,16 +1,16 @@
 """The speculative decoding loop: propose → verify → accept → roll back.
 
 Each step (Leviathan et al., arXiv 2211.17192, Algorithm 1; Chen et al., arXiv 2302.01318):
-1. the draft proposes γ tokens autoregressively, keeping the distributions q it drew them from;
+1. the drafter proposes γ tokens per row, with the distributions q it drew them from;
 2. the target scores the last committed token plus the γ drafts in one forward, giving p;
 3. drafts are accepted with probability min(1, p/q); the next token comes from the residual
    max(0, p - q) at the first rejection, or is the bonus token from p when all are accepted;
-4. both caches are rolled back to the accepted prefix.
+4. the target's cache is rolled back to the accepted prefix, and the drafter is told how
+   many of its drafts were kept so that it can roll back its own state.
 
-Cache invariant (checked every step): each model's cache holds every committed token
-except the last one (the *pending* token, fed at the start of the next step); the draft
-may also lack the last accepted draft after an all-accepted step (its *lag*), which it
-catches up on together with the pending token. No token is ever fed to a cache twice.
+Cache invariant (checked every step): the target's cache holds every committed token
+except the last one (the *pending* token, fed at the start of the next step). A drafter
+states and checks its own (see ``hfspec.drafters``). No token is fed to a cache twice.
 """
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, Pre
 from hfspec import config as cfg
 from hfspec import sampling
 from hfspec.cache import KVState
+from hfspec.drafters import Drafter, Features, Proposal, make_drafter
 from hfspec.errors import NumericalFault
 from hfspec.inputs import prepare_inputs
-from hfspec.models import check_causal_lm, forward, shared_vocab_size
+from hfspec.models import check_causal_lm, forward, forward_features, shared_vocab_size
 from hfspec.policy import GammaPolicy, as_policy
 from hfspec.stats import RowStats, Stats
 
@@ -45,21 +46,28 @@ class GenerateOutput:
 
 
 class SpeculativeGenerator:
-    """Lossless speculative decoding over a ``target`` and a ``draft`` causal LM."""
+    """Lossless speculative decoding: a ``draft`` proposes, the ``target`` causal LM verifies.
+
+    ``draft`` is a causal LM sharing the target's tokenizer, or any ``hfspec.drafters.Drafter``.
+    """
 
     def __init__(
         self,
         target: PreTrainedModel,
-        draft: PreTrainedModel,
+        draft: PreTrainedModel | Drafter,
         tokenizer: PreTrainedTokenizerBase | None = None,
     ):
         check_causal_lm(target, "target")
-        check_causal_lm(draft, "draft")
         self.target = target.eval()
-        self.draft = draft.eval()
+        self.drafter = make_drafter(draft, tokenizer)
         self.tokenizer = tokenizer
-        self.vocab_size = shared_vocab_size(target, draft, tokenizer)
+        self.vocab_size = shared_vocab_size(target, self.drafter.vocab_size, tokenizer)
         self.check_invariants = True
+
+    @property
+    def draft(self) -> PreTrainedModel | None:
+        """The draft model, for drafters that have one."""
+        return getattr(self.drafter, "model", None)
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str, **kwargs: Any) -> SpeculativeGenerator:
@@ -131,18 +139,22 @@ class SpeculativeGenerator:
                 streamer.end()
 
     def _context_window(self) -> int | None:
-        windows = [getattr(m.config.get_text_config(), "max_position_embeddings", None)
-                   for m in (self.target, self.draft)]
+        models = [self.target] + ([self.draft] if self.draft is not None else [])
+        windows = [getattr(m.config.get_text_config(), "max_position_embeddings", None) for m in models]
         windows = [w for w in windows if w]
         return min(windows) if windows else None
 
 
 class _Run:
-    """The state of one ``generate`` call. Rows are the active prompts; finished rows leave."""
+    """The state of one ``generate`` call. Rows are the active prompts; finished rows leave.
+
+    It is also the ``Context`` a drafter sees: ``tokens``, ``lengths``, ``pick``.
+    """
 
     def __init__(self, gen: SpeculativeGenerator, conf: GenerationConfig, processors, policy: GammaPolicy,
                  generator: torch.Generator | None, streamer: Any, window: int | None):
         self.gen, self.conf, self.processors, self.policy = gen, conf, processors, policy
+        self.drafter = gen.drafter
         self.generator, self.streamer, self.window = generator, streamer, window
         self.sample = conf.do_sample
         self.eos = cfg.eos_ids(conf)
@@ -169,7 +181,6 @@ class _Run:
         for b in range(batch):
             self.tokens[b, : self.prompt_lens[b]] = ids[b, mask[b].bool()]
         self.rows = torch.arange(batch, device=device)  # original index of each active row
-        self.lag = torch.zeros(batch, dtype=torch.long, device=device)
         self.results: dict[int, tuple[torch.Tensor, RowStats]] = {}
         self.row_counts = torch.zeros(batch, 3, dtype=torch.long)  # accepted, passes, drafted, per row
         self.t_draft = self.t_target = 0.0
@@ -177,8 +188,8 @@ class _Run:
         self.by_pos_acc: list[int] = []
         self.by_pos_drafted: list[int] = []
 
-        self.kv_target = KVState(batch, device)
-        self.kv_draft = KVState(batch, device)
+        self.kv_target = KVState(batch, device, self.gen.target)
+        self.drafter.start(batch, device)
         self.prefill(ids, mask)
         if self.streamer is not None:
             self.streamer.put(ids.cpu())
@@ -188,19 +199,26 @@ class _Run:
         return self.output(ids, start)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """Feed all prompt tokens but the last to both models (the last one is pending)."""
+        """Feed all prompt tokens but the last to the target (the last one is pending)."""
         if ids.shape[1] < 2:
             return
         prefix, prefix_mask = ids[:, :-1], mask[:, :-1]
         positions = (prefix_mask.cumsum(dim=1) - 1).clamp(min=0)
         t0 = time.perf_counter()
-        forward(self.gen.target, prefix, self.kv_target.extend_mask(prefix_mask), positions, self.kv_target.cache,
-                logits_to_keep=1)
-        t1 = time.perf_counter()
-        forward(self.gen.draft, prefix, self.kv_draft.extend_mask(prefix_mask), positions, self.kv_draft.cache,
-                logits_to_keep=1)
-        self.t_target += t1 - t0
-        self.t_draft += time.perf_counter() - t1
+        self.target_forward(prefix, prefix_mask, positions, prefix_mask.bool(), logits_to_keep=1)
+        self.t_target += time.perf_counter() - t0
+
+    def target_forward(self, feed: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+                       committed: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+        """One target forward over (B, k) new tokens; hands the drafter the features it asked for."""
+        mask = self.kv_target.extend_mask(valid)
+        layers = self.drafter.feature_layers
+        if not layers:
+            return forward(self.gen.target, feed, mask, positions, self.kv_target.cache, logits_to_keep)
+        logits, values = forward_features(self.gen.target, feed, mask, positions, self.kv_target.cache, layers,
+                                          logits_to_keep)
+        self.drafter.observe(self, Features(values.to(feed.device), positions, committed))
+        return logits
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -208,13 +226,16 @@ class _Run:
         remaining = self.limit - (self.lengths - self.prompt_lens)
         gamma = max(0, min(self.policy.gamma(), int(remaining.max()) - 1))
         t0 = time.perf_counter()
-        drafts, q = self.propose(gamma)
+        proposal = (self.drafter.propose(self, gamma, self.policy.stop) if gamma
+                    else Proposal.empty(self.rows.numel(), self.tokens.device))
+        self.draft_passes += proposal.gamma
         t1 = time.perf_counter()
-        num_accepted, next_token = self.verify(drafts, q)
+        num_accepted, next_token = self.verify(proposal)
+        self.drafter.commit(self, num_accepted)
         t2 = time.perf_counter()
         self.t_draft += t1 - t0
         self.t_target += t2 - t1
-        self.accept(gamma, num_accepted, next_token, remaining)
+        self.accept(proposal, num_accepted, next_token, remaining)
 
     def process(self, logits: torch.Tensor, extra: int) -> torch.Tensor:
         """Processed scores (B, V) for the position after each row's first ``lengths + extra`` tokens."""
@@ -229,58 +250,35 @@ class _Run:
             return self.tokens[:, : int(ends[0])]
         return [self.tokens[b, : int(e)] for b, e in enumerate(ends.tolist())]
 
-    def propose(self, gamma: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft γ tokens per row; returns drafts (B, γ) and q (B, γ, V) when sampling."""
-        batch = self.rows.numel()
-        drafts = self.tokens.new_zeros(batch, gamma)
-        if gamma == 0:
-            return drafts, None
-        self.draft_start = self.kv_draft.length
-        pending_pos = (self.lengths - 1)[:, None]
-        pending = self.tokens.gather(1, pending_pos)
-        if bool(self.lag.any()):
-            # Rows whose last step accepted every draft catch up on it; the others get a masked hole.
-            catch_pos = (pending_pos - 1).clamp(min=0)
-            feed = torch.cat([self.tokens.gather(1, catch_pos), pending], dim=1)
-            valid = torch.stack([self.lag, torch.ones_like(self.lag)], dim=1)
-            positions = torch.cat([catch_pos, pending_pos], dim=1)
-        else:
-            feed, valid, positions = pending, torch.ones_like(pending), pending_pos
-        self.draft_cols = feed.shape[1] - 1
-        qs = []
-        for i in range(gamma):
-            logits = forward(self.gen.draft, feed, self.kv_draft.extend_mask(valid), positions,
-                             self.kv_draft.cache, logits_to_keep=1)[:, -1, : self.vocab]
-            self.draft_passes += 1
-            scores = self.checked(logits.to(self.tokens.device), "draft", i)
-            if self.sample:
-                q = sampling.probs_from_logits(scores)
-                token = sampling.sample(q, self.generator)
-                qs.append(q)
-            else:
-                token = scores.argmax(dim=-1)
-            drafts[:, i] = token
-            self.tokens.scatter_(1, (self.lengths + i)[:, None], token[:, None])
-            feed, valid, positions = token[:, None], torch.ones_like(pending), (self.lengths + i)[:, None]
-        return drafts, (torch.stack(qs, dim=1) if self.sample else None)
+    def pick(self, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Draft i of each row from raw draft logits, processed like the target's (see ``Context.pick``)."""
+        scores = self.checked(logits[:, : self.vocab], "draft", i)
+        q = sampling.probs_from_logits(scores)
+        token = sampling.sample(q, self.generator) if self.sample else scores.argmax(dim=-1)
+        self.tokens.scatter_(1, (self.lengths + i)[:, None], token[:, None])
+        return token, (q if self.sample else None), q.gather(1, token[:, None]).squeeze(1)
 
-    def verify(self, drafts: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over the pending token and the drafts; accept per row."""
-        gamma = drafts.shape[1]
+        drafts, gamma = proposal.tokens, proposal.gamma
         self.target_start = self.kv_target.length
+        if gamma:  # the buffer holds the drafts: processors read them as context
+            self.tokens.scatter_(1, self.lengths[:, None] + torch.arange(gamma, device=drafts.device), drafts)
         pending = self.tokens.gather(1, (self.lengths - 1)[:, None])
-        feed = torch.cat([pending, drafts], dim=1)  # (B, γ+1)
-        positions = (self.lengths - 1)[:, None] + torch.arange(gamma + 1, device=feed.device)
-        logits = forward(self.gen.target, feed, self.kv_target.extend_mask(torch.ones_like(feed)), positions,
-                         self.kv_target.cache)[..., : self.vocab].to(self.tokens.device)
+        self.fed = torch.cat([pending, drafts], dim=1)  # (B, γ+1)
+        positions = (self.lengths - 1)[:, None] + torch.arange(gamma + 1, device=drafts.device)
+        ones = torch.ones_like(self.fed)
+        self.kv_target.snapshot()
+        # Features are handed over for every column; only those the step commits are valid.
+        committed = torch.arange(gamma + 1, device=drafts.device)[None, :] <= proposal.drafted()[:, None]
+        logits = self.target_forward(self.fed, ones, positions, committed)[..., : self.vocab]
         self.target_passes += 1
-        scores = self.checked(logits, "target", 0)  # (B, γ+1, V)
+        scores = self.checked(logits.to(self.tokens.device), "target", 0)  # (B, γ+1, V)
         if not self.sample:
-            return sampling.verify_greedy(drafts, scores.argmax(dim=-1))
+            return sampling.verify_greedy(drafts, scores.argmax(dim=-1), proposal.counts)
         p = sampling.probs_from_logits(scores)
-        if q is None:
-            q = p.new_zeros(p.shape[0], 0, p.shape[-1])
-        return sampling.verify(drafts, q, p, self.generator)
+        q = proposal.q if proposal.q is not None else sampling.one_hot(drafts, p.shape[-1])
+        return sampling.verify(drafts, q, p, self.generator, proposal.counts)
 
     def checked(self, logits: torch.Tensor, role: str, extra: int) -> torch.Tensor:
         """Process raw ``logits`` (..., V), refusing values that would silently become arbitrary tokens.
@@ -304,10 +302,10 @@ class _Run:
                                  "(every token was filtered out); relax bad_words_ids/suppress_tokens")
         return scores
 
-    def accept(self, gamma: int, num_accepted: torch.Tensor, next_token: torch.Tensor,
+    def accept(self, proposal: Proposal, num_accepted: torch.Tensor, next_token: torch.Tensor,
                remaining: torch.Tensor) -> None:
-        """Commit accepted drafts plus the next token, roll both caches back, retire finished rows."""
-        batch = self.rows.numel()
+        """Commit accepted drafts plus the next token, roll the target back, retire finished rows."""
+        gamma, drafted = proposal.gamma, proposal.drafted()
         self.tokens.scatter_(1, (self.lengths + num_accepted)[:, None], next_token[:, None])
         # Tokens this step commits per row: accepted drafts + 1, cut at max_new_tokens and at EOS.
         commit = torch.minimum(num_accepted + 1, remaining)
@@ -324,27 +322,24 @@ class _Run:
         self.lengths += commit
 
         self.policy.update(gamma, num_accepted.tolist())
-        counts = torch.stack([commit - 1, torch.ones_like(commit), torch.full_like(commit, gamma)], dim=1)
+        counts = torch.stack([commit - 1, torch.ones_like(commit), drafted], dim=1)
         self.row_counts[self.rows.cpu()] += counts.cpu()
-        accepted_at = (num_accepted[:, None] > torch.arange(gamma, device=num_accepted.device)).sum(0).tolist()
+        positions = torch.arange(gamma, device=num_accepted.device)
+        accepted_at = (num_accepted[:, None] > positions).sum(0).tolist()
+        drafted_at = (drafted[:, None] > positions).sum(0).tolist()
         while len(self.by_pos_drafted) < gamma:
             self.by_pos_drafted.append(0)
             self.by_pos_acc.append(0)
-        for i, n in enumerate(accepted_at):
-            self.by_pos_drafted[i] += batch
-            self.by_pos_acc[i] += n
+        for i in range(gamma):
+            self.by_pos_drafted[i] += drafted_at[i]
+            self.by_pos_acc[i] += accepted_at[i]
 
-        # Roll back: the target keeps pending + accepted drafts; the draft keeps what it was fed of those.
-        self.kv_target.rollback(num_accepted + 1, self.target_start)
-        if gamma > 0:
-            fed = self.draft_cols + 1 + torch.clamp(num_accepted, max=gamma - 1)
-            self.kv_draft.rollback(fed, self.draft_start)
-            self.lag = (num_accepted == gamma).long()
-
+        # Roll back: the target keeps the pending token and the accepted drafts.
+        self.kv_target.rollback(num_accepted + 1, self.target_start, self.fed)
         self.finish(has_eos | (self.lengths - self.prompt_lens >= self.limit), has_eos)
         if self.gen.check_invariants and self.rows.numel():
             self.kv_target.check(self.lengths - 1, "target")
-            self.kv_draft.check(self.lengths - 1 - self.lag, "draft")
+            self.drafter.check(self)
 
     def finish(self, finished: torch.Tensor, has_eos: torch.Tensor) -> None:
         """Store finished rows' outputs and drop them from the batch so they cost nothing more."""
@@ -362,10 +357,10 @@ class _Run:
         keep = (~finished).nonzero().flatten()
         if keep.numel() == self.rows.numel():
             return
-        for name in ("rows", "lengths", "prompt_lens", "limit", "lag", "tokens"):
+        for name in ("rows", "lengths", "prompt_lens", "limit", "tokens"):
             setattr(self, name, getattr(self, name)[keep])
         self.kv_target.select_rows(keep)
-        self.kv_draft.select_rows(keep)
+        self.drafter.select_rows(keep)
 
     def output(self, ids: torch.Tensor, start: float) -> GenerateOutput:
         batch = ids.shape[0]

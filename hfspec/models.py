@@ -36,11 +36,13 @@ def forward(
     position_ids: torch.Tensor,
     cache: Any,
     logits_to_keep: int = 0,
-) -> torch.Tensor:
+    output_hidden_states: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Run ``model`` on new tokens (B, k) with its cache; returns logits (B, k', V) in float32.
 
     Inputs are moved to the model's device; ``logits_to_keep=1`` computes the head for
-    the last position only (prefill and the draft need no more).
+    the last position only (prefill and the draft need no more). With
+    ``output_hidden_states`` the result is (logits, hidden states).
     """
     device = model.device
     kwargs = {
@@ -52,8 +54,53 @@ def forward(
     }
     if logits_to_keep:
         kwargs["logits_to_keep"] = logits_to_keep
+    if output_hidden_states:
+        out = model(**kwargs, output_hidden_states=True)
+        return out.logits.float(), out.hidden_states
     out = model(**kwargs)
     return out.logits.float()
+
+
+def decoder_layers(model: PreTrainedModel) -> Any:
+    """The list of decoder layers (``model.model.layers`` for most architectures), or None."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) else None
+
+
+def forward_features(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Any,
+    layers: tuple[int, ...],
+    logits_to_keep: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``forward`` that also returns transformers' ``hidden_states[i]`` for i in ``layers``, concatenated.
+
+    ``hidden_states[i]`` is the input of decoder layer i; it is read with pre-hooks on
+    those layers, so no other hidden state is kept. Returns (logits, (B, k, F)).
+    """
+    blocks = decoder_layers(model)
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    if blocks is not None and all(0 <= i < len(blocks) for i in layers):
+        for i in set(layers):
+            def hook(_module, args, kwargs, i=i):
+                captured[i] = args[0] if args else kwargs["hidden_states"]
+            handles.append(blocks[i].register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        if handles:
+            logits = forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep)
+        else:  # unusual layout: ask transformers for every hidden state
+            logits, hidden = forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep,
+                                     output_hidden_states=True)
+            captured = {i: hidden[i] for i in layers}
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, torch.cat([captured[i] for i in layers], dim=-1)
 
 
 def check_causal_lm(model: Any, role: str) -> None:
@@ -82,15 +129,17 @@ def model_vocab_size(model: PreTrainedModel) -> int:
 
 def shared_vocab_size(
     target: PreTrainedModel,
-    draft: PreTrainedModel,
+    draft_vocab: int | None,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> int:
-    """The token ids both models can score: ``[0, n)``.
+    """The token ids both sides can score: ``[0, n)``.
 
-    Padded embeddings (extra rows no tokenizer id maps to) are cut off, so neither
-    model can ever produce an id outside the tokenizer.
+    ``draft_vocab`` is the draft's logit width (None for a drafter without a vocabulary).
+    Padded embeddings (extra rows no tokenizer id maps to) are cut off, so neither side
+    can ever produce an id outside the tokenizer.
     """
-    v_target, v_draft = model_vocab_size(target), model_vocab_size(draft)
+    v_target = model_vocab_size(target)
+    v_draft = v_target if draft_vocab is None else draft_vocab
     if tokenizer is not None:
         n = len(tokenizer)
         if min(v_target, v_draft) < n:

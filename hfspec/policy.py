@@ -5,6 +5,7 @@ A policy only chooses γ; acceptance stays min(1, p/q), so every policy is lossl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def predicted_speedup(alpha: float, gamma: int, cost: float, verify_cost: float = 1.0) -> float:
@@ -52,10 +53,16 @@ def best_gamma(alpha: float, cost: float, verify_cost: dict[int, float] | None =
 
 
 class GammaPolicy:
-    """Interface: ``gamma()`` before a step, ``update(drafted, accepted)`` after it."""
+    """Interface: ``gamma()`` before a step, ``stop(i, confidence)`` while drafting, ``update(drafted, accepted)``
+    after it."""
 
     def gamma(self) -> int:
         raise NotImplementedError
+
+    def stop(self, drafted: int, confidence: Any) -> bool:
+        """True ends this step's drafting after ``drafted`` drafts; ``confidence`` (B,) is the drafter's
+        probability of each row's last draft."""
+        return False
 
     def update(self, drafted: int, accepted: list[int]) -> None:
         """``accepted`` holds the accepted count of each row that took part in the step."""

@@ -128,24 +128,42 @@ def check_distribution(probs: torch.Tensor, name: str, tol: float = 1e-3) -> Non
                          "negative or NaN entries); pass softmax outputs of the processed logits")
 
 
+def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The q of deterministic drafts: (B, γ) long -> (B, γ, V) float32 with a 1 at each token."""
+    q = torch.zeros(*tokens.shape, vocab, dtype=torch.float32, device=tokens.device)
+    return q.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+
+
+def draft_mask(draft_tokens: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, γ) bool, True where a row has a real draft; None when every row has γ."""
+    if counts is None:
+        return None
+    return torch.arange(draft_tokens.shape[1], device=draft_tokens.device)[None, :] < counts[:, None]
+
+
 def verify(
     draft_tokens: torch.Tensor,
     q: torch.Tensor,
     p: torch.Tensor,
     generator: torch.Generator | None = None,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling: accept each draft with probability min(1, p/q).
 
     Args:
         draft_tokens: (B, γ) long, the drafted tokens.
-        q: (B, γ, V) the draft distributions the drafts were drawn from.
+        q: (B, γ, V) the draft distributions the drafts were drawn from (one-hot for
+            deterministic drafts: then x is kept with probability p(x), and a rejection
+            resamples from p without x).
         p: (B, γ+1, V) the target distributions at the same positions plus one.
         generator: the only source of randomness.
+        counts: (B,) drafts per row when rows drafted fewer than γ; later columns are
+            padding, never accepted, and the token after a row's last draft is its bonus.
 
     Returns:
         ``(num_accepted, next_token)``, both (B,) long: the count of leading drafts
         accepted, and the token after them, drawn from the residual at the first
-        rejection or, when all γ were accepted, the bonus token from ``p[:, γ]``.
+        rejection or, when all of a row's drafts were accepted, the bonus token from p.
     """
     batch, gamma = draft_tokens.shape
     if q.shape[:2] != (batch, gamma) or p.shape[:2] != (batch, gamma + 1) or q.shape[-1] != p.shape[-1]:
@@ -153,14 +171,18 @@ def verify(
             f"verify expects draft_tokens (B, γ), q (B, γ, V), p (B, γ+1, V); got "
             f"{tuple(draft_tokens.shape)}, {tuple(q.shape)}, {tuple(p.shape)}"
         )
-    check_distribution(q, "q (draft)")
+    real = draft_mask(draft_tokens, counts)
+    if real is not None:
+        q = q * real[..., None]  # a padding column's residual is then p itself
+    check_distribution(q if real is None else q[real], "q (draft)")
     check_distribution(p, "p (target)")
     idx = draft_tokens.unsqueeze(-1)
     q_x = q.gather(-1, idx).squeeze(-1)  # (B, γ)
     p_x = p[:, :gamma].gather(-1, idx).squeeze(-1)  # (B, γ)
     u = torch.rand(q_x.shape, generator=generator, device=q_x.device, dtype=q_x.dtype)
     # u ~ U[0, 1): P(u * q <= p) = min(1, p / q), with no division.
-    num_accepted = first_rejection(u * q_x <= p_x)
+    accepted = u * q_x <= p_x
+    num_accepted = first_rejection(accepted if real is None else accepted & real)
     # A zero row after the last draft makes the residual at position γ equal p[:, γ]: the bonus token.
     q_ext = torch.cat([q, q.new_zeros(batch, 1, q.shape[-1])], dim=1)  # (B, γ+1, V)
     at = num_accepted.view(batch, 1, 1).expand(batch, 1, p.shape[-1])
@@ -170,12 +192,19 @@ def verify(
     return num_accepted, next_token
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_greedy(
+    draft_tokens: torch.Tensor,
+    target_argmax: torch.Tensor,
+    counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact greedy verification: accept while the draft equals the target's argmax.
 
     ``target_argmax`` is (B, γ+1); the next token is the target's argmax after the
     accepted drafts, so the output equals the target's own greedy decoding.
+    ``counts`` as in ``verify``.
     """
-    num_accepted = first_rejection(draft_tokens == target_argmax[:, :-1])
+    accepted = draft_tokens == target_argmax[:, :-1]
+    real = draft_mask(draft_tokens, counts)
+    num_accepted = first_rejection(accepted if real is None else accepted & real)
     next_token = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)
     return num_accepted, next_token

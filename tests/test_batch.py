@@ -73,9 +73,9 @@ def test_rows_leave_the_batch_when_they_finish(tiny_pair, monkeypatch):
     sizes = []
     original = _Run.verify
 
-    def verify(self, drafts, q):
-        sizes.append(drafts.shape[0])
-        return original(self, drafts, q)
+    def verify(self, proposal):
+        sizes.append(proposal.tokens.shape[0])
+        return original(self, proposal)
 
     monkeypatch.setattr(_Run, "verify", verify)
     target, draft, tok = tiny_pair("llama", vocab_size=16)

@@ -20,15 +20,17 @@ def pair(model_dir):
 
 
 def spy_steps(monkeypatch):
-    """Record, after every step, (accepted per row, target cache length, draft cache length, committed)."""
+    """Record, after every step, (γ, accepted per row, target cache length, draft cache length, committed,
+    committed tokens the draft has not been fed)."""
     log = []
     original = _Run.accept
 
-    def accept(self, gamma, num_accepted, next_token, remaining):
-        original(self, gamma, num_accepted, next_token, remaining)
+    def accept(self, proposal, num_accepted, next_token, remaining):
+        original(self, proposal, num_accepted, next_token, remaining)
         if self.rows.numel():
-            log.append((gamma, num_accepted.tolist(), self.kv_target.length, self.kv_draft.length,
-                        self.lengths.tolist(), self.lag.tolist()))
+            drafter = self.drafter
+            log.append((proposal.gamma, num_accepted.tolist(), self.kv_target.length, drafter.kv.length,
+                        self.lengths.tolist(), (self.lengths - drafter.fed).tolist()))
 
     monkeypatch.setattr(_Run, "accept", accept)
     return log
@@ -42,17 +44,18 @@ def test_single_row_caches_hold_exactly_the_committed_tokens(pair, kind, monkeyp
                                                             do_sample=True, seed=1)
     assert log
     accepted = set()
-    for gamma, n, t_len, d_len, lengths, lag in log:
+    for gamma, n, t_len, d_len, lengths, unfed in log:
         accepted.add(n[0] if n[0] in (0, gamma) else "mixed")
         assert t_len == lengths[0] - 1, "target cache must hold all committed tokens but the pending one"
-        assert d_len == lengths[0] - 1 - lag[0], "draft cache must hold the same, minus a lagging last draft"
+        assert d_len == lengths[0] - unfed[0], "draft cache must hold exactly the committed tokens it was fed"
+        assert unfed[0] == (2 if n[0] == gamma else 1), "only the pending token (and a last accepted draft) wait"
     expected = {"same": {4}, "close": {0, 4, "mixed"}, "unrelated": {0}}[kind]
     assert expected <= accepted, f"steps seen: {accepted}"
 
 
 def test_invariant_check_catches_a_missing_rollback(pair, monkeypatch):
     target, drafts, tok = pair
-    monkeypatch.setattr(KVState, "rollback", lambda self, keep, start: None)
+    monkeypatch.setattr(KVState, "rollback", lambda self, keep, start, ids=None: None)
     with pytest.raises(AssertionError, match="cache"):
         SpeculativeGenerator(target, drafts["unrelated"], tok).generate([[7, 8, 9]], max_new_tokens=10, gamma=3)
 

@@ -1,0 +1,147 @@
+"""Drafters: whatever proposes the tokens that the target verifies.
+
+The loop knows a drafter only through the small interface below, as vLLM's
+rejection sampler knows its proposers: ``propose`` returns γ tokens per row with
+the exact distribution ``q`` each was drawn from, and ``commit`` says how many the
+target accepted so that the drafter can roll back. A drafter that picks its tokens
+deterministically (n-gram lookup, an argmax) returns ``q=None``: its q is one-hot,
+and the acceptance rule min(1, p/q) of Leviathan et al. (arXiv 2211.17192) then
+accepts a token x with probability p(x) and resamples from p without x.
+
+Rows of a batch are the active prompts of the run, in the loop's order; a drafter
+keeps per-row state in that order and drops rows in ``select_rows``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# stop(i, confidence): after i drafts, with (B,) the drafter's probability of each row's
+# last draft, True ends the step's drafting early.
+Stop = Callable[[int, torch.Tensor], bool]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one step.
+
+    ``tokens`` (B, γ) long; ``q`` (B, γ, V) the distributions they were drawn from, or
+    ``None`` when each token was picked deterministically (a one-hot q); ``counts``
+    (B,) the drafts of each row, ≤ γ, whose later columns are padding that is never
+    accepted (``None``: γ for every row).
+    """
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+    @property
+    def gamma(self) -> int:
+        return self.tokens.shape[1]
+
+    def drafted(self) -> torch.Tensor:
+        """(B,) drafts per row."""
+        if self.counts is None:
+            return torch.full((self.tokens.shape[0],), self.gamma, dtype=torch.long, device=self.tokens.device)
+        return self.counts
+
+    @classmethod
+    def empty(cls, batch: int, device: torch.device) -> Proposal:
+        return cls(torch.zeros(batch, 0, dtype=torch.long, device=device))
+
+
+@dataclass(frozen=True)
+class Features:
+    """Target hidden states a drafter asked for, read during a target forward the loop ran anyway.
+
+    ``values`` (B, k, F) at the k fed columns; ``positions`` (B, k) the row position of the
+    token each column read; ``valid`` (B, k) bool: the column holds a committed token (not
+    padding, not a rejected draft).
+    """
+
+    values: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+class Context(Protocol):
+    """What the loop shows a drafter: the committed tokens and the shared processing."""
+
+    tokens: torch.Tensor  # (B, L): row b's committed tokens are tokens[b, :lengths[b]]
+    lengths: torch.Tensor  # (B,) committed tokens per row; the last one is pending (not yet fed to the target)
+    vocab: int  # ids [0, vocab) are the ones both sides can score
+    sample: bool  # False: greedy decoding
+    generator: torch.Generator | None
+
+    def pick(self, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Draft i of each row from raw logits (B, ≥vocab): (token (B,), q (B, V) or None when greedy,
+        confidence (B,)); processed exactly as the target's scores will be, and written to ``tokens``."""
+        ...
+
+
+class Drafter:
+    """Base class of drafters; see the module docstring for the contract."""
+
+    # transformers ``hidden_states`` indices of the target whose values ``observe`` should receive.
+    feature_layers: tuple[int, ...] = ()
+    # Logit rows the drafter can produce (padded embeddings included); None when it has no vocabulary.
+    vocab_size: int | None = None
+    # A short name for stats and errors.
+    kind: str = "drafter"
+
+    def start(self, batch: int, device: torch.device) -> None:
+        """A new generation of ``batch`` rows begins: forget per-row state."""
+
+    def observe(self, ctx: Context, features: Features) -> None:
+        """Target features of the columns a target forward just read (only with ``feature_layers``)."""
+
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+        raise NotImplementedError
+
+    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+        """After each verification: row b kept ``num_accepted[b]`` drafts of the last proposal
+        (0 for a step without one). ``ctx.lengths`` still counts the tokens before that step."""
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep only rows ``keep`` (1-D long) of the batch, in that order."""
+
+    def check(self, ctx: Context) -> None:
+        """Assert internal invariants after a step (the loop calls it when checks are on)."""
+
+    def step_seconds(self, context: list[int], device: torch.device) -> float:
+        """Seconds of one drafting step after ``context`` (measured here), for the cost model."""
+        return 0.0
+
+    @property
+    def recurrent(self) -> bool:
+        """True when the drafter's state cannot hold a masked hole, so rows must run one at a time."""
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+
+def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None, **load_kwargs: Any) -> Drafter:
+    """A drafter from what a user passes as the draft: a ``Drafter``, a loaded causal LM, or a name.
+
+    Names: ``"ngram"`` for model-free lookup, an EAGLE-3 head's directory, or any causal
+    LM that ``hfspec.loading`` can load.
+    """
+    from transformers import PreTrainedModel
+
+    from hfspec.drafters.model import ModelDrafter
+
+    if isinstance(draft, Drafter):
+        return draft
+    if isinstance(draft, PreTrainedModel):
+        return ModelDrafter(draft)
+    raise TypeError(
+        f"the draft must be a transformers PreTrainedModel or an hfspec Drafter (got {type(draft).__name__}); "
+        "load it with AutoModelForCausalLM.from_pretrained(...) or use SpeculativeGenerator.from_pretrained"
+    )

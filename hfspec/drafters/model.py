@@ -1,0 +1,124 @@
+"""The independent draft: a small causal LM sharing the target's tokenizer.
+
+The draft's cache holds the committed tokens it has been fed (``fed`` per row).
+Before drafting, it catches up on the rest in one forward: the pending token, the
+last draft of a fully accepted step, or every token of steps that drafted nothing.
+Its last output gives the first draft, so catching up costs no extra forward.
+After verification it keeps what it was fed of the accepted drafts; the last draft
+of a step is never fed, so after a fully accepted step one token waits for the next
+catch-up. No token is ever fed to its cache twice.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from transformers import PreTrainedModel
+
+from hfspec.cache import KVState
+from hfspec.drafters import Context, Drafter, Proposal, Stop
+from hfspec.models import check_causal_lm, forward, model_vocab_size
+
+
+class ModelDrafter(Drafter):
+    kind = "model"
+
+    def __init__(self, model: PreTrainedModel):
+        check_causal_lm(model, "draft")
+        self.model = model.eval()
+        self.vocab_size = model_vocab_size(model)
+        self.kv: KVState | None = None
+        self.fed = torch.zeros(0, dtype=torch.long)  # committed tokens in the cache, per row
+        self.drafts: torch.Tensor | None = None  # (B, k) the last proposal, until it is committed
+
+    @property
+    def recurrent(self) -> bool:
+        return KVState.is_recurrent(self.model)
+
+    def start(self, batch: int, device: torch.device) -> None:
+        self.kv = KVState(batch, device, self.model)
+        self.fed = torch.zeros(batch, dtype=torch.long, device=device)
+        self.drafts = None
+
+    def _unfed(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The committed tokens not yet fed, right-aligned in a (B, K) block: (ids, valid, positions)."""
+        width = int((ctx.lengths - self.fed).max())
+        positions = ctx.lengths[:, None] - width + torch.arange(width, device=ctx.lengths.device)
+        valid = positions >= self.fed[:, None]
+        positions = positions.clamp(min=0)
+        return ctx.tokens.gather(1, positions), valid.long(), positions
+
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+        feed, valid, positions = self._unfed(ctx)
+        tokens, qs = [], []
+        for i in range(gamma):
+            logits = forward(self.model, feed, self.kv.extend_mask(valid), positions, self.kv.cache,
+                             logits_to_keep=1)[:, -1]
+            if i == 0:  # caught up: everything from here on is a draft, and may be rolled back
+                self.fed = ctx.lengths.clone()
+                self.start_col = self.kv.length
+                self.kv.snapshot()
+            token, q, confidence = ctx.pick(logits.to(ctx.tokens.device), i)
+            tokens.append(token)
+            qs.append(q)
+            if i + 1 < gamma and stop is not None and stop(i + 1, confidence):
+                break
+            feed, valid, positions = token[:, None], torch.ones_like(token)[:, None], (ctx.lengths + i)[:, None]
+        self.drafts = torch.stack(tokens, dim=1)
+        return Proposal(self.drafts, torch.stack(qs, dim=1) if ctx.sample else None)
+
+    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+        if self.drafts is None:
+            return
+        # Keep the fed drafts that were accepted; the last draft of a step is never fed.
+        fed_drafts = self.drafts[:, :-1]
+        kept = torch.clamp(num_accepted, max=fed_drafts.shape[1])
+        self.kv.rollback(kept, self.start_col, fed_drafts)
+        self.fed = self.fed + kept
+        self.drafts = None
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.kv.select_rows(keep)
+        self.fed = self.fed[keep]
+
+    def check(self, ctx: Context) -> None:
+        self.kv.check(self.fed, "draft")
+
+    def step_seconds(self, context: list[int], device: torch.device, repeats: int = 5) -> float:
+        """Median seconds of one cached single-token forward after ``context``."""
+        return decode_step_seconds(self.model, context, 1, repeats, device)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "model": type(self.model).__name__,
+                "parameters": sum(p.numel() for p in self.model.parameters())}
+
+
+@torch.inference_mode()
+def decode_step_seconds(model: PreTrainedModel, context: list[int], new: int, repeats: int,
+                        device: torch.device, all_logits: bool = False) -> float:
+    """Median seconds of one forward over ``new`` tokens after a cached ``context`` (warm-up excluded)."""
+    ids = torch.tensor([list(context)], device=device)
+    kv = KVState(1, device, model)
+    forward(model, ids, kv.extend_mask(torch.ones_like(ids)), torch.arange(ids.shape[1], device=device)[None],
+            kv.cache, logits_to_keep=1)
+    start = kv.length
+    feed = ids[:, -new:] if ids.shape[1] >= new else ids[:, :1].repeat(1, new)
+    positions = torch.arange(start, start + new, device=device)[None]
+    times = []
+    for i in range(repeats + 1):
+        kv.snapshot()
+        _sync(device)
+        t0 = time.perf_counter()
+        forward(model, feed, kv.extend_mask(torch.ones_like(feed)), positions, kv.cache,
+                logits_to_keep=0 if all_logits else 1)
+        _sync(device)
+        if i:  # the first call warms up allocators and kernels
+            times.append(time.perf_counter() - t0)
+        kv.rollback(torch.zeros(1, dtype=torch.long, device=device), start, feed)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
