@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from hfspec.drafters import Drafter
 from hfspec.errors import HfspecError
 from hfspec.models import load_model, same_tokenizer
 
@@ -110,8 +111,8 @@ def load_pair(
     trust_remote_code: bool = False,
     gguf_file: str | None = None,
     tokenizer: PreTrainedTokenizerBase | str | Path | None = None,
-) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load ``(target, draft, tokenizer)`` by hub name or local path.
+) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
+    """Load ``(target, draft, tokenizer)`` by hub name or local path; the draft may be a ``Drafter``.
 
     ``dtype`` applies to both models unless ``draft_dtype`` is given. ``device_map``
     (e.g. ``"auto"``) spreads the target with accelerate; the draft then goes to
@@ -139,15 +140,22 @@ def load_pair(
     if target_dev is not None:
         target_model.to(target_dev)
 
-    draft_model = load_model(draft_path, "draft", dtype=parse_dtype(draft_dtype if draft_dtype is not None else dtype),
-                             **common)
-    draft_model.to(draft_dev if draft_dev is not None else _input_device(target_model))
+    draft_model = _load_draft(draft_path, target_model,
+                              dtype=parse_dtype(draft_dtype if draft_dtype is not None else dtype),
+                              device=draft_dev if draft_dev is not None else _input_device(target_model), **common)
 
     tok = _target_tokenizer(tokenizer, target, target_path, revision, gguf_file, trust_remote_code)
-    _check_draft_tokenizer(tok, target, draft, draft_path, trust_remote_code)
-    log.info("loaded target %s (%s, %s) and draft %s (%s, %s)", target, target_model.dtype,
-             _input_device(target_model), draft, draft_model.dtype, draft_model.device)
+    if isinstance(draft_model, PreTrainedModel):
+        _check_draft_tokenizer(tok, target, draft, draft_path, trust_remote_code)
+    log.info("loaded target %s (%s, %s) and draft %s", target, target_model.dtype, _input_device(target_model), draft)
     return target_model, draft_model, tok
+
+
+def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.dtype | str, device: torch.device,
+                trust_remote_code: bool) -> PreTrainedModel | Drafter:
+    """The draft named by ``draft_path``, on ``device``: a causal LM, or another kind of drafter."""
+    model = load_model(draft_path, "draft", dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device)
 
 
 def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: str | None,
