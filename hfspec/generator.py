@@ -205,11 +205,11 @@ class _Run:
         prefix, prefix_mask = ids[:, :-1], mask[:, :-1]
         positions = (prefix_mask.cumsum(dim=1) - 1).clamp(min=0)
         t0 = time.perf_counter()
-        self.target_forward(prefix, prefix_mask, positions, prefix_mask.bool(), logits_to_keep=1)
+        self.target_forward(prefix, prefix_mask, positions, prefix_mask.bool(), verification=False, logits_to_keep=1)
         self.t_target += time.perf_counter() - t0
 
     def target_forward(self, feed: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
-                       committed: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+                       real: torch.Tensor, verification: bool, logits_to_keep: int = 0) -> torch.Tensor:
         """One target forward over (B, k) new tokens; hands the drafter the features it asked for."""
         mask = self.kv_target.extend_mask(valid)
         layers = self.drafter.feature_layers
@@ -217,7 +217,7 @@ class _Run:
             return forward(self.gen.target, feed, mask, positions, self.kv_target.cache, logits_to_keep)
         logits, values = forward_features(self.gen.target, feed, mask, positions, self.kv_target.cache, layers,
                                           logits_to_keep)
-        self.drafter.observe(self, Features(values.to(feed.device), positions, committed))
+        self.drafter.observe(self, Features(values.to(feed.device), positions, real, verification))
         return logits
 
     # -- one step ----------------------------------------------------------------------------
@@ -269,9 +269,8 @@ class _Run:
         positions = (self.lengths - 1)[:, None] + torch.arange(gamma + 1, device=drafts.device)
         ones = torch.ones_like(self.fed)
         self.kv_target.snapshot()
-        # Features are handed over for every column; only those the step commits are valid.
-        committed = torch.arange(gamma + 1, device=drafts.device)[None, :] <= proposal.drafted()[:, None]
-        logits = self.target_forward(self.fed, ones, positions, committed)[..., : self.vocab]
+        real = torch.arange(gamma + 1, device=drafts.device)[None, :] <= proposal.drafted()[:, None]
+        logits = self.target_forward(self.fed, ones, positions, real, verification=True)[..., : self.vocab]
         self.target_passes += 1
         scores = self.checked(logits.to(self.tokens.device), "target", 0)  # (B, γ+1, V)
         if not self.sample:

@@ -61,13 +61,16 @@ class Features:
     """Target hidden states a drafter asked for, read during a target forward the loop ran anyway.
 
     ``values`` (B, k, F) at the k fed columns; ``positions`` (B, k) the row position of the
-    token each column read; ``valid`` (B, k) bool: the column holds a committed token (not
-    padding, not a rejected draft).
+    token each column read; ``valid`` (B, k) bool: the column read a real token (not padding,
+    not a padding draft). Columns of the prefill are committed as they come; those of a
+    verification (``verification=True``: the pending token, then the drafts) are committed
+    for the first ``num_accepted + 1`` columns, which the next ``commit`` tells.
     """
 
     values: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor
+    verification: bool
 
 
 class Context(Protocol):
