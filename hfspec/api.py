@@ -110,7 +110,7 @@ def complete(
     *,
     preset: Preset,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    gamma: int | GammaPolicy | None = None,
+    gamma: int | str | GammaPolicy | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -156,7 +156,7 @@ def generate(
     draft: str | Path | None = None,
     config: str | Path | Preset | None = None,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    gamma: int | GammaPolicy | None = None,
+    gamma: int | str | GammaPolicy | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -175,7 +175,8 @@ def generate(
     (a shipped name such as ``"qwen2.5-7b"`` or a JSON path), or by default the
     offline SmolLM2 pair. Settings left as ``None`` come from the preset, then from
     the target's generation config; ``do_sample`` defaults to greedy and ``chat``
-    to off (on for the default pair). ``gamma`` is γ, the drafts per step, or a
+    to off (on for the default pair). ``gamma`` is γ, the drafts per step, ``"auto"``
+    (the default of every shipped preset: chosen at every step, see ``AutoGamma``) or a
     ``GammaPolicy``. ``seed`` makes sampling reproducible. ``load_kwargs`` go to
     ``hfspec.loading.load_pair`` (``dtype``, ``device``, ``device_map``, ...).
     With ``return_stats`` the result is ``(text, stats)``.

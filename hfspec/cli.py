@@ -62,7 +62,12 @@ def _number(kind: type, check, rule: str):
     return parse
 
 
-gamma_value = _number(int, lambda v: v >= 1, ">= 1")
+_gamma_number = _number(int, lambda v: v >= 1, ">= 1 or 'auto'")
+
+
+def gamma_value(text: str) -> int | str:
+    return "auto" if text.strip().lower() == "auto" else _gamma_number(text)
+
 batch_value = _number(int, lambda v: v >= 1, ">= 1")
 count_value = _number(int, lambda v: v >= 0, ">= 0")
 temperature_value = _number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)")
@@ -115,8 +120,11 @@ def _add_generate(sub) -> None:
                       "(default: the preset's, else auto)")
 
     spec = p.add_argument_group("speculation")
-    spec.add_argument("--gamma", type=gamma_value, metavar="N", help="γ: draft tokens per verification step, >= 1 "
-                      "(default: the preset's, else 4; the starting value with --adaptive heuristic)")
+    spec.add_argument("--gamma", type=gamma_value, metavar="N|auto", help="γ: draft tokens per verification step, >= 1, "
+                      "or 'auto' to choose γ from 0 (plain decoding) upwards at every step from costs measured on "
+                      "this machine and the acceptance seen so far "
+                      "(default: the preset's, which is auto for every shipped preset; with --adaptive heuristic "
+                      "the starting value)")
     spec.add_argument("--adaptive", choices=["heuristic", "cost"],
                       help="choose γ as decoding goes: 'heuristic' grows γ after fully accepted steps and "
                       "shrinks it otherwise; 'cost' picks the γ with the best predicted speedup from the "
@@ -301,7 +309,9 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _policy(args: argparse.Namespace, preset: Preset, gen) -> int | GammaPolicy | None:
     if args.adaptive is None:
         return args.gamma
-    start = args.gamma if args.gamma is not None else preset.gamma
+    if args.gamma == "auto":
+        raise HfspecError("--adaptive chooses γ itself; give it a number (--gamma N) as the start, or drop --adaptive")
+    start = args.gamma if args.gamma is not None else preset.gamma if isinstance(preset.gamma, int) else 4
     if args.adaptive == "heuristic":
         return HeuristicGamma(value=start)
     cost = args.draft_cost
@@ -312,8 +322,10 @@ def _policy(args: argparse.Namespace, preset: Preset, gen) -> int | GammaPolicy 
 
 
 def _stats_line(stats) -> str:
+    histogram = " ".join(f"{g}:{n}" for g, n in enumerate(stats.gamma_histogram) if n)
     return (f"hfspec: acceptance rate {stats.acceptance_rate:.1%} | mean accepted length "
-            f"{stats.mean_accepted_length:.2f} tokens/pass | {stats.tokens_per_second:.1f} tokens/s | "
+            f"{stats.mean_accepted_length:.2f} tokens/pass | γ per step {stats.mean_gamma:.2f} "
+            f"(steps by γ {histogram or '-'}) | {stats.tokens_per_second:.1f} tokens/s | "
             f"{stats.committed} tokens in {stats.time_total:.2f} s")
 
 

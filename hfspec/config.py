@@ -105,7 +105,8 @@ def eos_ids(config: GenerationConfig) -> list[int]:
 
 def check_gamma(gamma: Any) -> int:
     if isinstance(gamma, bool) or not isinstance(gamma, int):
-        raise TypeError(f"gamma (γ, drafts per step) must be a positive integer, got {gamma!r}")
+        raise TypeError(f"gamma (γ, drafts per step) must be a positive integer, 'auto' or a GammaPolicy, "
+                        f"got {gamma!r}")
     if gamma < 1:
         raise ValueError(f"gamma (γ, drafts per step) must be >= 1, got {gamma}")
     return gamma

@@ -24,13 +24,14 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import config as cfg
-from hfspec import sampling
+from hfspec import costs, sampling
 from hfspec.cache import KVState
 from hfspec.drafters import Drafter, Features, Proposal, make_drafter
 from hfspec.errors import NumericalFault
 from hfspec.inputs import prepare_inputs
 from hfspec.models import check_causal_lm, forward, forward_features, shared_vocab_size
-from hfspec.policy import GammaPolicy, as_policy
+from hfspec.costs import Costs
+from hfspec.policy import GammaPolicy, Step, Tuning, as_policy
 from hfspec.stats import RowStats, Stats
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,22 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self.vocab_size = shared_vocab_size(target, self.drafter.vocab_size, tokenizer)
         self.check_invariants = True
+        self.tuning = Tuning()  # gamma="auto": the costs measured here and the acceptance seen so far
+
+    def measure_costs(self, context: Sequence[int] | None = None, force: bool = False) -> Costs:
+        """Time the target over 1..K+1 new tokens and one drafting step on this machine (once; ``force``
+        measures again). ``context`` (token ids) fills the caches first; a stand-in is used without one."""
+        if self.tuning.costs is None or force:
+            ids = list(context or [0])
+            ids = (ids * (64 // len(ids) + 1))[-64:]  # costs depend on the cache length a little: a realistic one
+            window = self._context_window()
+            if window is not None:  # context plus the largest verification must fit the position embeddings
+                self.tuning.maximum = max(1, min(self.tuning.maximum, window // 2 - 1))
+                ids = ids[-(window - self.tuning.maximum - 1):]
+            device = self.target.get_output_embeddings().weight.device
+            self.tuning.costs = costs.measure(self.target, self.drafter, ids, self.tuning.maximum, device)
+            log.info("measured costs: %s", self.tuning.costs.to_dict())
+        return self.tuning.costs
 
     @property
     def draft(self) -> PreTrainedModel | None:
@@ -83,7 +100,7 @@ class SpeculativeGenerator:
         attention_mask: torch.Tensor | None = None,
         *,
         max_new_tokens: int | None = None,
-        gamma: int | GammaPolicy = 4,
+        gamma: int | str | GammaPolicy = "auto",
         do_sample: bool | None = None,
         temperature: float | None = None,
         top_k: int | None = None,
@@ -108,7 +125,10 @@ class SpeculativeGenerator:
         ``generation_config`` and then from the target's generation config. ``do_sample``
         defaults to greedy; ``temperature=0`` also means greedy (exact argmax, equal to
         ``target.generate(do_sample=False)``). ``gamma`` (γ) is the number of drafts per
-        step, or a ``GammaPolicy``. Randomness comes only from ``generator`` (or a new
+        step, a ``GammaPolicy``, or ``"auto"``: γ from 0 (plain decoding) to K chosen each
+        step from costs measured on this machine at the first call and the acceptance seen
+        so far, drafting stopped early when the drafter is unsure (see ``AutoGamma``).
+        Randomness comes only from ``generator`` (or a new
         one seeded with ``seed``; with neither, torch's global generator).
         ``on_context_limit``: ``"error"`` refuses prompts that would run past the models'
         context window; ``"stop"`` ends such rows there, with stop reason ``"context"``.
@@ -122,10 +142,14 @@ class SpeculativeGenerator:
             no_repeat_ngram_size=no_repeat_ngram_size, bad_words_ids=bad_words_ids,
             suppress_tokens=suppress_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         )
-        policy = as_policy(gamma)
         window = self._context_window()
         ids, mask = prepare_inputs(input_ids, attention_mask, self.tokenizer, self.vocab_size, window,
                                    conf.max_new_tokens if on_context_limit == "error" else 1, conf.bos_token_id)
+        if isinstance(gamma, str) and gamma == "auto":
+            self.measure_costs(ids[0, mask[0].bool()].tolist())
+            self.tuning.setting = (conf.do_sample, conf.temperature, conf.top_k, conf.top_p, conf.min_p) \
+                if conf.do_sample else False
+        policy = as_policy(gamma, self.tuning)
         if streamer is not None and ids.shape[0] != 1:
             raise ValueError("a streamer needs a single prompt (batch size 1); drop streamer= for batches")
         device = self.target.get_output_embeddings().weight.device
@@ -187,6 +211,8 @@ class _Run:
         self.target_passes = self.draft_passes = 0
         self.by_pos_acc: list[int] = []
         self.by_pos_drafted: list[int] = []
+        self.gamma_counts: list[int] = []  # steps by the width of their proposal
+        self.policy.begin(batch)
 
         self.kv_target = KVState(batch, device, self.gen.target)
         self.drafter.start(batch, device)
@@ -224,17 +250,21 @@ class _Run:
 
     def step(self) -> None:
         remaining = self.limit - (self.lengths - self.prompt_lens)
-        gamma = max(0, min(self.policy.gamma(), int(remaining.max()) - 1))
+        gamma = max(0, min(self.policy.gamma(self.rows.cpu()), int(remaining.max()) - 1))
         t0 = time.perf_counter()
+        self.confidence: list[torch.Tensor] = []
         proposal = (self.drafter.propose(self, gamma, self.policy.stop) if gamma
                     else Proposal.empty(self.rows.numel(), self.tokens.device))
         self.draft_passes += proposal.gamma
         t1 = time.perf_counter()
         num_accepted, next_token = self.verify(proposal)
         self.drafter.commit(self, num_accepted)
+        self.kv_target.rollback(num_accepted + 1, self.target_start, self.fed)  # pending + accepted drafts
         t2 = time.perf_counter()
         self.t_draft += t1 - t0
         self.t_target += t2 - t1
+        self.policy.update(Step(self.rows.cpu(), proposal.gamma, proposal.drafted().cpu(), num_accepted.cpu(),
+                                torch.stack(self.confidence, 1).cpu() if self.confidence else None, t1 - t0, t2 - t1))
         self.accept(proposal, num_accepted, next_token, remaining)
 
     def process(self, logits: torch.Tensor, extra: int) -> torch.Tensor:
@@ -256,7 +286,9 @@ class _Run:
         q = sampling.probs_from_logits(scores)
         token = sampling.sample(q, self.generator) if self.sample else scores.argmax(dim=-1)
         self.tokens.scatter_(1, (self.lengths + i)[:, None], token[:, None])
-        return token, (q if self.sample else None), q.gather(1, token[:, None]).squeeze(1)
+        confidence = q.gather(1, token[:, None]).squeeze(1)
+        self.confidence.append(confidence)
+        return token, (q if self.sample else None), confidence
 
     def verify(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over the pending token and the drafts; accept per row."""
@@ -320,7 +352,9 @@ class _Run:
             self.streamer.put(new[0, : int(commit[0])].cpu())
         self.lengths += commit
 
-        self.policy.update(gamma, num_accepted.tolist())
+        while len(self.gamma_counts) <= gamma:
+            self.gamma_counts.append(0)
+        self.gamma_counts[gamma] += 1
         counts = torch.stack([commit - 1, torch.ones_like(commit), drafted], dim=1)
         self.row_counts[self.rows.cpu()] += counts.cpu()
         positions = torch.arange(gamma, device=num_accepted.device)
@@ -333,8 +367,6 @@ class _Run:
             self.by_pos_drafted[i] += drafted_at[i]
             self.by_pos_acc[i] += accepted_at[i]
 
-        # Roll back: the target keeps the pending token and the accepted drafts.
-        self.kv_target.rollback(num_accepted + 1, self.target_start, self.fed)
         self.finish(has_eos | (self.lengths - self.prompt_lens >= self.limit), has_eos)
         if self.gen.check_invariants and self.rows.numel():
             self.kv_target.check(self.lengths - 1, "target")
@@ -376,6 +408,7 @@ class _Run:
             drafted=sum(r.drafted for r in rows), accepted=sum(r.accepted for r in rows),
             committed=sum(r.committed for r in rows),
             accepted_by_position=tuple(self.by_pos_acc), drafted_by_position=tuple(self.by_pos_drafted),
+            gamma_histogram=tuple(self.gamma_counts),
             time_draft=self.t_draft, time_target=self.t_target, time_total=time.perf_counter() - start,
             rows=rows,
         )

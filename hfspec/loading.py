@@ -208,7 +208,7 @@ class Preset:
     target: str  # hub name, local path, or "offline"
     draft: str  # hub name, local path, or "shipped"
     description: str = ""
-    gamma: int = 4  # γ: drafts per verification step
+    gamma: int | str = "auto"  # γ: drafts per verification step, or "auto" (chosen at every step)
     dtype: str = "auto"  # weights of both models: auto, float32, float16, bfloat16
     draft_dtype: str | None = None  # the draft's own dtype, if different
     chat: bool = False  # wrap prompts in the tokenizer's chat template
@@ -234,7 +234,7 @@ class Preset:
 
 _REQUIRED = ("name", "target", "draft")
 _TYPES: dict[str, tuple[type, ...]] = {
-    "name": (str,), "target": (str,), "draft": (str,), "description": (str,), "gamma": (int,),
+    "name": (str,), "target": (str,), "draft": (str,), "description": (str,), "gamma": (int, str),
     "dtype": (str,), "draft_dtype": (str,), "chat": (bool,), "system": (str,), "gguf_file": (str,),
     "revision": (str,), "trust_remote_code": (bool,), "do_sample": (bool,), "temperature": (int, float),
     "top_k": (int,), "top_p": (int, float), "repetition_penalty": (int, float),
@@ -293,8 +293,9 @@ def _check_values(path: Path, data: dict[str, Any]) -> None:
     def bad(key: str, rule: str) -> HfspecError:
         return HfspecError(f"preset {path}: {key} must be {rule}, got {data[key]!r}")
 
-    if data.get("gamma", 1) < 1:
-        raise bad("gamma", ">= 1")
+    gamma = data.get("gamma", "auto")
+    if gamma != "auto" and (isinstance(gamma, str) or gamma < 1):
+        raise bad("gamma", "an integer >= 1 or \"auto\"")
     for key in ("dtype", "draft_dtype"):
         if data.get(key) is not None and data[key].lower() not in DTYPES:
             raise bad(key, "one of " + ", ".join(DTYPES))

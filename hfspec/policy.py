@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from hfspec.costs import Costs
+
 
 def predicted_speedup(alpha: float, gamma: int, cost: float, verify_cost: float = 1.0) -> float:
     """Expected speedup of Leviathan et al. (arXiv 2211.17192, Thm 3.8), with a verification cost.
@@ -52,27 +56,44 @@ def best_gamma(alpha: float, cost: float, verify_cost: dict[int, float] | None =
                key=lambda pair: pair[1])
 
 
-class GammaPolicy:
-    """Interface: ``gamma()`` before a step, ``stop(i, confidence)`` while drafting, ``update(drafted, accepted)``
-    after it."""
+@dataclass(frozen=True)
+class Step:
+    """What one step did, for the policy to learn from. Tensors are CPU, one entry per active row."""
 
-    def gamma(self) -> int:
+    rows: torch.Tensor  # (B,) long: each row's index in the call's batch
+    gamma: int  # the proposal's width: drafts per row at most (0: a plain step)
+    drafted: torch.Tensor  # (B,) long: drafts each row really proposed (≤ γ)
+    accepted: torch.Tensor  # (B,) long: drafts each row kept
+    confidence: torch.Tensor | None  # (B, drafted.max()) the drafter's probability of each draft, if it gave one
+    draft_seconds: float  # wall time of drafting (catching up included)
+    verify_seconds: float  # wall time of the verification forward, acceptance and rollback
+
+
+class GammaPolicy:
+    """Chooses γ: ``begin(batch)`` once per call, ``gamma(rows)`` before a step, ``stop(i, confidence)``
+    while drafting, ``update(step)`` after it."""
+
+    def begin(self, batch: int) -> None:
+        """A generate call of ``batch`` rows starts."""
+
+    def gamma(self, rows: torch.Tensor) -> int:
+        """Drafts to ask for in the next step; ``rows`` (B,) are the active rows' indices in the batch."""
         raise NotImplementedError
 
-    def stop(self, drafted: int, confidence: Any) -> bool:
+    def stop(self, drafted: int, confidence: torch.Tensor) -> bool:
         """True ends this step's drafting after ``drafted`` drafts; ``confidence`` (B,) is the drafter's
         probability of each row's last draft."""
         return False
 
-    def update(self, drafted: int, accepted: list[int]) -> None:
-        """``accepted`` holds the accepted count of each row that took part in the step."""
+    def update(self, step: Step) -> None:
+        """Learn from the step just taken."""
 
 
 @dataclass
 class FixedGamma(GammaPolicy):
     value: int
 
-    def gamma(self) -> int:
+    def gamma(self, rows: torch.Tensor) -> int:
         return self.value
 
     def __str__(self) -> str:
@@ -86,11 +107,11 @@ class HeuristicGamma(GammaPolicy):
     value: int = 5
     maximum: int = 16
 
-    def gamma(self) -> int:
+    def gamma(self, rows: torch.Tensor) -> int:
         return self.value
 
-    def update(self, drafted: int, accepted: list[int]) -> None:
-        if drafted and all(a == drafted for a in accepted):
+    def update(self, step: Step) -> None:
+        if step.gamma and bool((step.accepted == step.drafted).all()):
             self.value = min(self.maximum, self.value + 2)
         else:
             self.value = max(1, self.value - 1)
@@ -99,14 +120,34 @@ class HeuristicGamma(GammaPolicy):
         return "heuristic"
 
 
+class Evidence:
+    """Exponentially decayed Bernoulli counts of draft acceptance, with a prior worth ``weight`` trials.
+
+    A run of n accepts then a rejection is n successes in n+1 trials; n == drafted
+    is drafted successes and no failure.
+    """
+
+    def __init__(self, prior: float, weight: float, decay: float):
+        self.accepted, self.trials, self.decay = prior * weight, weight, decay
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.trials if self.trials > 0 else 0.0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.accepted = self.decay * self.accepted + accepted
+            self.trials = self.decay * self.trials + accepted + (1 if accepted < drafted else 0)
+
+
 @dataclass
 class CostModelGamma(GammaPolicy):
     """Pick the γ that maximises the predicted speedup from running estimates.
 
-    α is estimated per drafted token from exponentially decayed counts of accepted
-    drafts and Bernoulli trials; c and v(γ) are given (measured by the caller, e.g.
-    ``hfspec bench``). The prior α, worth ``prior_weight`` trials, keeps the first
-    steps sensible before evidence accrues.
+    α is estimated per drafted token from decayed counts (``Evidence``); c and v(γ)
+    are given (measured by the caller, e.g. ``hfspec bench``). The prior α, worth
+    ``prior_weight`` trials, keeps the first steps sensible before evidence accrues.
+    ``gamma="auto"`` (``AutoGamma``) measures c and v(γ) itself and may choose γ = 0.
     """
 
     cost: float
@@ -115,35 +156,190 @@ class CostModelGamma(GammaPolicy):
     prior_alpha: float = 0.6
     prior_weight: float = 2.0
     decay: float = 0.98
-    _accepted: float = 0.0
-    _trials: float = 0.0
 
     def __post_init__(self) -> None:
-        # The prior is pseudo-evidence: it decays like real evidence as steps accrue.
-        self._accepted = self.prior_alpha * self.prior_weight
-        self._trials = self.prior_weight
+        self.evidence = Evidence(self.prior_alpha, self.prior_weight, self.decay)
 
     @property
     def alpha(self) -> float:
-        return self._accepted / self._trials
+        return self.evidence.alpha
 
-    def gamma(self) -> int:
+    def gamma(self, rows: torch.Tensor) -> int:
         return best_gamma(min(self.alpha, 0.999), self.cost, self.verify_cost, self.maximum)[0]
 
-    def update(self, drafted: int, accepted: list[int]) -> None:
-        # A run of n accepts then a rejection is n successes in n+1 Bernoulli trials;
-        # n == drafted is drafted successes and no failure.
-        for n in accepted:
-            self._accepted = self.decay * self._accepted + n
-            self._trials = self.decay * self._trials + n + (1 if n < drafted else 0)
+    def update(self, step: Step) -> None:
+        for d, n in zip(step.drafted.tolist(), step.accepted.tolist()):
+            self.evidence.add(d, n)
 
     def __str__(self) -> str:
         return "cost-model"
 
 
-def as_policy(gamma: int | GammaPolicy) -> GammaPolicy:
+def as_policy(gamma: int | str | GammaPolicy, tuning: Tuning | None = None) -> GammaPolicy:
+    """A policy from what a caller passes as ``gamma``: a number, ``"auto"`` or a policy."""
     from hfspec.config import check_gamma
 
     if isinstance(gamma, GammaPolicy):
         return gamma
+    if isinstance(gamma, str) and gamma == "auto":
+        if tuning is None:
+            raise ValueError("gamma='auto' needs the generator's measured costs; pass it to SpeculativeGenerator.generate")
+        return AutoGamma(tuning)
     return FixedGamma(check_gamma(gamma))
+
+
+# -- auto: speculation that pays on the machine at hand -------------------------------------------
+
+
+class Calibration:
+    """How often a draft is accepted, by the drafter's own probability of it (decayed counts in bins).
+
+    A drafter's confidence is a hint, not a probability of acceptance: the bins learn
+    what it is worth. Until a bin has evidence, an estimate takes the overall α, or the
+    confidence itself where that is lower (a drafter that says it is unsure is believed).
+    """
+
+    def __init__(self, bins: int = 10, weight: float = 4.0, decay: float = 0.999):
+        self.bins, self.weight, self.decay = bins, weight, decay
+        self.accepted = torch.zeros(bins, dtype=torch.float64)
+        self.trials = torch.zeros(bins, dtype=torch.float64)
+
+    def index(self, confidence: torch.Tensor) -> torch.Tensor:
+        return (confidence.double().clamp(0, 1) * self.bins).long().clamp(max=self.bins - 1)
+
+    def predict(self, confidence: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+        """Estimated acceptance (B,) of drafts with ``confidence`` (B,); ``fallback`` (B,) is the prior."""
+        i = self.index(confidence)
+        prior = torch.minimum(fallback, confidence.double())
+        return (self.accepted[i] + self.weight * prior) / (self.trials[i] + self.weight)
+
+    def add(self, confidence: torch.Tensor, reached: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Drafts with ``confidence`` (B, k); ``reached`` those whose fate was decided, ``accepted`` those kept."""
+        i = self.index(confidence[reached])
+        self.accepted.mul_(self.decay).index_add_(0, i, accepted[reached].double())
+        self.trials.mul_(self.decay).index_add_(0, i, torch.ones_like(i, dtype=torch.float64))
+
+
+@dataclass
+class Tuning:
+    """What a generator learns across calls: its measured costs and how well its drafter does.
+
+    ``memory`` holds acceptance evidence per sampling setting (greedy and each
+    temperature accept differently); a call starts each prompt from it.
+    """
+
+    costs: Costs | None = None
+    memory: dict[Any, Evidence] = field(default_factory=dict)
+    calibration: dict[Any, Calibration] = field(default_factory=dict)
+    setting: Any = None  # the current call's sampling setting, the key of memory and calibration
+    maximum: int = 8  # largest γ considered; costs are measured for 1..maximum+1 new tokens
+
+    def evidence(self) -> Evidence:
+        return self.memory.setdefault(self.setting, Evidence(prior=0.5, weight=2.0, decay=0.995))
+
+    def calibrated(self) -> Calibration:
+        return self.calibration.setdefault(self.setting, Calibration())
+
+
+class AutoGamma(GammaPolicy):
+    """``gamma="auto"``: the γ in 0..K with the best expected tokens per second, step by step.
+
+    For each step it maximises, over γ, the expected committed tokens of the active rows
+    (Leviathan et al., arXiv 2211.17192: (1 - α^(γ+1)) / (1 - α) per row, with each row's
+    own running α) divided by the time the step will take (γ drafting steps plus a target
+    forward over γ+1 tokens, from the measured and refined ``Costs``). γ = 0 is plain
+    decoding. While plain decoding wins, a probe step with drafts now and then (ever rarer
+    while probes fail) notices when acceptance rises again.
+
+    Within a step, drafting stops early when the drafter's probabilities, calibrated by
+    what was accepted before, say that drafting on can no longer raise the step's
+    expected tokens per second (the threshold is that comparison, not a constant).
+    Only γ is chosen here; acceptance stays min(1, p/q), so every choice is lossless.
+    """
+
+    row_weight = 4.0  # trials' worth of the generator's memory a new prompt starts from
+    row_decay = 0.95
+    probe_every = 8  # plain steps before the first probe
+    probe_max = 256  # plain steps between probes at most
+
+    def __init__(self, tuning: Tuning):
+        if tuning.costs is None:
+            raise ValueError("AutoGamma needs measured costs (Tuning.costs)")
+        self.tuning, self.costs = tuning, tuning.costs
+        self.maximum = min(tuning.maximum, self.costs.max_gamma)
+        self.calibration = tuning.calibrated()
+        self.plain_steps, self.interval, self.probing = 0, self.probe_every, False
+        self.after_plain = True  # the next drafting step also catches up on every token since
+
+    def begin(self, batch: int) -> None:
+        memory = self.tuning.evidence()
+        self.accepted = torch.full((batch,), memory.alpha * self.row_weight, dtype=torch.float64)
+        self.trials = torch.full((batch,), self.row_weight, dtype=torch.float64)
+
+    def alphas(self, rows: torch.Tensor) -> torch.Tensor:
+        return (self.accepted[rows] / self.trials[rows]).clamp(0.0, 0.99)
+
+    def gamma(self, rows: torch.Tensor) -> int:
+        rows = rows.cpu()
+        self.rows, self.alpha = rows, self.alphas(rows)
+        self.reach = torch.ones_like(self.alpha)  # P(every draft so far is accepted), per row
+        self.expected = float(rows.numel())  # expected tokens of the step with the drafts so far
+        gamma, _ = self.best(0, self.reach, self.expected)
+        self.probing = False
+        if gamma == 0:
+            self.plain_steps += 1
+            if self.plain_steps >= self.interval:  # probe: draft anyway, to learn whether it pays again
+                self.plain_steps, self.interval = 0, min(2 * self.interval, self.probe_max)
+                self.probing = True
+                gamma, _ = self.best(0, self.reach, self.expected, at_least=1)
+        else:
+            self.plain_steps, self.interval = 0, self.probe_every
+        self.chosen = gamma
+        return gamma
+
+    def best(self, drafted: int, reach: torch.Tensor, expected: float, at_least: int | None = None) -> tuple[int, float]:
+        """The γ ≥ ``drafted`` with the best expected tokens per second, and that rate."""
+        batch = self.rows.numel()
+        t_draft = self.costs.draft_seconds(batch)
+        best, rate = drafted, -1.0
+        future = torch.zeros_like(reach)
+        for g in range(drafted, self.maximum + 1):
+            if g > drafted:
+                future = future + reach * self.alpha ** (g - drafted)
+            if at_least is not None and g < at_least:
+                continue
+            r = (expected + float(future.sum())) / (g * t_draft + self.costs.verify_seconds(batch, g + 1))
+            if r > rate:
+                best, rate = g, r
+        return best, rate
+
+    def stop(self, drafted: int, confidence: torch.Tensor) -> bool:
+        accept = self.calibration.predict(confidence.cpu(), self.alpha)
+        self.reach = self.reach * accept
+        self.expected += float(self.reach.sum())
+        if drafted >= self.chosen:
+            return True
+        return self.best(drafted, self.reach, self.expected)[0] == drafted
+
+    def update(self, step: Step) -> None:
+        memory = self.tuning.evidence()
+        drafted, accepted = step.drafted.tolist(), step.accepted.tolist()
+        if self.probing and any(d and n == d for d, n in zip(drafted, accepted)):
+            self.interval = self.probe_every  # a probe that paid: look again soon
+        for row, d, n in zip(step.rows.tolist(), drafted, accepted):
+            if d:
+                self.accepted[row] = self.row_decay * self.accepted[row] + n
+                self.trials[row] = self.row_decay * self.trials[row] + n + (1 if n < d else 0)
+                memory.add(d, n)
+        if step.confidence is not None and step.confidence.numel():
+            k = torch.arange(step.confidence.shape[1])[None, :]
+            reached = (k <= step.accepted[:, None]) & (k < step.drafted[:, None])
+            self.calibration.add(step.confidence, reached, k < step.accepted[:, None])
+        batch = step.rows.numel()
+        self.costs.record_verify(batch, step.gamma + 1, step.verify_seconds)
+        if step.gamma and not self.after_plain:  # after plain steps, drafting began with a long catch-up
+            self.costs.record_draft(batch, step.draft_seconds / step.gamma)
+        self.after_plain = step.gamma == 0
+
+    def __str__(self) -> str:
+        return "auto"

@@ -34,6 +34,7 @@ class Stats:
     committed: int
     accepted_by_position: tuple[int, ...]  # accepts at draft position i (verification counts)
     drafted_by_position: tuple[int, ...]
+    gamma_histogram: tuple[int, ...]  # steps by γ, the width of their proposal (0: a plain step)
     time_draft: float  # seconds in draft forwards (prefill included) and draft sampling
     time_target: float  # seconds in target forwards (prefill included) and verification
     time_total: float
@@ -52,6 +53,7 @@ class Stats:
             committed=sum(s.committed for s in parts),
             accepted_by_position=add([s.accepted_by_position for s in parts]),
             drafted_by_position=add([s.drafted_by_position for s in parts]),
+            gamma_histogram=add([s.gamma_histogram for s in parts]),
             time_draft=sum(s.time_draft for s in parts), time_target=sum(s.time_target for s in parts),
             time_total=sum(s.time_total for s in parts), rows=tuple(r for s in parts for r in s.rows),
         )
@@ -70,6 +72,12 @@ class Stats:
         return tuple(a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position))
 
     @property
+    def mean_gamma(self) -> float:
+        """γ per step, averaged over steps (plain steps count as 0)."""
+        steps = sum(self.gamma_histogram)
+        return sum(g * n for g, n in enumerate(self.gamma_histogram)) / steps if steps else 0.0
+
+    @property
     def time_overhead(self) -> float:
         return max(0.0, self.time_total - self.time_draft - self.time_target)
 
@@ -80,7 +88,7 @@ class Stats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["rows"] = [dict(asdict(r), mean_accepted_length=r.mean_accepted_length) for r in self.rows]
-        for name in ("acceptance_rate", "mean_accepted_length", "acceptance_by_position",
+        for name in ("acceptance_rate", "mean_accepted_length", "acceptance_by_position", "mean_gamma",
                      "time_overhead", "tokens_per_second"):
             d[name] = getattr(self, name)
         return d

@@ -10,9 +10,6 @@ catch-up. No token is ever fed to its cache twice.
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 from transformers import PreTrainedModel
 
@@ -87,38 +84,10 @@ class ModelDrafter(Drafter):
 
     def step_seconds(self, context: list[int], device: torch.device, repeats: int = 5) -> float:
         """Median seconds of one cached single-token forward after ``context``."""
-        return decode_step_seconds(self.model, context, 1, repeats, device)
+        from hfspec.costs import forward_seconds
+
+        return forward_seconds(self.model, context, (1,), repeats, device, all_logits=False)[1]
 
     def describe(self) -> dict:
         return {"kind": self.kind, "model": type(self.model).__name__,
                 "parameters": sum(p.numel() for p in self.model.parameters())}
-
-
-@torch.inference_mode()
-def decode_step_seconds(model: PreTrainedModel, context: list[int], new: int, repeats: int,
-                        device: torch.device, all_logits: bool = False) -> float:
-    """Median seconds of one forward over ``new`` tokens after a cached ``context`` (warm-up excluded)."""
-    ids = torch.tensor([list(context)], device=device)
-    kv = KVState(1, device, model)
-    forward(model, ids, kv.extend_mask(torch.ones_like(ids)), torch.arange(ids.shape[1], device=device)[None],
-            kv.cache, logits_to_keep=1)
-    start = kv.length
-    feed = ids[:, -new:] if ids.shape[1] >= new else ids[:, :1].repeat(1, new)
-    positions = torch.arange(start, start + new, device=device)[None]
-    times = []
-    for i in range(repeats + 1):
-        kv.snapshot()
-        _sync(device)
-        t0 = time.perf_counter()
-        forward(model, feed, kv.extend_mask(torch.ones_like(feed)), positions, kv.cache,
-                logits_to_keep=0 if all_logits else 1)
-        _sync(device)
-        if i:  # the first call warms up allocators and kernels
-            times.append(time.perf_counter() - t0)
-        kv.rollback(torch.zeros(1, dtype=torch.long, device=device), start, feed)
-    return statistics.median(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -1,0 +1,131 @@
+"""What a step costs on the machine at hand: measured once per generator, refined by real steps.
+
+A speculative step drafts γ tokens and verifies them in one target forward over γ+1
+tokens. On a GPU that forward costs about as much as a single-token one; on a CPU it
+does not, and by how much depends on the machine (a 49k-row output layer that is
+repacked at every small-batch GEMM call makes 4 rows cost 2× a single row on one CPU
+and 1.3× on another). So nothing here is a constant: the target's forward over 1..K+1
+new tokens and one drafting step are timed where hfspec runs, after a filled cache,
+and every real step then refines the table with what it actually took, sampling and
+bookkeeping included.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hfspec.cache import KVState
+from hfspec.models import forward
+
+# Weight of a new observation in the running averages of real step times.
+_EMA = 0.2
+
+
+@torch.inference_mode()
+def forward_seconds(model: Any, context: Sequence[int], sizes: Sequence[int], repeats: int,
+                    device: torch.device, all_logits: bool = True) -> dict[int, float]:
+    """Median seconds of one forward over k new tokens after a cached ``context``, for each k in ``sizes``.
+
+    The sizes take their turns round-robin (one warm-up round first), so a drift of
+    the machine hits them alike; the cache is rolled back after every forward.
+    """
+    ids = torch.tensor([list(context)], device=device)
+    kv = KVState(1, device, model)
+    forward(model, ids, kv.extend_mask(torch.ones_like(ids)), torch.arange(ids.shape[1], device=device)[None],
+            kv.cache, logits_to_keep=1)
+    start = kv.length
+    times: dict[int, list[float]] = {k: [] for k in sizes}
+    for r in range(repeats + 1):
+        for k in sizes:
+            feed = ids[:, -k:] if ids.shape[1] >= k else ids[:, :1].repeat(1, k)
+            positions = torch.arange(start, start + k, device=device)[None]
+            kv.snapshot()
+            _sync(device)
+            t0 = time.perf_counter()
+            forward(model, feed, kv.extend_mask(torch.ones_like(feed)), positions, kv.cache,
+                    logits_to_keep=0 if all_logits else 1)
+            _sync(device)
+            if r:
+                times[k].append(time.perf_counter() - t0)
+            kv.rollback(torch.zeros(1, dtype=torch.long, device=device), start, feed)
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Costs:
+    """Seconds per target forward over k new tokens and per drafting step, by batch size.
+
+    ``verify[k]`` and ``draft`` are the measurements (batch 1); real steps add running
+    averages per (batch, k) that take precedence. For a batch size never seen, the
+    batch-1 table is scaled by what the nearest observed batch size costs relative to it.
+    """
+
+    verify: dict[int, float]
+    draft: float
+    seconds_measuring: float = 0.0
+    observed_verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    observed_draft: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def max_gamma(self) -> int:
+        return max(self.verify) - 1
+
+    def verify_seconds(self, batch: int, k: int) -> float:
+        if (batch, k) in self.observed_verify:
+            return self.observed_verify[(batch, k)]
+        base = self.verify[min(k, max(self.verify))]
+        seen = [(b, kk) for b, kk in self.observed_verify if b == batch] or list(self.observed_verify)
+        if not seen:
+            return base
+        # Scale by the observed/measured ratio of the closest observation (same batch first).
+        b, kk = min(seen, key=lambda key: (abs(key[0] - batch), abs(key[1] - k)))
+        return base * self.observed_verify[(b, kk)] / self.verify[min(kk, max(self.verify))]
+
+    def draft_seconds(self, batch: int) -> float:
+        return self.observed_draft.get(batch, self.draft)
+
+    def record_verify(self, batch: int, k: int, seconds: float) -> None:
+        old = self.observed_verify.get((batch, k))
+        if old is None:  # the first observation may carry one-off costs: start from the prediction
+            old = self.verify_seconds(batch, k)
+        self.observed_verify[(batch, k)] = (1 - _EMA) * old + _EMA * seconds
+
+    def record_draft(self, batch: int, seconds_per_step: float) -> None:
+        old = self.observed_draft.get(batch, self.draft)
+        self.observed_draft[batch] = (1 - _EMA) * old + _EMA * seconds_per_step
+
+    @property
+    def c(self) -> float:
+        """A drafting step ÷ a single-token target forward (Leviathan et al.'s c), batch 1."""
+        return self.draft_seconds(1) / self.verify_seconds(1, 1)
+
+    def v(self, gamma: int, batch: int = 1) -> float:
+        """A target forward over γ+1 new tokens ÷ one over 1 token."""
+        return self.verify_seconds(batch, gamma + 1) / self.verify_seconds(batch, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target_step_ms": 1e3 * self.verify_seconds(1, 1), "draft_step_ms": 1e3 * self.draft_seconds(1),
+            "c": self.c, "v": {str(g): self.v(g) for g in range(1, self.max_gamma + 1)},
+            "measured_target_ms": {str(k): 1e3 * t for k, t in self.verify.items()},
+            "measured_draft_ms": 1e3 * self.draft, "seconds_measuring": self.seconds_measuring,
+        }
+
+
+def measure(target: Any, drafter: Any, context: Sequence[int], max_gamma: int, device: torch.device,
+            repeats: int = 3) -> Costs:
+    """Time the target over 1..max_gamma+1 new tokens and one drafting step after ``context``."""
+    t0 = time.perf_counter()
+    verify = forward_seconds(target, context, range(1, max_gamma + 2), repeats, device)
+    draft = drafter.step_seconds(list(context), device)
+    return Costs(verify, draft, seconds_measuring=time.perf_counter() - t0)

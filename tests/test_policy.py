@@ -1,0 +1,140 @@
+"""γ policies on scripted costs and acceptances: what they choose, and when they stop drafting."""
+from __future__ import annotations
+
+import torch
+
+from hfspec.costs import Costs
+from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, Tuning
+
+ROW = torch.tensor([0])
+
+
+def step(gamma: int, accepted: list[int], confidence: list[list[float]] | None = None, drafted: list[int] | None = None,
+         draft_seconds: float | None = None, verify_seconds: float | None = None, costs: Costs | None = None) -> Step:
+    """A scripted step; by default it took exactly what ``costs`` predict."""
+    rows = torch.arange(len(accepted))
+    drafted_t = torch.tensor(drafted if drafted is not None else [gamma] * len(accepted))
+    if costs is not None:
+        draft_seconds = gamma * costs.draft if draft_seconds is None else draft_seconds
+        verify_seconds = costs.verify[gamma + 1] if verify_seconds is None else verify_seconds
+    return Step(rows, gamma, drafted_t, torch.tensor(accepted),
+                None if confidence is None else torch.tensor(confidence, dtype=torch.float32),
+                draft_seconds or 0.0, verify_seconds or 0.0)
+
+
+def cpu_costs(draft_ms: float = 4.0, v: tuple[float, ...] = (1.16, 1.34, 2.30, 2.01, 2.2, 2.4, 2.6, 2.8)) -> Costs:
+    """A 40 ms target step whose forward over k tokens costs v(k-1) times that (an AVX-512 CPU's profile)."""
+    step_s = 0.040
+    return Costs({1: step_s, **{g + 1: step_s * x for g, x in enumerate(v, start=1)}}, draft_ms / 1e3)
+
+
+def auto(costs: Costs, prior: float | None = None, batch: int = 1) -> AutoGamma:
+    tuning = Tuning(costs=costs)
+    if prior is not None:
+        tuning.evidence().accepted, tuning.evidence().trials = prior * 100, 100.0
+    policy = AutoGamma(tuning)
+    policy.begin(batch)
+    return policy
+
+
+def test_cost_model_follows_the_acceptance_rate():
+    policy = CostModelGamma(cost=0.05)
+    for _ in range(50):
+        policy.update(step(4, [4]))  # every draft accepted: the estimate of α rises, and so does γ
+    assert policy.alpha > 0.9 and policy.gamma(ROW) == 8
+    for _ in range(200):
+        policy.update(step(4, [0]))
+    assert policy.alpha < 0.1 and policy.gamma(ROW) == 1
+
+
+def test_heuristic_grows_after_full_acceptance_and_shrinks_otherwise():
+    policy = HeuristicGamma(value=3)
+    policy.update(step(3, [3]))
+    assert policy.gamma(ROW) == 5
+    policy.update(step(5, [2]))
+    assert policy.gamma(ROW) == 4
+
+
+def test_auto_picks_plain_decoding_when_nothing_pays():
+    costs = cpu_costs()
+    policy = auto(costs, prior=0.05)
+    assert policy.gamma(ROW) == 0
+    # A free verification and a free draft pay even for a poor draft.
+    flat = Costs({k: 0.040 for k in range(1, 10)}, 0.0)
+    assert auto(flat, prior=0.05).gamma(ROW) >= 1
+
+
+def test_auto_follows_the_measured_verification_cost_not_a_formula():
+    # Verifying 2..3 tokens is cheap, 4+ dear (this CPU): a good draft still stops at γ = 2.
+    costs = cpu_costs(v=(1.05, 1.10, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0))
+    assert auto(costs, prior=0.8).gamma(ROW) == 2
+    # On a machine where 5 tokens cost no more than 2 (the EPYC's dip), γ = 4 wins.
+    costs = cpu_costs(v=(1.63, 2.01, 1.46, 1.22, 3.0, 3.0, 3.0, 3.0))
+    assert auto(costs, prior=0.6).gamma(ROW) == 4
+
+
+def test_auto_comes_back_when_acceptance_rises():
+    costs = cpu_costs()
+    policy = auto(costs, prior=0.05)
+    chosen = []
+    for _ in range(400):
+        g = policy.gamma(ROW)
+        chosen.append(g)
+        # The draft has become perfect: every probe is fully accepted.
+        policy.update(step(g, [g], confidence=[[0.9] * g] if g else None, costs=costs))
+    assert chosen[0] == 0, "starts from the poor acceptance the generator remembers"
+    assert chosen.count(0) < 20, "a probe notices the change within a few plain steps"
+    assert chosen[-1] >= 2
+
+
+def test_probes_get_rarer_while_they_fail():
+    costs = cpu_costs()
+    policy = auto(costs, prior=0.05)
+    probes = []
+    for i in range(600):
+        g = policy.gamma(ROW)
+        if g:
+            probes.append(i)
+        policy.update(step(g, [0] * 1, confidence=[[0.1] * g] if g else None, costs=costs))
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0]
+
+
+def test_auto_stops_drafting_early_on_low_confidence():
+    costs = cpu_costs(v=(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0))
+    policy = auto(costs, prior=0.7)
+    # Teach the calibration: confident drafts are accepted, unsure ones are not.
+    for i in range(300):
+        policy.gamma(ROW)
+        if i % 3:
+            policy.update(step(4, [4], confidence=[[0.95] * 4], costs=costs))
+        else:
+            policy.update(step(4, [1], confidence=[[0.95, 0.1, 0.1, 0.1]], costs=costs))
+    gamma = policy.gamma(ROW)
+    assert gamma >= 4
+    assert not policy.stop(1, torch.tensor([0.95])), "a confident draft: draft on"
+    assert policy.stop(2, torch.tensor([0.05])), "an unsure draft: the next ones will hardly be accepted"
+
+
+def test_auto_measures_nothing_itself_and_keeps_real_step_times():
+    costs = cpu_costs()
+    policy = auto(costs, prior=0.6)
+    g = policy.gamma(ROW)
+    before = costs.verify_seconds(1, g + 1)
+    for _ in range(30):  # the real verification turns out 3x dearer than measured
+        policy.gamma(ROW)
+        policy.update(step(g, [1], confidence=[[0.5] * g], costs=costs, verify_seconds=3 * before))
+    assert costs.verify_seconds(1, g + 1) > 2.5 * before
+    assert policy.gamma(ROW) != g or g == 0
+
+
+def test_rows_keep_their_own_acceptance():
+    costs = cpu_costs(v=(1.0,) * 8)
+    policy = auto(costs, prior=0.5, batch=2)
+    for _ in range(100):
+        policy.gamma(torch.tensor([0, 1]))
+        policy.update(Step(torch.tensor([0, 1]), 3, torch.tensor([3, 3]), torch.tensor([3, 0]), None, 0.012, 0.04))
+    alpha = policy.alphas(torch.tensor([0, 1]))
+    assert alpha[0] > 0.9 and alpha[1] < 0.1
+    # The good row alone is worth drafting for; the bad row alone is not.
+    assert policy.gamma(torch.tensor([0])) > policy.gamma(torch.tensor([1]))
