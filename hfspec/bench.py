@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from hfspec.cache import KVState
+from hfspec.costs import forward_seconds
+from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
-from hfspec.loading import load_pair, load_preset
-from hfspec.models import forward
+from hfspec.loading import load_draft, load_pair, load_preset
 from hfspec.policy import (
     CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, alpha_from_tokens_per_pass, predicted_speedup,
 )
@@ -46,22 +46,32 @@ from hfspec.stats import Stats
 log = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "bench.jsonl"
+MAIN = "draft"  # the drafter key of the main draft
+USELESS = "useless"  # random weights of the main draft's shape: a draft that cannot help
 
 DESCRIPTION = """\
-Measure one target/draft pair in one process. Contenders, interleaved per prompt:
+Measure one target with its draft (and other drafters) in one process. Contenders, interleaved per prompt:
   plain             the target's own generate()
   assisted          transformers assisted generation, γ drafts per step, constant schedule
-  assisted-default  transformers assisted generation with its default schedule
+  assisted-default  transformers assisted generation with its defaults (what users get)
+  prompt-lookup     transformers prompt lookup (prompt_lookup_num_tokens), with --drafters ngram
+  hfspec-auto       hfspec with its default settings (gamma="auto")
   hfspec            hfspec, fixed γ
   hfspec-heuristic  hfspec, γ +2 after a fully accepted step, -1 otherwise
-  hfspec-cost       hfspec, γ chosen by the cost model from the measured c and v(γ)
+  hfspec-cost       hfspec, γ chosen by the cost model from the bench's measured c and v(γ)
+  auto:NAME         hfspec's defaults with another drafter (--drafters): 'useless' (random weights of the
+                    draft's own shape: the control), 'ngram', 'hybrid' (the draft plus n-gram lookup), or a
+                    path (an EAGLE-3 head or another draft model); assisted-default:useless for transformers
 Reported per contender and sampling mode: tokens/s (median and quartiles over
-prompts), speed-up vs plain and vs assisted (medians of per-prompt ratios),
-acceptance (acc: drafts accepted ÷ drafted; α: the per-token rate of the cost
-model, fitted to tokens per target pass), tokens per target pass, the predicted speed-up
-(1-α^(γ+1))/((1-α)(γc+1)), the same with v(γ) for the 1, and efficiency
-(measured ÷ predicted with v). At greedy, every contender's tokens are checked
-against plain's. Then a fixed-γ sweep (--gammas) and a batch row (--batch-size).
+prompts), speed-up vs plain, vs assisted at the same γ and vs assisted-default
+(medians of per-prompt ratios), acceptance (acc: drafts accepted ÷ drafted; α: the
+per-token rate of the cost model, fitted to tokens per target pass), tokens per
+target pass, γ per step, the predicted speed-up (1-α^(γ+1))/((1-α)(γc+1)), the same
+with v(γ) for the 1, and efficiency (measured ÷ predicted with v). For every hfspec
+contender with gamma="auto": the costs it measured and the γ it chose, step by step
+(a histogram). At greedy, every contender's tokens are checked against plain's.
+Then a fixed-γ sweep (--gammas) and a batch row (--batch-size). The machine (CPU
+model name, torch threads) is printed and saved with every result.
 """
 
 
@@ -92,21 +102,34 @@ class Mode:
 @dataclass(frozen=True)
 class Contender:
     name: str  # key in the results, e.g. "hfspec" or "hfspec-g3"
-    kind: str  # "plain", "assisted" or "hfspec"
+    kind: str  # "plain", "assisted", "lookup" or "hfspec"
     gamma: int | None  # drafts per step; None for plain and for schedules that choose it
-    schedule: str  # "-", "constant", "transformers-default", "fixed", "heuristic" or "cost-model"
+    schedule: str  # "-", "constant", "transformers-default", "fixed", "heuristic", "cost-model" or "auto"
+    drafter: str = MAIN  # which drafter: the main draft, or a name from --drafters
 
 
-def contenders(gamma: int, gammas: Sequence[int]) -> tuple[list[Contender], list[Contender]]:
-    """The main field and the extra fixed-γ points of the sweep (γ itself is the main ``hfspec``)."""
-    main = [
-        Contender("plain", "plain", None, "-"),
-        Contender("assisted", "assisted", gamma, "constant"),
-        Contender("assisted-default", "assisted", None, "transformers-default"),
+def contenders(gamma: int, gammas: Sequence[int], drafters: Sequence[str] = (), assisted: bool = True,
+               lookup_tokens: int = 10) -> tuple[list[Contender], list[Contender]]:
+    """The main field and the extra fixed-γ points of the sweep (γ itself is the main ``hfspec``).
+
+    ``assisted`` is False when the main draft is not a model transformers can assist with.
+    """
+    main = [Contender("plain", "plain", None, "-")]
+    if assisted:
+        main += [Contender("assisted", "assisted", gamma, "constant"),
+                 Contender("assisted-default", "assisted", None, "transformers-default")]
+    if "ngram" in drafters:
+        main.append(Contender("prompt-lookup", "lookup", lookup_tokens, "transformers-default"))
+    main += [
+        Contender("hfspec-auto", "hfspec", None, "auto"),
         Contender("hfspec", "hfspec", gamma, "fixed"),
         Contender("hfspec-heuristic", "hfspec", None, "heuristic"),
         Contender("hfspec-cost", "hfspec", None, "cost-model"),
     ]
+    for name in drafters:
+        main.append(Contender(f"auto:{name}", "hfspec", None, "auto", drafter=name))
+        if name == USELESS and assisted:
+            main.append(Contender(f"assisted-default:{name}", "assisted", None, "transformers-default", drafter=name))
     sweep = [Contender(f"hfspec-g{g}", "hfspec", g, "fixed") for g in gammas if g != gamma]
     return main, sweep
 
@@ -200,6 +223,9 @@ def assistant_settings(draft: torch.nn.Module, gamma: int | None):
     the draft is unsure; 0 disables that stopping criterion. ``gamma=None`` leaves
     transformers' defaults in place (20 tokens, constant, threshold 0.4).
     """
+    if draft is None:  # prompt lookup or another drafter: nothing to set
+        yield
+        return
     saved = copy.deepcopy(draft.generation_config)
     try:
         if gamma is not None:
@@ -212,12 +238,19 @@ def assistant_settings(draft: torch.nn.Module, gamma: int | None):
 
 
 class Bench:
-    """A target/draft pair and the means to run every contender on it."""
+    """A target, its draft model and other drafters, and the means to run every contender on them."""
 
     def __init__(self, target: Any, draft: Any, tokenizer: Any, *, max_new_tokens: int, gamma: int = 4,
-                 seed: int = 0):
-        self.target, self.draft, self.tokenizer = target.eval(), draft.eval(), tokenizer
-        self.spec = SpeculativeGenerator(target, draft, tokenizer)
+                 seed: int = 0, drafters: dict[str, Any] | None = None):
+        self.target, self.tokenizer = target.eval(), tokenizer
+        self.specs = {MAIN: SpeculativeGenerator(target, draft, tokenizer)}
+        self.draft = self.specs[MAIN].draft  # the draft model, None for other drafters
+        self.assistants = {MAIN: self.draft}
+        for name, drafter in (drafters or {}).items():
+            if name == USELESS:
+                drafter = self.assistants[USELESS] = useless_copy(self.draft, seed)
+            self.specs[name] = SpeculativeGenerator(target, drafter, tokenizer)
+        self.spec = self.specs[MAIN]
         self.max_new_tokens = max_new_tokens
         self.gamma = gamma  # where the heuristic schedule starts, as transformers' does
         self.seed = seed
@@ -237,8 +270,10 @@ class Bench:
         ids = torch.where(mask.bool(), ids, torch.full_like(ids, self.pad))
         return ids.to(self.device), mask.to(self.device)
 
-    def policy(self, contender: Contender) -> GammaPolicy:
-        """A fresh γ policy per call: policies keep state."""
+    def policy(self, contender: Contender) -> GammaPolicy | str:
+        """A fresh γ policy per call: policies keep state (``"auto"`` keeps it on the generator)."""
+        if contender.schedule == "auto":
+            return "auto"
         if contender.schedule == "heuristic":
             return HeuristicGamma(value=self.gamma)
         if contender.schedule == "cost-model":
@@ -248,7 +283,8 @@ class Bench:
     def run(self, contender: Contender, rows: Sequence[Sequence[int]], mode: Mode, seed: int,
             serial: bool = False) -> Run:
         """Generate for ``rows`` (one batch, or one at a time with ``serial``) and time it."""
-        counters = CallCounter(self.target), CallCounter(self.draft)
+        assistant = self.assistants.get(contender.drafter) or self.specs[contender.drafter].draft
+        counters = [CallCounter(self.target)] + ([CallCounter(assistant)] if assistant is not None else [])
         try:
             with torch.inference_mode():
                 self._sync()
@@ -264,7 +300,7 @@ class Bench:
         finally:
             for c in counters:
                 c.close()
-        return Run(tokens, seconds, counters[0].calls, counters[1].calls, stats)
+        return Run(tokens, seconds, counters[0].calls, counters[1].calls if len(counters) > 1 else 0, stats)
 
     def _generate(self, contender: Contender, rows: Sequence[Sequence[int]], mode: Mode,
                   seed: int) -> tuple[list[list[int]], Stats | None]:
@@ -272,16 +308,19 @@ class Bench:
         n = self.max_new_tokens
         if contender.kind == "hfspec":
             generator = torch.Generator(device=self.device).manual_seed(seed) if mode.do_sample else None
-            out = self.spec.generate(ids, mask, max_new_tokens=n, gamma=self.policy(contender), generator=generator,
-                                     pad_token_id=self.pad, **mode.kwargs())
+            out = self.specs[contender.drafter].generate(ids, mask, max_new_tokens=n, gamma=self.policy(contender),
+                                                         generator=generator, pad_token_id=self.pad, **mode.kwargs())
             new = out.sequences[:, out.prompt_length:].tolist()
             return [trim(t, self.eos, r.committed) for t, r in zip(new, out.stats.rows)], out.stats
         # transformers samples from torch's global generator.
         torch.manual_seed(seed)
         extra: dict[str, Any] = {}
+        assistant = self.assistants.get(contender.drafter)
         if contender.kind == "assisted":
-            extra["assistant_model"] = self.draft
-        with assistant_settings(self.draft, contender.gamma):
+            extra["assistant_model"] = assistant
+        elif contender.kind == "lookup":
+            extra["prompt_lookup_num_tokens"] = contender.gamma
+        with assistant_settings(assistant, contender.gamma if contender.kind == "assisted" else None):
             out = self.target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
                                        pad_token_id=self.pad, **mode.kwargs(), **extra)
         return [trim(t, self.eos) for t in out[:, ids.shape[1]:].tolist()], None
@@ -293,10 +332,13 @@ class Bench:
     # -- costs --------------------------------------------------------------------------------
 
     def measure_costs(self, context: Sequence[int], gammas: Sequence[int], repeats: int = 20) -> dict[str, Any]:
-        """c = draft step ÷ target step, v(γ) = target over γ+1 tokens ÷ target over 1, both with caches."""
-        t_target = {k: self._step_seconds(self.target, context, k, repeats, keep_all=True)
-                    for k in sorted({1, *(g + 1 for g in gammas)})}
-        t_draft = self._step_seconds(self.draft, context, 1, repeats, keep_all=False)
+        """c = draft step ÷ target step, v(γ) = target over γ+1 tokens ÷ target over 1, both with caches.
+
+        These feed the cost-model contender and the predictions; each ``hfspec-auto``
+        contender measures its own at its first call, as a user's generator does.
+        """
+        t_target = forward_seconds(self.target, context, sorted({1, *(g + 1 for g in gammas)}), repeats, self.device)
+        t_draft = self.spec.drafter.step_seconds(list(context), self.device)
         self.cost = t_draft / t_target[1]
         self.verify_cost = {g: t_target[g + 1] / t_target[1] for g in sorted(set(gammas))}
         return {"c": self.cost, "v": {str(g): v for g, v in self.verify_cost.items()},
@@ -304,27 +346,21 @@ class Bench:
                 "target_ms": {str(k): 1e3 * t for k, t in t_target.items()}, "context_tokens": len(context),
                 "repeats": repeats}
 
-    @torch.inference_mode()
-    def _step_seconds(self, model: Any, context: Sequence[int], new: int, repeats: int, keep_all: bool) -> float:
-        """Median seconds of one cached forward over ``new`` tokens after ``context`` (after warm-up)."""
-        ids = torch.tensor([list(context)], device=self.device)
-        kv = KVState(1, self.device)
-        forward(model, ids, kv.extend_mask(torch.ones_like(ids)), torch.arange(ids.shape[1], device=self.device)[None],
-                kv.cache, logits_to_keep=1)
-        start = kv.length
-        feed = ids[:, -new:] if ids.shape[1] >= new else ids[:, :1].repeat(1, new)
-        positions = torch.arange(start, start + new, device=self.device)[None]
-        times = []
-        for i in range(repeats + 3):
-            self._sync()
-            t0 = time.perf_counter()
-            forward(model, feed, kv.extend_mask(torch.ones_like(feed)), positions, kv.cache,
-                    logits_to_keep=0 if keep_all else 1)
-            self._sync()
-            if i >= 3:  # the first calls warm up allocators and kernels
-                times.append(time.perf_counter() - t0)
-            kv.rollback(torch.zeros(1, dtype=torch.long, device=self.device), start)
-        return statistics.median(times)
+    def auto_costs(self, context: Sequence[int]) -> dict[str, Any]:
+        """Each drafter's generator measures its costs as gamma="auto" does at a first call; returns them."""
+        return {name: spec.measure_costs(context).to_dict() for name, spec in self.specs.items()}
+
+
+def useless_copy(draft: Any, seed: int) -> Any:
+    """A draft of ``draft``'s own architecture and size with random weights: it costs the same and helps nothing."""
+    from transformers import AutoModelForCausalLM
+
+    if draft is None:
+        raise HfspecError("the 'useless' control needs a draft model (it copies the draft's shape)")
+    torch.manual_seed(seed + 12345)
+    model = AutoModelForCausalLM.from_config(draft.config).to(dtype=draft.dtype, device=draft.device)
+    model.generation_config = copy.deepcopy(draft.generation_config)
+    return model.eval()
 
 
 # -- summaries -------------------------------------------------------------------------------
@@ -353,32 +389,28 @@ def acceptance(contender: Contender, runs: Sequence[Run]) -> dict[str, Any]:
     hfspec counts these itself. For transformers they come from forward counts:
     each assisted round is one target forward (the first also reads the prompt)
     and γ draft forwards, and commits its accepted drafts plus one token.
+    Prompt lookup drafts without forwards, so only its tokens per pass are known.
     """
     if contender.kind == "plain":
         return {"acceptance_rate": None, "mean_accepted_length": 1.0, "mean_gamma": 0.0,
-                "acceptance_by_position": []}
+                "acceptance_by_position": [], "gamma_histogram": []}
+    histogram: list[int] = []
     if contender.kind == "hfspec":
-        stats = [r.stats for r in runs]
-        drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
-        passes = sum(s.target_passes for s in stats)
-        width = max(len(s.drafted_by_position) for s in stats)
-        acc_pos, dr_pos = [0] * width, [0] * width
-        for s in stats:
-            for i, (a, d) in enumerate(zip(s.accepted_by_position, s.drafted_by_position)):
-                acc_pos[i] += a
-                dr_pos[i] += d
-        by_position = [a / d if d else 0.0 for a, d in zip(acc_pos, dr_pos)]
-        committed = sum(s.committed for s in stats)
+        stats = Stats.combine([r.stats for r in runs])
+        drafted, accepted, passes = stats.drafted, stats.accepted, stats.target_passes
+        by_position = list(stats.acceptance_by_position)
+        committed = stats.committed
+        histogram = list(stats.gamma_histogram)
     else:
-        drafted = sum(r.draft_calls for r in runs)
         passes = sum(r.target_calls for r in runs)
         committed = sum(r.new_tokens for r in runs)
         accepted = max(0, committed - passes)
+        drafted = sum(r.draft_calls for r in runs) if contender.kind == "assisted" else None
         by_position = []
     return {"acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_length": committed / passes if passes else None,
-            "mean_gamma": drafted / passes if passes else None,
-            "acceptance_by_position": by_position}
+            "mean_gamma": drafted / passes if passes and drafted is not None else None,
+            "acceptance_by_position": by_position, "gamma_histogram": histogram}
 
 
 def prediction(alpha: float | None, gamma: float | None, cost: float,
@@ -404,9 +436,10 @@ def mismatches(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[in
     return found
 
 
-def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], assisted: Sequence[Run],
-              cost: float, verify_cost: dict[int, float], greedy: bool) -> dict[str, Any]:
-    """Everything reported for one contender in one mode."""
+def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], assisted: Sequence[Run] | None,
+              cost: float, verify_cost: dict[int, float], greedy: bool,
+              assisted_default: Sequence[Run] | None = None) -> dict[str, Any]:
+    """Everything reported for one contender in one mode (``assisted*`` are None without a draft model)."""
     tps = [r.tokens_per_second for r in runs]
     acc = acceptance(contender, runs)
     vs_plain = median_ratio(tps, [r.tokens_per_second for r in plain])
@@ -417,9 +450,12 @@ def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], a
     pred, pred_v, g = prediction(alpha, gamma, cost, verify_cost)
     row = {
         "kind": contender.kind, "schedule": contender.schedule, "gamma": contender.gamma,
+        "drafter": contender.drafter,
         "tokens_per_second": spread(tps),
         "speedup_vs_plain": vs_plain,
-        "speedup_vs_assisted": median_ratio(tps, [r.tokens_per_second for r in assisted]),
+        "speedup_vs_assisted": median_ratio(tps, [r.tokens_per_second for r in assisted]) if assisted else None,
+        "speedup_vs_assisted_default": (median_ratio(tps, [r.tokens_per_second for r in assisted_default])
+                                        if assisted_default else None),
         **acc,
         "alpha": alpha,
         "prediction_gamma": g,
@@ -447,6 +483,7 @@ class Settings:
     batch_repeats: int = 2
     cost_repeats: int = 20
     progress: bool = True
+    lookup_tokens: int = 10  # transformers' prompt_lookup_num_tokens, for the prompt-lookup contender
 
 
 def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Settings) -> dict[str, Any]:
@@ -456,9 +493,11 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
     encoded = [encode(bench.tokenizer, p["prompt"]) for p in prompts]
     gammas = tuple(sorted({*settings.gammas, settings.gamma}))
     costs = bench.measure_costs(encoded[0], range(1, max(gammas) + 1), settings.cost_repeats)
-    main, sweep = contenders(settings.gamma, gammas)
+    extra = [name for name in bench.specs if name != MAIN]
+    main, sweep = contenders(settings.gamma, gammas, extra, assisted=bench.draft is not None,
+                             lookup_tokens=settings.lookup_tokens)
     field = main + sweep
-    result: dict[str, Any] = {"costs": costs, "modes": {}}
+    result: dict[str, Any] = {"costs": costs, "auto_costs": bench.auto_costs(encoded[0]), "modes": {}}
     for m, mode in enumerate(settings.modes):
         seed = bench.seed + 1000 * m
         for i in tqdm(range(settings.warmup), desc=f"warm-up ({mode.name})", disable=not settings.progress,
@@ -471,8 +510,8 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
             for c in field:  # interleaved: A B C A B C ...
                 runs[c.name].append(bench.run(c, [ids], mode, seed + i))
         greedy = not mode.do_sample
-        table = {c.name: summarize(c, runs[c.name], runs["plain"], runs["assisted"], bench.cost,
-                                   bench.verify_cost, greedy) for c in field}
+        table = {c.name: summarize(c, runs[c.name], runs["plain"], runs.get("assisted"), bench.cost,
+                                   bench.verify_cost, greedy, runs.get("assisted-default")) for c in field}
         by_gamma = {settings.gamma: "hfspec", **{c.gamma: c.name for c in sweep}}
         result["modes"][mode.name] = {
             "label": mode.label(), **mode.kwargs(),
@@ -497,7 +536,7 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
 def run_batch(bench: Bench, rows: Sequence[Sequence[int]], mode: Mode, settings: Settings,
               seed: int) -> dict[str, Any]:
     """hfspec on a whole batch vs hfspec one prompt at a time vs the target's batched ``generate()``."""
-    hfspec = Contender("hfspec", "hfspec", settings.gamma, "fixed")
+    hfspec = Contender("hfspec-auto", "hfspec", None, "auto")
     field: dict[str, tuple[Contender, bool]] = {
         "plain_batched": (Contender("plain", "plain", None, "-"), False),
         "hfspec_batched": (hfspec, False),
@@ -511,7 +550,7 @@ def run_batch(bench: Bench, rows: Sequence[Sequence[int]], mode: Mode, settings:
             runs[name].append(bench.run(c, rows, mode, seed + r, serial=serial))
     tps = {name: statistics.median(x.tokens_per_second for x in rs) for name, rs in runs.items()}
     out: dict[str, Any] = {
-        "batch_size": len(rows), "repeats": settings.batch_repeats, "gamma": settings.gamma,
+        "batch_size": len(rows), "repeats": settings.batch_repeats, "gamma": "auto",
         "tokens_per_second": tps,
         "batched_vs_serial": tps["hfspec_batched"] / tps["hfspec_serial"],
         "batched_vs_plain_batched": tps["hfspec_batched"] / tps["plain_batched"],
@@ -529,19 +568,32 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _histogram(counts: Sequence[int]) -> str:
+    return " ".join(f"{g}:{n}" for g, n in enumerate(counts) if n) or "-"
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The human-readable report."""
-    costs = result["costs"]
-    lines = [
+    env, costs = result.get("environment", {}), result["costs"]
+    lines = []
+    if env:
+        lines.append(f"machine: {env.get('cpu')}, {env.get('threads')} torch threads, device {env.get('device')}, "
+                     f"{env.get('dtype')}; torch {env.get('torch')}, transformers {env.get('transformers')}")
+    lines += [
         f"target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.2f} ms, "
         f"c = {costs['c']:.3f}",
         "v(γ) = " + ", ".join(f"{g}: {v:.2f}" for g, v in costs["v"].items()),
     ]
+    for name, auto in result.get("auto_costs", {}).items():
+        lines.append(f"gamma=auto, {name}: measured in {auto['seconds_measuring']:.2f} s: target step "
+                     f"{auto['measured_target_ms']['1']:.2f} ms, drafting step {auto['measured_draft_ms']:.2f} ms; "
+                     "v = " + ", ".join(f"{g}: {1e-3 * t / (1e-3 * auto['measured_target_ms']['1']):.2f}"
+                                        for g, t in list(auto["measured_target_ms"].items())[1:]))
     for name, mode in result["modes"].items():
         title = name if mode["label"] == name else f"{name} ({mode['label']})"
         lines += ["", f"== {title} ==",
-                  f"{'contender':<18}{'γ':>4}{'tok/s':>8}{'[p25-p75]':>14}{'×plain':>8}{'×assist':>8}"
-                  f"{'acc':>6}{'α':>6}{'tok/pass':>9}{'pred':>6}{'pred(v)':>8}{'eff':>6}{'mismatch':>9}"]
+                  f"{'contender':<24}{'γ':>5}{'tok/s':>7}{'[p25-p75]':>13}{'×plain':>7}{'×asst':>6}{'×a-def':>7}"
+                  f"{'acc':>5}{'α':>5}{'tok/pass':>9}{'pred':>5}{'pred(v)':>8}{'eff':>5}{'mism':>5}"]
         for cname, row in mode["contenders"].items():
             tps = row["tokens_per_second"]
             g = row["gamma"] if row["gamma"] is not None else (
@@ -549,11 +601,16 @@ def format_table(result: dict[str, Any]) -> str:
             mism = row.get("greedy_mismatches")
             iqr = f"[{tps['p25']:.1f}-{tps['p75']:.1f}]"
             lines.append(
-                f"{cname:<18}{g!s:>4}{tps['median']:>8.1f}{iqr:>14}"
-                f"{_fmt(row['speedup_vs_plain']):>8}{_fmt(row['speedup_vs_assisted']):>8}"
-                f"{_fmt(row['acceptance_rate']):>6}{_fmt(row['alpha']):>6}{_fmt(row['mean_accepted_length']):>9}"
-                f"{_fmt(row['predicted_speedup']):>6}{_fmt(row['predicted_speedup_v']):>8}"
-                f"{_fmt(row['efficiency']):>6}{'-' if mism is None else len(mism):>9}")
+                f"{cname:<24}{g!s:>5}{tps['median']:>7.1f}{iqr:>13}"
+                f"{_fmt(row['speedup_vs_plain']):>7}{_fmt(row['speedup_vs_assisted']):>6}"
+                f"{_fmt(row['speedup_vs_assisted_default']):>7}"
+                f"{_fmt(row['acceptance_rate']):>5}{_fmt(row['alpha']):>5}{_fmt(row['mean_accepted_length']):>9}"
+                f"{_fmt(row['predicted_speedup']):>5}{_fmt(row['predicted_speedup_v']):>8}"
+                f"{_fmt(row['efficiency']):>5}{'-' if mism is None else len(mism):>5}")
+        autos = {c: r for c, r in mode["contenders"].items() if r["schedule"] == "auto"}
+        if autos:
+            lines += ["", "γ chosen by gamma=auto (steps by γ):"]
+            lines += [f"  {c:<22} {_histogram(r['gamma_histogram'])}" for c, r in autos.items()]
         lines += ["", "sweep (hfspec, fixed γ):  γ  tok/s  ×plain  acc     α  pred(v)  eff"]
         for s in mode["sweep"]:
             lines.append(f"{'':26}{s['gamma']:>2}{s['tokens_per_second']:>7.1f}{_fmt(s['speedup_vs_plain']):>8}"
@@ -565,7 +622,7 @@ def format_table(result: dict[str, Any]) -> str:
         if "batch" in mode:
             b = mode["batch"]
             t = b["tokens_per_second"]
-            lines += ["", f"batch of {b['batch_size']} (γ={b['gamma']}): plain batched {t['plain_batched']:.1f} tok/s, "
+            lines += ["", f"batch of {b['batch_size']} (γ {b['gamma']}): plain batched {t['plain_batched']:.1f} tok/s, "
                           f"hfspec batched {t['hfspec_batched']:.1f}, hfspec one at a time {t['hfspec_serial']:.1f}",
                       f"  hfspec batched ÷ one at a time {b['batched_vs_serial']:.2f}, "
                       f"÷ plain batched {b['batched_vs_plain_batched']:.2f}; "
@@ -621,6 +678,13 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _name_list(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if len(set(names)) != len(names) or MAIN in names:
+        raise argparse.ArgumentTypeError(f"drafter names must be distinct and not {MAIN!r}, got {text!r}")
+    return names
+
+
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``bench`` options to ``parser``."""
     pair = parser.add_argument_group("the pair")
@@ -630,6 +694,11 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     pair.add_argument("--draft", default="shipped",
                       help="draft model: a directory, a hub name, or 'shipped' for the draft committed in the "
                            "package (default: shipped)")
+    pair.add_argument("--drafters", type=_name_list, default=(), metavar="LIST",
+                      help="more drafters as contenders, each with hfspec's default settings, comma-separated: "
+                           "'useless' (random weights of the draft's own shape: the control), 'ngram' (model-free "
+                           "lookup; adds transformers' prompt lookup as a baseline), 'hybrid' (the draft plus n-gram "
+                           "lookup), or a directory (an EAGLE-3 head or another draft model)")
     pair.add_argument("--config", metavar="NAME",
                       help="a pair preset (a name from hfspec/configs or a JSON path): sets the target and the "
                            "draft, and the dtype and γ unless --dtype/--gamma are given")
@@ -655,6 +724,8 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     work.add_argument("--top-k", type=int, default=0,
                       help="top-k of the sample mode; 0 turns it off for every contender (default: 0)")
     work.add_argument("--seed", type=int, default=0, help="base seed of the sample mode (default: 0)")
+    work.add_argument("--lookup-tokens", type=int, default=10,
+                      help="prompt_lookup_num_tokens of transformers' prompt-lookup contender (default: 10)")
     work.add_argument("--batch-size", type=int, default=8,
                       help="prompts in the batch row (hfspec batched vs one at a time vs plain batched); "
                            "0 skips it (default: 8)")
@@ -704,6 +775,25 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return load_pair(args.target, args.draft, dtype=dtype, device=device)
 
 
+def load_drafters(names: Sequence[str], target: Any, draft: Any) -> dict[str, Any]:
+    """The --drafters: names to drafters (``useless`` is built by ``Bench`` from the draft itself)."""
+    from hfspec.drafters import make_drafter
+
+    out: dict[str, Any] = {}
+    for name in names:
+        if name == USELESS:
+            out[name] = None
+        elif name == "hybrid":
+            from hfspec.drafters.hybrid import HybridDrafter
+            from hfspec.drafters.ngram import NgramDrafter
+
+            out[name] = HybridDrafter(make_drafter(draft), NgramDrafter())
+        else:
+            device = target.get_output_embeddings().weight.device
+            out[name] = load_draft(name, target, dtype=target.dtype, device=device)
+    return out
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     modes = []
     for name in (m.strip() for m in args.modes.split(",") if m.strip()):
@@ -717,24 +807,38 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise SystemExit("--gamma must be >= 1, --max-new-tokens >= 2 and --num-prompts >= 1")
     return Settings(gamma=args.gamma, gammas=tuple(args.gammas), modes=tuple(modes), warmup=args.warmup,
                     batch_size=args.batch_size, batch_repeats=max(1, args.batch_repeats),
-                    cost_repeats=max(1, args.cost_repeats), progress=not args.no_progress)
+                    cost_repeats=max(1, args.cost_repeats), progress=not args.no_progress,
+                    lookup_tokens=args.lookup_tokens)
+
+
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` prints it (else /proc/cpuinfo's, else the platform's)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"command": " ".join(sys.argv), "cpu": cpu, "threads": torch.get_num_threads(),
+    return {"command": " ".join(sys.argv), "cpu": cpu_model(), "threads": torch.get_num_threads(),
             "device": str(bench.device), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "dtype": str(bench.target.dtype).replace("torch.", ""), "target": str(args.target),
-            "draft": str(args.draft), "max_new_tokens": args.max_new_tokens, "gamma": args.gamma}
+            "python": platform.python_version(), "dtype": str(bench.target.dtype).replace("torch.", ""),
+            "target": str(args.target), "draft": str(args.draft), "drafters": list(getattr(args, "drafters", ())),
+            "max_new_tokens": args.max_new_tokens, "gamma": args.gamma}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -747,7 +851,8 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     prompts = load_prompts(args.prompts_file)[: args.num_prompts]
     target, draft, tokenizer = load(args)
-    bench = Bench(target, draft, tokenizer, max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed)
+    bench = Bench(target, draft, tokenizer, max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed,
+                  drafters=load_drafters(args.drafters, target, draft))
     result = {"environment": environment(args, bench), **run_bench(bench, prompts, settings),
               "prompts": [p["id"] for p in prompts]}
     write_outputs(result, args.json, args.plot)

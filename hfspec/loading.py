@@ -25,7 +25,7 @@ from hfspec.drafters import Drafter
 from hfspec.errors import HfspecError
 from hfspec.models import load_model, same_tokenizer
 
-__all__ = ["Preset", "load_pair", "load_preset", "parse_dtype", "preset_names", "resolve_model"]
+__all__ = ["Preset", "load_draft", "load_pair", "load_preset", "parse_dtype", "preset_names", "resolve_model"]
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,14 @@ def load_pair(
         _check_draft_tokenizer(tok, target, draft, draft_path, trust_remote_code)
     log.info("loaded target %s (%s, %s) and draft %s", target, target_model.dtype, _input_device(target_model), draft)
     return target_model, draft_model, tok
+
+
+def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str | torch.dtype = "auto",
+               device: str | torch.device | None = None, trust_remote_code: bool = False) -> PreTrainedModel | Drafter:
+    """A draft for ``target_model`` by name or path (see ``load_pair``), without a tokenizer check."""
+    device = _check_device(device, "draft") or _input_device(target_model)
+    return _load_draft(resolve_model(draft, "draft"), target_model, dtype=parse_dtype(dtype), device=device,
+                       trust_remote_code=trust_remote_code)
 
 
 def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.dtype | str, device: torch.device,

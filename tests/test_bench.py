@@ -14,9 +14,10 @@ from hfspec.stats import RowStats, Stats
 GREEDY = Mode("greedy", False)
 SAMPLE = Mode("sample", True, 0.7, 0.95, 0)
 CONTENDER_KEYS = {
-    "kind", "schedule", "gamma", "tokens_per_second", "speedup_vs_plain", "speedup_vs_assisted",
-    "acceptance_rate", "alpha", "mean_accepted_length", "mean_gamma", "acceptance_by_position", "prediction_gamma",
-    "predicted_speedup", "predicted_speedup_v", "efficiency", "new_tokens", "seconds",
+    "kind", "schedule", "gamma", "drafter", "tokens_per_second", "speedup_vs_plain", "speedup_vs_assisted",
+    "speedup_vs_assisted_default", "acceptance_rate", "alpha", "mean_accepted_length", "mean_gamma",
+    "acceptance_by_position", "gamma_histogram", "prediction_gamma", "predicted_speedup", "predicted_speedup_v",
+    "efficiency", "new_tokens", "seconds",
 }
 
 
@@ -70,7 +71,8 @@ def test_ratios_spread_and_mismatches():
 def _stats(drafted: int, accepted: int, passes: int, committed: int) -> Stats:
     row = RowStats(committed, accepted, passes, drafted, "length")
     # Only the first two draft positions are filled in: 5 of 5, then 2 of 4 accepted.
-    return Stats(passes, drafted, drafted, accepted, committed, (5, 2), (5, 4), 0.0, 0.0, 1.0, (row,))
+    return Stats(passes, drafted, drafted, accepted, committed, (5, 2), (5, 4), (0, 0, 0, 0, passes), 0.0, 0.0, 1.0,
+                 (row,))
 
 
 def test_summary_arithmetic():
@@ -79,9 +81,12 @@ def test_summary_arithmetic():
     # 20 drafted (γ=4, 5 passes), 15 accepted: α = 0.75, 4 tokens per pass.
     spec = [Run([[1] * 20], 0.5, 6, 21, _stats(20, 15, 5, 20)), Run([[1] * 20], 1.0, 6, 21, _stats(20, 15, 5, 20))]
     c, v = 0.1, {4: 1.5}
-    row = bench.summarize(Contender("hfspec", "hfspec", 4, "fixed"), spec, plain, assisted, c, v, greedy=False)
+    row = bench.summarize(Contender("hfspec", "hfspec", 4, "fixed"), spec, plain, assisted, c, v, greedy=False,
+                          assisted_default=plain)
     assert row["speedup_vs_plain"] == pytest.approx(4.0)
     assert row["speedup_vs_assisted"] == pytest.approx(2.0)
+    assert row["speedup_vs_assisted_default"] == pytest.approx(4.0)
+    assert row["gamma_histogram"] == [0, 0, 0, 0, 10] and row["mean_gamma"] == pytest.approx(4.0)
     assert row["acceptance_rate"] == pytest.approx(0.75)
     assert row["mean_accepted_length"] == pytest.approx(4.0)
     assert row["acceptance_by_position"] == [1.0, 0.5]
@@ -145,7 +150,7 @@ def test_greedy_check_flags_a_wrong_contender(tiny_pair):
                              _tiny_settings(batch_size=0))
     rows = result["modes"]["greedy"]["contenders"]
     assert len(rows["hfspec-heuristic"]["greedy_mismatches"]) == 2
-    for name in ("plain", "assisted", "assisted-default", "hfspec", "hfspec-cost"):
+    for name in ("plain", "assisted", "assisted-default", "hfspec-auto", "hfspec", "hfspec-cost"):
         assert rows[name]["greedy_mismatches"] == [], name
     assert "mismatch" in bench.format_table(result)
 
@@ -161,18 +166,24 @@ def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
         "--target", str(target), "--draft", str(draft), "--prompts-file", str(prompts), "--num-prompts", "2",
         "--max-new-tokens", "6", "--gamma", "2", "--gammas", "1,2", "--warmup", "1", "--batch-size", "2",
         "--batch-repeats", "1", "--cost-repeats", "2", "--threads", "1", "--no-progress",
-        "--json", str(out), "--plot", str(png),
+        "--drafters", "useless", "--json", str(out), "--plot", str(png),
     ])
     assert status == 0
-    assert "hfspec-heuristic" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "hfspec-heuristic" in table and "machine:" in table and "steps by γ" in table
     result = json.loads(out.read_text())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert set(result) >= {"environment", "costs", "modes", "prompts"}
+    assert set(result) >= {"environment", "costs", "auto_costs", "modes", "prompts"}
+    assert result["environment"]["cpu"] and result["environment"]["threads"] == 1
     assert result["costs"]["c"] > 0 and set(result["costs"]["v"]) == {"1", "2"}
+    assert set(result["auto_costs"]) == {"draft", "useless"}
+    assert all(a["measured_target_ms"]["1"] > 0 for a in result["auto_costs"].values())
     assert set(result["modes"]) == {"greedy", "sample"}
     for name, mode in result["modes"].items():
-        assert set(mode["contenders"]) == {"plain", "assisted", "assisted-default", "hfspec", "hfspec-heuristic",
-                                           "hfspec-cost"}
+        assert set(mode["contenders"]) == {"plain", "assisted", "assisted-default", "hfspec-auto", "hfspec",
+                                           "hfspec-heuristic", "hfspec-cost", "auto:useless",
+                                           "assisted-default:useless"}
+        assert sum(mode["contenders"]["hfspec-auto"]["gamma_histogram"]) > 0
         for row in mode["contenders"].values():
             assert set(row) - {"greedy_mismatches"} == CONTENDER_KEYS
             assert row["new_tokens"] > 0

@@ -80,6 +80,7 @@ def test_generate_prints_the_same_text_as_the_api(capsys, pair, model_dir):
                             max_new_tokens=10)
     assert code == 0 and out == expected + "\n"
     assert "acceptance rate" in err and "mean accepted length" in err and "tokens/s" in err
+    assert "γ per step" in err and "steps by γ" in err, "the γ that gamma='auto' chose, step by step"
 
 
 def test_prompt_from_stdin(capsys, pair, monkeypatch):
@@ -97,6 +98,19 @@ def test_json_output(capsys, pair):
     assert data["text"] == " ".join(f"w{t}" for t in data["tokens"])
     assert "acceptance_rate" in data["stats"] and "tokens_per_second" in data["stats"]
     assert data["settings"]["gamma"] == 2 and data["settings"]["do_sample"] is False
+    histogram = data["stats"]["gamma_histogram"]
+    assert sum(histogram) == data["stats"]["target_passes"] and len(histogram) == 3  # γ 2, less near the end
+
+
+def test_gamma_auto_is_the_default_and_reports_its_choices(capsys, pair):
+    code, out, _ = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "12", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["settings"]["gamma"] == "auto"
+    histogram = data["stats"]["gamma_histogram"]
+    assert sum(histogram) == data["stats"]["target_passes"]
+    assert data["stats"]["mean_gamma"] == pytest.approx(sum(g * n for g, n in enumerate(histogram)) / sum(histogram))
+    code, explicit, _ = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "12", "--gamma", "auto")
+    assert code == 0 and explicit.strip() == data["text"], "greedy text never depends on γ"
 
 
 def test_stream_prints_the_same_text(capsys, pair):
@@ -207,8 +221,9 @@ def test_prompts_file_usage_errors_give_one_line(capsys, pair, tmp_path, argv, s
 # -- errors ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags, says", [
-    (["--gamma", "0"], "--gamma: must be >= 1"),
+    (["--gamma", "0"], "--gamma: must be >= 1 or 'auto'"),
     (["--gamma", "two"], "--gamma: expected an integer"),
+    (["--gamma", "auto", "--adaptive", "heuristic"], "--adaptive chooses γ itself"),
     (["--temperature", "-0.5"], "--temperature: must be a finite number >= 0"),
     (["--temperature", "nan"], "--temperature: must be a finite number >= 0"),
     (["--top-p", "0"], "--top-p: must be in (0, 1]"),
