@@ -231,6 +231,7 @@ class Tuning:
     costs: Costs | None = None
     memory: dict[Any, Evidence] = field(default_factory=dict)
     calibration: dict[Any, Calibration] = field(default_factory=dict)
+    probes: dict[Any, list[int]] = field(default_factory=dict)  # [plain steps since the last probe, interval]
     setting: Any = None  # the current call's sampling setting, the key of memory and calibration
     maximum: int = 8  # largest γ considered; costs are measured for 1..maximum+1 new tokens
 
@@ -239,6 +240,9 @@ class Tuning:
 
     def calibrated(self) -> Calibration:
         return self.calibration.setdefault(self.setting, Calibration())
+
+    def probe_state(self, first_interval: int) -> list[int]:
+        return self.probes.setdefault(self.setting, [0, first_interval])
 
 
 class AutoGamma(GammaPolicy):
@@ -268,7 +272,9 @@ class AutoGamma(GammaPolicy):
         self.tuning, self.costs = tuning, tuning.costs
         self.maximum = min(tuning.maximum, self.costs.max_gamma)
         self.calibration = tuning.calibrated()
-        self.plain_steps, self.interval, self.probing = 0, self.probe_every, False
+        # Plain steps since the last probe, and the probe interval: kept across calls, so short calls probe too.
+        self.probe = tuning.probe_state(self.probe_every)
+        self.probing = False
         self.after_plain = True  # the next drafting step also catches up on every token since
 
     def begin(self, batch: int) -> None:
@@ -287,13 +293,13 @@ class AutoGamma(GammaPolicy):
         gamma, _ = self.best(0, self.reach, self.expected)
         self.probing = False
         if gamma == 0:
-            self.plain_steps += 1
-            if self.plain_steps >= self.interval:  # probe: draft anyway, to learn whether it pays again
-                self.plain_steps, self.interval = 0, min(2 * self.interval, self.probe_max)
+            self.probe[0] += 1
+            if self.probe[0] >= self.probe[1]:  # probe: draft anyway, to learn whether it pays again
+                self.probe[:] = [0, min(2 * self.probe[1], self.probe_max)]
                 self.probing = True
                 gamma, _ = self.best(0, self.reach, self.expected, at_least=1)
         else:
-            self.plain_steps, self.interval = 0, self.probe_every
+            self.probe[:] = [0, self.probe_every]
         self.chosen = gamma
         return gamma
 
@@ -325,7 +331,7 @@ class AutoGamma(GammaPolicy):
         memory = self.tuning.evidence()
         drafted, accepted = step.drafted.tolist(), step.accepted.tolist()
         if self.probing and any(d and n == d for d, n in zip(drafted, accepted)):
-            self.interval = self.probe_every  # a probe that paid: look again soon
+            self.probe[1] = self.probe_every  # a probe that paid: look again soon
         for row, d, n in zip(step.rows.tolist(), drafted, accepted):
             if d:
                 self.accepted[row] = self.row_decay * self.accepted[row] + n

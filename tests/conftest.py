@@ -51,3 +51,27 @@ def fresh_api_cache():
     api.clear_cache()
     yield
     api.clear_cache()
+
+
+# Scripted costs for gamma="auto", so that exactness tests see it draft, stop early and fall back to plain steps
+# whatever the machine: "cheap" makes drafting pay, "dear" makes plain decoding win unless acceptance is high.
+AUTO_COSTS = {
+    "cheap": ({k: 1.0 for k in range(1, 10)}, 0.05),
+    "dear": ({k: 1.0 + 0.3 * (k - 1) for k in range(1, 10)}, 0.1),
+}
+
+
+@pytest.fixture
+def scripted_auto(monkeypatch):
+    """``scripted_auto(gen, "cheap"|"dear")``: give ``gen`` fixed costs that real step times do not refine."""
+    from hfspec.costs import Costs
+
+    monkeypatch.setattr(Costs, "record_verify", lambda self, batch, k, seconds: None)
+    monkeypatch.setattr(Costs, "record_draft", lambda self, batch, seconds: None)
+
+    def script(gen, profile: str):
+        verify, draft = AUTO_COSTS[profile]
+        gen.tuning.costs = Costs(dict(verify), draft)
+        return gen
+
+    return script

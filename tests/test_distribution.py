@@ -60,14 +60,18 @@ def exact_joint(target, prompt: list[int], settings: dict) -> np.ndarray:
     return joint
 
 
-def sample_counts(gen, prompts: list[list[int]], settings: dict, seed: int) -> list[np.ndarray]:
-    """Counts of (x1, x2, x3) per prompt, drawing SAMPLES per prompt in batches of interleaved rows."""
+def sample_counts(gen, prompts: list[list[int]], settings: dict, seed: int, gamma: int | str = 2,
+                  histogram: list[int] | None = None) -> list[np.ndarray]:
+    """Counts of (x1, x2, x3) per prompt, drawing SAMPLES per prompt in batches of interleaved rows
+    (and the steps by γ, added to ``histogram``)."""
     counts = [np.zeros([V] * NEW) for _ in prompts]
     g = torch.Generator().manual_seed(seed)
     rows = [prompts[i % len(prompts)] for i in range(BATCH)]
     for _ in range(SAMPLES * len(prompts) // BATCH):
-        out = gen.generate(rows, max_new_tokens=NEW, gamma=2, do_sample=True, generator=g, **settings)
+        out = gen.generate(rows, max_new_tokens=NEW, gamma=gamma, do_sample=True, generator=g, **settings)
         new = out.sequences[:, -NEW:].numpy()
+        for k, n in enumerate(out.stats.gamma_histogram if histogram is not None else ()):
+            histogram[k] += n
         for i in range(len(prompts)):
             np.add.at(counts[i], tuple(new[i :: len(prompts)].T), 1)
     return counts
@@ -89,6 +93,19 @@ def test_joint_of_first_tokens_matches_target(pair, name):
     (counts,) = sample_counts(gen, [PROMPT_A], settings, seed=len(name))
     pv = chi_square_pvalue(counts, exact_joint(target, PROMPT_A, settings))
     assert pv > ALPHA, f"{name}: speculative samples differ from the target (p-value {pv:.3g})"
+
+
+@pytest.mark.parametrize("profile", ["cheap", "dear"])
+def test_auto_gamma_is_exact(pair, profile, scripted_auto):
+    # γ chosen per step from acceptance, with early stops and plain steps: the joint must not move.
+    target, draft, tok = pair
+    gen = scripted_auto(SpeculativeGenerator(target, draft, tok), profile)
+    settings = {"temperature": 0.8, "top_p": 0.9}
+    histogram = [0] * 10
+    (counts,) = sample_counts(gen, [PROMPT_A], settings, seed=7, gamma="auto", histogram=histogram)
+    assert sum(1 for n in histogram if n) >= 2, f"auto chose a single γ: {histogram}"
+    pv = chi_square_pvalue(counts, exact_joint(target, PROMPT_A, settings))
+    assert pv > ALPHA, f"auto ({profile}): speculative samples differ from the target (p-value {pv:.3g})"
 
 
 def test_rows_with_different_prompts_do_not_influence_each_other(pair):

@@ -34,6 +34,21 @@ def test_equals_target_greedy(arch, tiny_pair):
                 assert torch.equal(got.sequences, want), f"{arch}, {label}, γ={gamma}"
 
 
+@pytest.mark.parametrize("profile", ["cheap", "dear"])
+def test_auto_equals_target_greedy(profile, tiny_pair, scripted_auto):
+    # gamma="auto" drafts, stops early and falls back to plain steps; none of it may change a token.
+    target, draft, tok = tiny_pair("llama", vocab_size=32)
+    for draft_model in (draft, target):
+        gen = scripted_auto(SpeculativeGenerator(target, draft_model, tok), profile)
+        histogram = [0] * 10
+        for ids in prompts(32, 4, seed=21):
+            got = gen.generate(ids, max_new_tokens=30, gamma="auto", eos_token_id=[])
+            assert torch.equal(got.sequences, reference(target, ids, 30, eos_token_id=None)), profile
+            for g, n in enumerate(got.stats.gamma_histogram):
+                histogram[g] += n
+        assert sum(1 for n in histogram if n) >= 2, f"auto chose a single γ: {histogram}"
+
+
 def test_draft_equal_to_target_accepts_everything(tiny_pair):
     target, _, tok = tiny_pair("llama", vocab_size=32)
     out = SpeculativeGenerator(target, target, tok).generate(prompts(32, 1)[0], max_new_tokens=20, gamma=4,
