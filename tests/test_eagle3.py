@@ -375,6 +375,7 @@ def test_the_same_head_every_way_a_draft_is_accepted(target64, trained64, tmp_pa
                   Eagle3Drafter.from_pretrained(head_dir, target)):
         gen = SpeculativeGenerator(target, draft, tok)
         assert rows_of(gen.generate([prompt], max_new_tokens=10, gamma=3, eos_token_id=[])) == want
+    assert gen.drafter.step_seconds(prompt, torch.device("cpu")) > 0  # the cost model's measurement runs
     words = " ".join(tiny.word(i) for i in prompt)
     expected = tok.decode(reference(target, prompt, 10), skip_special_tokens=True)
     preset = tmp_path / "pair.json"
