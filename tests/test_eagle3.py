@@ -509,3 +509,17 @@ def test_a_head_directory_is_never_loaded_as_a_causal_lm(trained64, tmp_path, ta
         load_model(path, "target")
     with pytest.raises(HfspecError, match="holds an EAGLE-3 draft head"):
         load_pair(path, target64[2])
+
+
+def test_a_full_vocabulary_head_without_draft_vocab_size_is_recognised_by_its_tensors(target64, tmp_path):
+    target, tok, _ = target64
+    head = eh.random_head(target, list(range(64)), seed=6)
+    path = eh.write_by_hand(head, tmp_path / "head", layout="eagle", container="bin", architecture="LlamaForCausalLM")
+    conf = json.loads((path / "config.json").read_text())
+    del conf["draft_vocab_size"]
+    (path / "config.json").write_text(json.dumps(conf))
+    assert is_eagle3_dir(path)
+    prompt = prompts(4, seed=11)[3]
+    gen = SpeculativeGenerator(target, str(path), tok)
+    assert rows_of(gen.generate([prompt], max_new_tokens=8, gamma=2, eos_token_id=[])) == \
+        [reference(target, prompt, 8, eos_token_id=None)]
