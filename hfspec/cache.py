@@ -46,6 +46,13 @@ class KVState:
         self.mask = torch.cat([self.mask, valid.to(self.mask.dtype)], dim=1)
         return self.mask
 
+    def append(self, key: torch.Tensor, value: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add new (B, heads, k, D) key/value columns to ``layer`` of a hand-written attention; returns all of them.
+
+        For modules that run their own attention over this cache (``extend_mask`` keeps the mask in step).
+        """
+        return self.cache.update(key, value, layer)
+
     def rollback(self, keep: torch.Tensor, start: int, ids: torch.Tensor | None = None) -> None:
         """Keep, per row, only the first ``keep[b]`` columns written since ``start``.
 

@@ -317,7 +317,10 @@ def _policy(args: argparse.Namespace, preset: Preset, gen) -> int | GammaPolicy 
     cost = args.draft_cost
     if cost is None:
         # Decoding is memory-bound, so parameter counts are a fair first guess at the step cost ratio.
-        cost = gen.draft.num_parameters() / gen.target.num_parameters()
+        parameters = gen.drafter.describe().get("parameters")
+        if parameters is None:
+            raise HfspecError(f"cannot estimate the cost of a {gen.drafter.kind} drafter; pass --draft-cost")
+        cost = parameters / gen.target.num_parameters()
     return CostModelGamma(cost=cost, maximum=max(8, start))
 
 

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,18 +50,19 @@ class GenerateOutput:
 class SpeculativeGenerator:
     """Lossless speculative decoding: a ``draft`` proposes, the ``target`` causal LM verifies.
 
-    ``draft`` is a causal LM sharing the target's tokenizer, or any ``hfspec.drafters.Drafter``.
+    ``draft`` is a causal LM sharing the target's tokenizer, any ``hfspec.drafters.Drafter``, or a
+    path (an EAGLE-3 head's directory, a causal LM).
     """
 
     def __init__(
         self,
         target: PreTrainedModel,
-        draft: PreTrainedModel | Drafter,
+        draft: PreTrainedModel | Drafter | str | Path,
         tokenizer: PreTrainedTokenizerBase | None = None,
     ):
         check_causal_lm(target, "target")
         self.target = target.eval()
-        self.drafter = make_drafter(draft, tokenizer)
+        self.drafter = make_drafter(draft, tokenizer, target)
         self.tokenizer = tokenizer
         self.vocab_size = shared_vocab_size(target, self.drafter.vocab_size, tokenizer)
         self.check_invariants = True

@@ -161,9 +161,30 @@ def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str |
 
 def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.dtype | str, device: torch.device,
                 trust_remote_code: bool) -> PreTrainedModel | Drafter:
-    """The draft named by ``draft_path``, on ``device``: a causal LM, or another kind of drafter."""
+    """The draft named by ``draft_path``, on ``device``: a causal LM, or another kind of drafter.
+
+    An EAGLE-3 head's directory (either layout, recognised by its contents) becomes an
+    ``Eagle3Drafter`` for ``target_model``, in the target's dtype unless ``dtype`` says
+    otherwise; it never goes through ``AutoModelForCausalLM``.
+    """
+    from hfspec.drafters import eagle3
+
+    if eagle3.is_eagle3_dir(draft_path):
+        head = eagle3.load_head(draft_path, dtype=target_model.dtype if dtype == "auto" else dtype, device=device)
+        return eagle3.Eagle3Drafter(head, target_model)
     model = load_model(draft_path, "draft", dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device)
+
+
+def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str | torch.dtype = "auto",
+               device: str | torch.device | None = None, trust_remote_code: bool = False) -> PreTrainedModel | Drafter:
+    """Load the draft named ``draft`` (hub name, path, ``"shipped"``) for an already loaded target.
+
+    It goes to ``device``, else to the device of the target's embeddings.
+    """
+    dev = _check_device(device, "draft") or _input_device(target_model)
+    return _load_draft(resolve_model(draft, "draft"), target_model, dtype=parse_dtype(dtype), device=dev,
+                       trust_remote_code=trust_remote_code)
 
 
 def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: str | None,

@@ -162,6 +162,19 @@ def same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bo
     return len(a) == len(b) and a.get_vocab() == b.get_vocab()
 
 
+def _refuse_draft_head(path: Path, role: str) -> None:
+    """A draft head's directory is not a causal LM: loaded as one, it would run with random weights."""
+    from hfspec.drafters.eagle3 import head_kind
+
+    kind = head_kind(path)
+    if kind == "eagle3":
+        raise HfspecError(f"{role} directory {str(path)!r} holds an EAGLE-3 draft head, not a causal LM; "
+                          "pass it as the draft of the target it was trained for")
+    if kind is not None:
+        raise HfspecError(f"{role} directory {str(path)!r} holds a speculators {kind!r} head, which hfspec does "
+                          "not run; EAGLE-3 heads (speculators_model_type \"eagle3\") are supported")
+
+
 def load_model(
     name_or_path: str | Path,
     role: str,
@@ -179,6 +192,7 @@ def load_model(
             f"{role} directory {str(path)!r} holds no model (no config.json); "
             "point it at a directory written by save_pretrained()"
         )
+    _refuse_draft_head(path, role)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path) if looks_local else str(name_or_path), **kwargs)
     except ValueError as exc:

@@ -1,4 +1,4 @@
-"""A chi-square goodness-of-fit check shared by the statistical tests.
+"""A chi-square goodness-of-fit check and the end-to-end sampling helpers shared by the statistical tests.
 
 Significance: each check fails a correct sampler with probability ALPHA = 1e-8; the
 suite runs fewer than 100 such checks, so a false failure of the whole suite is rarer
@@ -6,8 +6,12 @@ than 1 in a million runs (Bonferroni). The negative controls must reach p < ALPH
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
+import torch
 from scipy import stats
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 ALPHA = 1e-8
 MIN_EXPECTED = 5.0
@@ -35,3 +39,47 @@ def chi_square_pvalue(counts, probs) -> float:
     if len(obs) < 2:
         return 1.0
     return float(stats.chisquare(obs, exp).pvalue)
+
+
+def warpers(settings: dict) -> LogitsProcessorList:
+    """transformers' own warpers for ``settings`` (temperature, top_k, top_p)."""
+    out = LogitsProcessorList()
+    if "temperature" in settings:
+        out.append(TemperatureLogitsWarper(settings["temperature"]))
+    if "top_k" in settings:
+        out.append(TopKLogitsWarper(settings["top_k"]))
+    if "top_p" in settings:
+        out.append(TopPLogitsWarper(settings["top_p"]))
+    return out
+
+
+@torch.no_grad()
+def exact_joint(target, prompt: list[int], settings: dict, vocab: int, new: int) -> np.ndarray:
+    """P(x1, ..., x_new) under the target alone, by enumerating all vocab^new continuations."""
+    procs = warpers(settings)
+    joint = np.ones([vocab] * new)
+    for depth in range(new):
+        prefixes = list(itertools.product(range(vocab), repeat=depth))
+        ids = torch.tensor([prompt + list(pre) for pre in prefixes])
+        logits = target(ids).logits[:, -1, :vocab].float()
+        probs = torch.softmax(procs(ids, logits), dim=-1).numpy()  # (vocab^depth, vocab)
+        shape = [vocab] * depth + [vocab] + [1] * (new - depth - 1)
+        joint = joint * probs.reshape(shape)
+    return joint
+
+
+def sample_counts(gen, prompts: list[list[int]], settings: dict, seed: int, *, vocab: int, new: int, samples: int,
+                  batch: int, gamma: int | str = 2, histogram: list[int] | None = None) -> list[np.ndarray]:
+    """Counts of the first ``new`` tokens per prompt, drawing ``samples`` per prompt in batches of interleaved rows
+    (and the steps by γ, added to ``histogram`` when given)."""
+    counts = [np.zeros([vocab] * new) for _ in prompts]
+    g = torch.Generator().manual_seed(seed)
+    rows = [prompts[i % len(prompts)] for i in range(batch)]
+    for _ in range(samples * len(prompts) // batch):
+        out = gen.generate(rows, max_new_tokens=new, gamma=gamma, do_sample=True, generator=g, **settings)
+        drawn = out.sequences[:, -new:].numpy()
+        for k, n in enumerate(out.stats.gamma_histogram if histogram is not None else ()):
+            histogram[k] += n
+        for i in range(len(prompts)):
+            np.add.at(counts[i], tuple(drawn[i:: len(prompts)].T), 1)
+    return counts

@@ -9,14 +9,11 @@ prompt(s): rows advance at different speeds, so the batch path is tested too.
 """
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
+import stat_utils
 import tiny
-import torch
 from stat_utils import ALPHA, chi_square_pvalue
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hfspec import SpeculativeGenerator, sampling
 
@@ -34,47 +31,14 @@ def pair(model_dir):
     return target, draft, tok
 
 
-def warpers(settings: dict) -> LogitsProcessorList:
-    out = LogitsProcessorList()
-    if "temperature" in settings:
-        out.append(TemperatureLogitsWarper(settings["temperature"]))
-    if "top_k" in settings:
-        out.append(TopKLogitsWarper(settings["top_k"]))
-    if "top_p" in settings:
-        out.append(TopPLogitsWarper(settings["top_p"]))
-    return out
-
-
-@torch.no_grad()
 def exact_joint(target, prompt: list[int], settings: dict) -> np.ndarray:
-    """P(x1, x2, x3) under the target alone, by enumeration."""
-    procs = warpers(settings)
-    joint = np.ones([V] * NEW)
-    for depth in range(NEW):
-        prefixes = list(itertools.product(range(V), repeat=depth))
-        ids = torch.tensor([prompt + list(pre) for pre in prefixes])
-        logits = target(ids).logits[:, -1].float()
-        probs = torch.softmax(procs(ids, logits), dim=-1).numpy()  # (V^depth, V)
-        shape = [V] * depth + [V] + [1] * (NEW - depth - 1)
-        joint = joint * probs.reshape(shape)
-    return joint
+    return stat_utils.exact_joint(target, prompt, settings, V, NEW)
 
 
 def sample_counts(gen, prompts: list[list[int]], settings: dict, seed: int, gamma: int | str = 2,
                   histogram: list[int] | None = None) -> list[np.ndarray]:
-    """Counts of (x1, x2, x3) per prompt, drawing SAMPLES per prompt in batches of interleaved rows
-    (and the steps by γ, added to ``histogram``)."""
-    counts = [np.zeros([V] * NEW) for _ in prompts]
-    g = torch.Generator().manual_seed(seed)
-    rows = [prompts[i % len(prompts)] for i in range(BATCH)]
-    for _ in range(SAMPLES * len(prompts) // BATCH):
-        out = gen.generate(rows, max_new_tokens=NEW, gamma=gamma, do_sample=True, generator=g, **settings)
-        new = out.sequences[:, -NEW:].numpy()
-        for k, n in enumerate(out.stats.gamma_histogram if histogram is not None else ()):
-            histogram[k] += n
-        for i in range(len(prompts)):
-            np.add.at(counts[i], tuple(new[i :: len(prompts)].T), 1)
-    return counts
+    return stat_utils.sample_counts(gen, prompts, settings, seed, vocab=V, new=NEW, samples=SAMPLES, batch=BATCH,
+                                    gamma=gamma, histogram=histogram)
 
 
 SETTINGS = {

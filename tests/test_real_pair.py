@@ -50,3 +50,22 @@ def test_shipped_draft_shares_the_target_tokenizer(real_pair):
     draft_tok = AutoTokenizer.from_pretrained(shipped_draft_path())
     assert draft_tok.get_vocab() == tok.get_vocab()
     assert draft.config.vocab_size == target.config.vocab_size
+
+
+def test_an_eagle3_head_for_the_real_target_is_exact(real_pair, tmp_path):
+    # A random head with the shape a SmolLM2 head has (features from layers 2, 15, 27), stored as it would ship.
+    from hfspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, save_head
+
+    target, _, tok = real_pair
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                                   num_key_value_heads=3, vocab_size=49152, draft_vocab_size=8192))
+    with torch.no_grad():
+        head.d2t.copy_(torch.arange(8192) * 5 - torch.arange(8192))  # every fifth target id
+    path = save_head(head, tmp_path / "head", dtype=torch.bfloat16, target=target)
+    gen = SpeculativeGenerator(target, str(path), tok)
+    assert isinstance(gen.drafter, Eagle3Drafter) and gen.drafter.feature_layers == (2, 15, 27)
+    ids = chat_ids(tok, PROMPTS[0])
+    want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                           eos_token_id=None)
+    assert torch.equal(gen.generate(ids, max_new_tokens=20, gamma=3, eos_token_id=[]).sequences, want)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # stop(i, confidence): after i drafts, with (B,) the drafter's probability of each row's
 # last draft, True ends the step's drafting early.
@@ -130,21 +130,36 @@ class Drafter:
         return {"kind": self.kind}
 
 
-def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None, **load_kwargs: Any) -> Drafter:
-    """A drafter from what a user passes as the draft: a ``Drafter``, a loaded causal LM, or a name.
+def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
+                 target: PreTrainedModel | None = None) -> Drafter:
+    """A drafter from what a user passes as the draft, for ``target``.
 
-    Names: ``"ngram"`` for model-free lookup, an EAGLE-3 head's directory, or any causal
-    LM that ``hfspec.loading`` can load.
+    A ``Drafter``; a loaded causal LM; an ``Eagle3Head``; or a path or name that
+    ``hfspec.loading.load_draft`` recognises (an EAGLE-3 head's directory, any causal LM).
     """
+    from pathlib import Path
+
     from transformers import PreTrainedModel
 
+    from hfspec.drafters.eagle3 import Eagle3Drafter, Eagle3Head
     from hfspec.drafters.model import ModelDrafter
 
+    if isinstance(draft, Eagle3Drafter) and target is not None and draft.target is not target:
+        raise ValueError("this EAGLE-3 drafter was built for another target model; build it with the target "
+                         "you generate with, or pass the head's directory as the draft")
     if isinstance(draft, Drafter):
         return draft
     if isinstance(draft, PreTrainedModel):
         return ModelDrafter(draft)
+    if isinstance(draft, (Eagle3Head, str, Path)) and target is None:
+        raise TypeError("an EAGLE-3 head or a draft path needs the target model: make_drafter(draft, tokenizer, target)")
+    if isinstance(draft, Eagle3Head):
+        return Eagle3Drafter(draft, target)
+    if isinstance(draft, (str, Path)):
+        from hfspec.loading import load_draft
+
+        return make_drafter(load_draft(draft, target), tokenizer, target)
     raise TypeError(
-        f"the draft must be a transformers PreTrainedModel or an hfspec Drafter (got {type(draft).__name__}); "
+        f"the draft must be a transformers PreTrainedModel, an hfspec Drafter or a path (got {type(draft).__name__}); "
         "load it with AutoModelForCausalLM.from_pretrained(...) or use SpeculativeGenerator.from_pretrained"
     )
