@@ -31,8 +31,9 @@ def forward_seconds(model: Any, context: Sequence[int], sizes: Sequence[int], re
                     device: torch.device, all_logits: bool = True) -> dict[int, float]:
     """Median seconds of one forward over k new tokens after a cached ``context``, for each k in ``sizes``.
 
-    The sizes take their turns round-robin (one warm-up round first), so a drift of
-    the machine hits them alike; the cache is rolled back after every forward.
+    The sizes take their turns round-robin after two warm-up forwards (the smallest
+    and the largest size), so a drift of the machine hits them alike; the cache is
+    rolled back after every forward.
     """
     ids = torch.tensor([list(context)], device=device)
     kv = KVState(1, device, model)
@@ -40,19 +41,19 @@ def forward_seconds(model: Any, context: Sequence[int], sizes: Sequence[int], re
             kv.cache, logits_to_keep=1)
     start = kv.length
     times: dict[int, list[float]] = {k: [] for k in sizes}
-    for r in range(repeats + 1):
-        for k in sizes:
-            feed = ids[:, -k:] if ids.shape[1] >= k else ids[:, :1].repeat(1, k)
-            positions = torch.arange(start, start + k, device=device)[None]
-            kv.snapshot()
-            _sync(device)
-            t0 = time.perf_counter()
-            forward(model, feed, kv.extend_mask(torch.ones_like(feed)), positions, kv.cache,
-                    logits_to_keep=0 if all_logits else 1)
-            _sync(device)
-            if r:
-                times[k].append(time.perf_counter() - t0)
-            kv.rollback(torch.zeros(1, dtype=torch.long, device=device), start, feed)
+    warmup = [(False, min(sizes)), (False, max(sizes))]
+    for measured, k in warmup + [(True, k) for _ in range(repeats) for k in sizes]:
+        feed = ids[:, -k:] if ids.shape[1] >= k else ids[:, :1].repeat(1, k)
+        positions = torch.arange(start, start + k, device=device)[None]
+        kv.snapshot()
+        _sync(device)
+        t0 = time.perf_counter()
+        forward(model, feed, kv.extend_mask(torch.ones_like(feed)), positions, kv.cache,
+                logits_to_keep=0 if all_logits else 1)
+        _sync(device)
+        if measured:
+            times[k].append(time.perf_counter() - t0)
+        kv.rollback(torch.zeros(1, dtype=torch.long, device=device), start, feed)
     return {k: statistics.median(t) for k, t in times.items()}
 
 
