@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hfspec.costs import forward_seconds
+from hfspec.costs import forward_seconds, sync
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
@@ -287,7 +287,7 @@ class Bench:
         counters = [CallCounter(self.target)] + ([CallCounter(assistant)] if assistant is not None else [])
         try:
             with torch.inference_mode():
-                self._sync()
+                sync(self.device)
                 start = time.perf_counter()
                 if serial:
                     parts = [self._generate(contender, [r], mode, seed + i) for i, r in enumerate(rows)]
@@ -295,7 +295,7 @@ class Bench:
                     stats = None
                 else:
                     tokens, stats = self._generate(contender, rows, mode, seed)
-                self._sync()
+                sync(self.device)
                 seconds = time.perf_counter() - start
         finally:
             for c in counters:
@@ -324,10 +324,6 @@ class Bench:
             out = self.target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
                                        pad_token_id=self.pad, **mode.kwargs(), **extra)
         return [trim(t, self.eos) for t in out[:, ids.shape[1]:].tolist()], None
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     # -- costs --------------------------------------------------------------------------------
 

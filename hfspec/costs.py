@@ -46,18 +46,19 @@ def forward_seconds(model: Any, context: Sequence[int], sizes: Sequence[int], re
         feed = ids[:, -k:] if ids.shape[1] >= k else ids[:, :1].repeat(1, k)
         positions = torch.arange(start, start + k, device=device)[None]
         kv.snapshot()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         forward(model, feed, kv.extend_mask(torch.ones_like(feed)), positions, kv.cache,
                 logits_to_keep=0 if all_logits else 1)
-        _sync(device)
+        sync(device)
         if measured:
             times[k].append(time.perf_counter() - t0)
         kv.rollback(torch.zeros(1, dtype=torch.long, device=device), start, feed)
     return {k: statistics.median(t) for k, t in times.items()}
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device, so that wall time measures its work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

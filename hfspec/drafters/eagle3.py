@@ -44,7 +44,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from hfspec.cache import KVState
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
-from hfspec.drafters.model import _sync
+from hfspec.costs import sync
 from hfspec.errors import HfspecError
 from hfspec.models import decoder_layers, model_vocab_size
 
@@ -705,12 +705,12 @@ class Eagle3Drafter(Drafter):
         self.head.step(self._embed(ids), hidden, torch.arange(n, device=dev)[None], kv, torch.ones_like(ids))
         start, times = kv.length, []
         for i in range(repeats + 1):
-            _sync(dev)
+            sync(dev)
             t0 = time.perf_counter()
             h = self.head.step(self._embed(ids[:, -1:]), hidden[:, :1], torch.tensor([[n]], device=dev), kv,
                                torch.ones(1, 1, dtype=torch.long, device=dev))
             self.head.logits(h)
-            _sync(dev)
+            sync(dev)
             if i:  # the first call warms up allocators and kernels
                 times.append(time.perf_counter() - t0)
             kv.rollback(torch.zeros(1, dtype=torch.long, device=dev), start)
