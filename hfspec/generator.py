@@ -280,10 +280,9 @@ class _Run:
         real = torch.arange(gamma + 1, device=drafts.device)[None, :] <= proposal.drafted()[:, None]
         logits = self.target_forward(self.fed, ones, positions, real, verification=True)[..., : self.vocab]
         self.target_passes += 1
-        out = self.checked(logits.to(self.tokens.device), "target", 0)  # (B, γ+1, V)
+        p = self.checked(logits.to(self.tokens.device), "target", 0)  # (B, γ+1, V); scores when greedy
         if not self.sample:
-            return sampling.verify_greedy(drafts, out.argmax(dim=-1), proposal.counts)
-        p = out
+            return sampling.verify_greedy(drafts, p.argmax(dim=-1), proposal.counts)
         q = proposal.q if proposal.q is not None else sampling.one_hot(drafts, p.shape[-1])
         return sampling.verify(drafts, q, p, self.generator, proposal.counts)
 

@@ -109,6 +109,19 @@ class Warpers:
     top_p_keep: int = 1  # TopPLogitsWarper's min_tokens_to_keep
     min_p: float | None = None
 
+    def __post_init__(self) -> None:
+        # The ranges transformers' warpers accept; outside them the pass below would compute nonsense.
+        bad = [f"{name}={value!r}" for name, value, ok in (
+            ("temperature", self.temperature, self.temperature is None or self.temperature > 0),
+            ("top_k", self.top_k, self.top_k is None or self.top_k >= 1),
+            ("top_p", self.top_p, self.top_p is None or 0 <= self.top_p <= 1),
+            ("top_p_keep", self.top_p_keep, self.top_p_keep >= 1),
+            ("min_p", self.min_p, self.min_p is None or 0 <= self.min_p <= 1),
+        ) if not ok]
+        if bad:
+            raise ValueError(f"invalid warper settings {', '.join(bad)}: need temperature > 0, top_k >= 1, "
+                             "top_p and min_p in [0, 1], top_p_keep >= 1 (None turns a stage off)")
+
 
 def _as_stage(proc: LogitsProcessor) -> tuple[int, dict] | None:
     """(index in ``_WARPERS``, Warpers fields) of a warper that ``warped_probs`` reproduces exactly, else None."""

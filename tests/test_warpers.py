@@ -295,3 +295,10 @@ def test_sample_unnormalised_rows_and_single_token():
 def test_sample_refuses_rows_without_mass(row):
     with pytest.raises(ValueError, match="positive probability"):
         sampling.sample(torch.tensor([row]))
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=0.0), dict(top_k=0), dict(top_p=1.5), dict(min_p=-0.1),
+                                 dict(top_p_keep=0)])
+def test_warpers_refuse_settings_transformers_refuses(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        sampling.Warpers(**bad)
