@@ -156,6 +156,9 @@ def split_processors(processors: Sequence[LogitsProcessor]) -> tuple[LogitsProce
     return LogitsProcessorList(processors[:start]), Warpers(**fields)
 
 
+_TOPK_LIMIT = 1024  # above this k, torch.topk costs more than a value-only sort of 49k entries
+
+
 def _ascending(x: torch.Tensor) -> torch.Tensor:
     """The values of each row of ``x`` (N, V) in ascending order: unique, whatever a sort does with ties."""
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
@@ -164,8 +167,8 @@ def _ascending(x: torch.Tensor) -> torch.Tensor:
     return torch.sort(x, dim=-1).values
 
 
-def _top_p(x: torch.Tensor, ascending: torch.Tensor, top_p: float, keep: int) -> torch.Tensor:
-    """TopPLogitsWarper on ``x`` (N, V) given its sorted values, without sorting indices.
+def _top_p(x: torch.Tensor, top_p: float, keep: int) -> torch.Tensor:
+    """TopPLogitsWarper on ``x`` (N, V), sorting values only, not indices.
 
     transformers sorts ascending, removes the positions whose cumulative probability is
     ``<= 1 - top_p`` (all but the last ``keep``) and maps them back through the sort
@@ -174,6 +177,7 @@ def _top_p(x: torch.Tensor, ascending: torch.Tensor, top_p: float, keep: int) ->
     tokens below the smallest kept value. Only where equal values straddle the cut does
     the sort's tie order choose the tokens: such rows go through transformers' warper.
     """
+    ascending = _ascending(x)
     remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)  # a prefix: the cumsum never decreases
     remove[..., -keep:] = False
     cut = remove.sum(dim=-1, keepdim=True)  # (N, 1) removed positions
@@ -191,23 +195,22 @@ def warped_probs(scores: torch.Tensor, warpers: Warpers) -> torch.Tensor:
     """``softmax(warpers(scores))`` for rows ``scores`` (N, V), as float32: bit for bit what transformers'
     warpers followed by a float32 softmax give, at a fraction of the cost.
 
-    The costly parts of the reference are a sort of every row (top-p) and the softmaxes
-    of the warpers and of the caller. Here one value-only sort serves top-k and top-p,
-    and min-p's softmax is the result when it removes nothing.
+    The costly parts of the reference are a sort of every row with its indices (top-p),
+    and the softmaxes of the warpers and of the caller. Here top-p sorts values only,
+    top-k finds its threshold with ``topk`` or a value-only sort, and min-p's softmax is
+    the result when it removes nothing.
     """
     x = scores
     if warpers.temperature is not None:
         x = x / warpers.temperature  # the very operation TemperatureLogitsWarper does
     vocab = x.shape[-1]
-    ascending = _ascending(x) if warpers.top_p is not None else None
-    if warpers.top_k is not None:
-        k = min(warpers.top_k, vocab)
-        kth = ascending[..., vocab - k, None] if ascending is not None else torch.topk(x, k)[0][..., -1, None]
+    if warpers.top_k is not None and warpers.top_k < vocab:  # a k >= V keeps every token
+        k = warpers.top_k
+        # The k-th largest value is TopKLogitsWarper's threshold; for a large k the value-only sort is cheaper.
+        kth = torch.topk(x, k)[0][..., -1, None] if k <= _TOPK_LIMIT else _ascending(x)[..., vocab - k, None]
         x = x.masked_fill(x < kth, -float("inf"))
-        if ascending is not None:  # still sorted: what top-k removes is a prefix
-            ascending = ascending.masked_fill(ascending < kth, -float("inf"))
-    if ascending is not None:
-        x = _top_p(x, ascending, warpers.top_p, warpers.top_p_keep)
+    if warpers.top_p is not None:
+        x = _top_p(x, warpers.top_p, warpers.top_p_keep)
     if warpers.min_p is None:
         return probs_from_logits(x)
     probs = torch.softmax(x, dim=-1)

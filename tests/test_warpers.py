@@ -30,6 +30,7 @@ SETTINGS = {
     "hot": dict(temperature=1.7),
     "top_k": dict(top_k=5),
     "top_k_over_vocab": dict(top_k=100_000),
+    "large_top_k": dict(top_k=2000, top_p=0.99),  # threshold from the value sort at V=49152
     "top_p": dict(top_p=0.9),
     "tiny_top_p": dict(top_p=1e-7),
     "top_p_zero": dict(top_p=0.0),
@@ -156,6 +157,12 @@ def test_top_k_keeps_all_ties_at_the_kth_value():
     probs = assert_same(processors_for(top_k=2), logits)
     assert (probs > 0).sum().item() == 5  # 3.0 and all four 2.0s
     assert_same(processors_for(top_k=2, top_p=0.5), logits)
+
+
+def test_top_k_equal_to_vocab_keeps_every_token():
+    logits = lm_like(2, 300, 12)
+    assert_same(processors_for(top_k=300), logits)
+    assert_same(processors_for(top_k=299, top_p=0.9), logits)
 
 
 def test_rows_with_minus_inf():
