@@ -269,11 +269,19 @@ class _Run:
                                 torch.stack(self.confidence, 1).cpu() if self.confidence else None, t1 - t0, t2 - t1))
         self.accept(proposal, num_accepted, next_token, remaining)
 
-    def process(self, logits: torch.Tensor, extra: int) -> torch.Tensor:
-        """Processed scores (B, V) for the position after each row's first ``lengths + extra`` tokens."""
-        if not self.needs_context:
-            return sampling.process(self.processors, logits, self.tokens[:, :1])
-        return sampling.process(self.processors, logits, self.prefixes(extra))
+    def process(self, processors: Sequence[LogitsProcessor], logits: torch.Tensor, extra: int) -> torch.Tensor:
+        """Apply ``processors`` (all or the head of ``self.processors``) to ``logits`` (B, k, V), whose
+        position i follows each row's first ``lengths + extra + i`` tokens; all positions in one call
+        when no processor reads the context."""
+        batch, k, vocab = logits.shape
+        if not processors:
+            return logits
+        if not self.needs_context:  # the warpers a head leaves out never read the context
+            ids = self.tokens[:, :1].repeat_interleave(k, dim=0)
+            flat = sampling.process(processors, logits.reshape(batch * k, vocab), ids)
+            return flat.view(batch, k, vocab)
+        return torch.stack([sampling.process(processors, logits[:, i], self.prefixes(extra + i)) for i in range(k)],
+                           dim=1)
 
     def prefixes(self, extra: int) -> torch.Tensor | list[torch.Tensor]:
         """Each row's tokens up to ``lengths + extra`` (the context a processor sees)."""
@@ -284,9 +292,9 @@ class _Run:
 
     def pick(self, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Draft i of each row from raw draft logits, processed like the target's (see ``Context.pick``)."""
-        scores = self.checked(logits[:, : self.vocab], "draft", i)
-        q = sampling.probs_from_logits(scores)
-        token = sampling.sample(q, self.generator) if self.sample else scores.argmax(dim=-1)
+        out = self.checked(logits[:, None, : self.vocab], "draft", i)[:, 0]  # (B, V)
+        q = out if self.sample else sampling.probs_from_logits(out)
+        token = sampling.sample(q, self.generator) if self.sample else out.argmax(dim=-1)
         self.tokens.scatter_(1, (self.lengths + i)[:, None], token[:, None])
         confidence = q.gather(1, token[:, None]).squeeze(1)
         self.confidence.append(confidence)
@@ -306,17 +314,19 @@ class _Run:
         real = torch.arange(gamma + 1, device=drafts.device)[None, :] <= proposal.drafted()[:, None]
         logits = self.target_forward(self.fed, ones, positions, real, verification=True)[..., : self.vocab]
         self.target_passes += 1
-        scores = self.checked(logits.to(self.tokens.device), "target", 0)  # (B, γ+1, V)
+        p = self.checked(logits.to(self.tokens.device), "target", 0)  # (B, γ+1, V); scores when greedy
         if not self.sample:
-            return sampling.verify_greedy(drafts, scores.argmax(dim=-1), proposal.counts)
-        p = sampling.probs_from_logits(scores)
+            return sampling.verify_greedy(drafts, p.argmax(dim=-1), proposal.counts)
         q = proposal.q if proposal.q is not None else sampling.one_hot(drafts, p.shape[-1])
         return sampling.verify(drafts, q, p, self.generator, proposal.counts)
 
     def checked(self, logits: torch.Tensor, role: str, extra: int) -> torch.Tensor:
-        """Process raw ``logits`` (..., V), refusing values that would silently become arbitrary tokens.
+        """Process raw ``logits`` (B, k, V): probabilities when sampling, else scores, for argmax.
 
-        One reduction finds any NaN or inf in the raw logits (their sum is then not finite).
+        Refuses values that would silently become arbitrary tokens: one reduction finds any
+        NaN or inf in the raw logits (their sum is then not finite). When sampling, the
+        warpers at the end of the pipeline run once over all B·k positions
+        (``sampling.warped_probs``: the same probabilities as transformers' warpers).
         """
         if not bool(torch.isfinite(logits.sum())):
             step = self.target_passes + (0 if role == "target" else 1)
@@ -324,16 +334,15 @@ class _Run:
                 f"the {role} model produced NaN or infinite logits at step {step}; "
                 "check its weights and dtype (fp16 overflows are common: try dtype=bfloat16 or float32)"
             )
-        if not self.processors:
-            return logits
-        if logits.dim() == 3:  # (B, γ+1, V): position i continues each row's first lengths + i tokens
-            scores = torch.stack([self.process(logits[:, i], extra + i) for i in range(logits.shape[1])], dim=1)
-        else:
-            scores = self.process(logits, extra)
-        if bool((scores.amax(dim=-1) == float("-inf")).any()):
+        head, warpers = sampling.split_processors(self.processors) if self.sample else (self.processors, None)
+        scores = self.process(head, logits, extra)
+        if head and bool((scores.amax(dim=-1) == float("-inf")).any()):
             raise NumericalFault(f"the {role} logits leave no token possible after processing "
                                  "(every token was filtered out); relax bad_words_ids/suppress_tokens")
-        return scores
+        if warpers is None:
+            return scores
+        batch, k, vocab = scores.shape
+        return sampling.warped_probs(scores.reshape(batch * k, vocab), warpers).view(batch, k, vocab)
 
     def accept(self, proposal: Proposal, num_accepted: torch.Tensor, next_token: torch.Tensor,
                remaining: torch.Tensor) -> None:

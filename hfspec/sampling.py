@@ -11,7 +11,9 @@ Nothing here touches a model, a cache or a tokenizer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import (
     GenerationConfig,
@@ -28,8 +30,8 @@ from transformers import (
 )
 
 
-# Processors whose output depends only on the logits, never on the token prefix.
-_CONTEXT_FREE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+# The sampling warpers, in the order transformers applies them; they read the logits, never the token prefix.
+_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
 
 def build_processors(
@@ -86,7 +88,7 @@ def process(
 
 def needs_context(processors: LogitsProcessorList) -> bool:
     """False when every processor ignores the token prefix (pure warpers), so any prefix will do."""
-    return not all(isinstance(proc, _CONTEXT_FREE) for proc in processors)
+    return not all(isinstance(proc, _WARPERS) for proc in processors)
 
 
 def probs_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -94,9 +96,145 @@ def probs_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.float(), dim=-1)
 
 
+@dataclass(frozen=True)
+class Warpers:
+    """The context-free end of a pipeline, applied in transformers' order: temperature, top-k, top-p, min-p.
+
+    ``None`` skips a stage; filtered tokens get -inf, as with transformers' default ``filter_value``.
+    """
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    top_p_keep: int = 1  # TopPLogitsWarper's min_tokens_to_keep
+    min_p: float | None = None
+
+    def __post_init__(self) -> None:
+        # The ranges transformers' warpers accept; outside them the pass below would compute nonsense.
+        bad = [f"{name}={value!r}" for name, value, ok in (
+            ("temperature", self.temperature, self.temperature is None or self.temperature > 0),
+            ("top_k", self.top_k, self.top_k is None or self.top_k >= 1),
+            ("top_p", self.top_p, self.top_p is None or 0 <= self.top_p <= 1),
+            ("top_p_keep", self.top_p_keep, self.top_p_keep >= 1),
+            ("min_p", self.min_p, self.min_p is None or 0 <= self.min_p <= 1),
+        ) if not ok]
+        if bad:
+            raise ValueError(f"invalid warper settings {', '.join(bad)}: need temperature > 0, top_k >= 1, "
+                             "top_p and min_p in [0, 1], top_p_keep >= 1 (None turns a stage off)")
+
+
+def _as_stage(proc: LogitsProcessor) -> tuple[int, dict] | None:
+    """(index in ``_WARPERS``, Warpers fields) of a warper that ``warped_probs`` reproduces exactly, else None."""
+    kind = type(proc)  # exact types only: a subclass may compute something else
+    if kind not in _WARPERS or getattr(proc, "filter_value", -float("inf")) != -float("inf"):
+        return None
+    if kind is TemperatureLogitsWarper:
+        return 0, {"temperature": proc.temperature}
+    if kind is TopKLogitsWarper:
+        return 1, {"top_k": proc.top_k}  # already max(top_k, min_tokens_to_keep)
+    if kind is TopPLogitsWarper:
+        return 2, {"top_p": proc.top_p, "top_p_keep": proc.min_tokens_to_keep}
+    return (3, {"min_p": proc.min_p}) if proc.min_tokens_to_keep == 1 else None
+
+
+def split_processors(processors: Sequence[LogitsProcessor]) -> tuple[LogitsProcessorList, Warpers]:
+    """Split ``processors`` into a head that stays transformers' own and the trailing warpers.
+
+    The tail is the longest suffix of temperature / top-k / top-p / min-p warpers in that
+    order (as ``build_processors`` makes it); ``warped_probs`` then applies it to all
+    positions at once. Anything else, including warpers out of order, stays in the head.
+    """
+    fields: dict = {}
+    start, last = len(processors), len(_WARPERS)
+    for proc in reversed(processors):
+        stage = _as_stage(proc)
+        if stage is None or stage[0] >= last:
+            break
+        last = stage[0]
+        fields.update(stage[1])
+        start -= 1
+    return LogitsProcessorList(processors[:start]), Warpers(**fields)
+
+
+_TOPK_LIMIT = 1024  # above this k, torch.topk costs more than a value-only sort of 49k entries
+
+
+def _ascending(x: torch.Tensor) -> torch.Tensor:
+    """The values of each row of ``x`` (N, V) in ascending order: unique, whatever a sort does with ties."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        # numpy's vectorised sort is several times faster than torch.sort, which also builds indices.
+        return torch.from_numpy(np.sort(x.detach().contiguous().numpy(), axis=-1))
+    return torch.sort(x, dim=-1).values
+
+
+def _top_p(x: torch.Tensor, top_p: float, keep: int) -> torch.Tensor:
+    """TopPLogitsWarper on ``x`` (N, V), sorting values only, not indices.
+
+    transformers sorts ascending, removes the positions whose cumulative probability is
+    ``<= 1 - top_p`` (all but the last ``keep``) and maps them back through the sort
+    indices. Softmax and cumsum of the same sorted values are the very numbers it
+    computes, so the count of removed positions is the same; they hold exactly the
+    tokens below the smallest kept value. Only where equal values straddle the cut does
+    the sort's tie order choose the tokens: such rows go through transformers' warper.
+    """
+    ascending = _ascending(x)
+    remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)  # a prefix: the cumsum never decreases
+    remove[..., -keep:] = False
+    cut = remove.sum(dim=-1, keepdim=True)  # (N, 1) removed positions
+    smallest_kept = ascending.gather(-1, cut)
+    largest_removed = ascending.gather(-1, (cut - 1).clamp(min=0))
+    tie = ((cut > 0) & (largest_removed == smallest_kept) & (smallest_kept > -float("inf"))).squeeze(-1)
+    out = x.masked_fill(x < smallest_kept, -float("inf"))
+    if bool(tie.any()):
+        warper = TopPLogitsWarper(top_p, min_tokens_to_keep=keep)
+        out[tie] = warper(None, x[tie])
+    return out
+
+
+def warped_probs(scores: torch.Tensor, warpers: Warpers) -> torch.Tensor:
+    """``softmax(warpers(scores))`` for rows ``scores`` (N, V), as float32: bit for bit what transformers'
+    warpers followed by a float32 softmax give, at a fraction of the cost.
+
+    The costly parts of the reference are a sort of every row with its indices (top-p),
+    and the softmaxes of the warpers and of the caller. Here top-p sorts values only,
+    top-k finds its threshold with ``topk`` or a value-only sort, and min-p's softmax is
+    the result when it removes nothing.
+    """
+    x = scores
+    if warpers.temperature is not None:
+        x = x / warpers.temperature  # the very operation TemperatureLogitsWarper does
+    vocab = x.shape[-1]
+    if warpers.top_k is not None and warpers.top_k < vocab:  # a k >= V keeps every token
+        k = warpers.top_k
+        # The k-th largest value is TopKLogitsWarper's threshold; for a large k the value-only sort is cheaper.
+        kth = torch.topk(x, k)[0][..., -1, None] if k <= _TOPK_LIMIT else _ascending(x)[..., vocab - k, None]
+        x = x.masked_fill(x < kth, -float("inf"))
+    if warpers.top_p is not None:
+        x = _top_p(x, warpers.top_p, warpers.top_p_keep)
+    if warpers.min_p is None:
+        return probs_from_logits(x)
+    probs = torch.softmax(x, dim=-1)
+    # MinPLogitsWarper also keeps the argmax, which this comparison never removes (min_p <= 1).
+    remove = probs < warpers.min_p * probs.amax(dim=-1, keepdim=True)
+    if x.dtype == torch.float32 and not bool(remove.any()):
+        return probs
+    return probs_from_logits(x.masked_fill(remove, -float("inf")))
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from ``probs`` (B, V) -> (B,) long."""
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    """One token per row from ``probs`` (B, V) -> (B,) long, by inverse CDF.
+
+    One uniform u per row, in float64: token i is drawn when ``u * total`` falls in
+    ``[cdf[i-1], cdf[i])``, so each token's chance is its probability up to ~1e-16 and a
+    token of probability 0 (an empty interval) is never drawn. Rows need not sum to 1.
+    """
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (B, V)
+    total = cdf[..., -1:]
+    if not bool((total > 0).all()):
+        raise ValueError("cannot sample from a row without positive probability mass (all zero or NaN)")
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    # A double u < 1 is at most 1 - 2^-53, so u * total rounds to below total: a token is always found.
+    return torch.searchsorted(cdf, u * total, right=True).squeeze(-1)
 
 
 def first_rejection(accepted: torch.Tensor) -> torch.Tensor:

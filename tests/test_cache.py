@@ -103,7 +103,8 @@ def test_long_run_keeps_caches_at_the_committed_length(model_dir, monkeypatch):
     assert all(t_len == lengths[0] - 1 for _, _, t_len, _, lengths, _ in log)
     # Memory is flat: the cache never holds more than the committed tokens, however many drafts were rejected.
     assert out.stats.drafted > out.stats.accepted
-    assert max(t_len for _, _, t_len, *_ in log) == 2 + 4096 - 1 - 1
+    # The last step, which finishes the row and is not logged, commits between 1 and γ + 1 tokens.
+    assert 2 + 4096 - 1 - 1 - 4 <= max(t_len for _, _, t_len, *_ in log) <= 2 + 4096 - 1 - 1
 
 
 def test_context_limit_stops_cleanly_with_a_reason(model_dir):
