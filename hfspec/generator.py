@@ -186,6 +186,8 @@ class _Run:
         self.eos = cfg.eos_ids(conf)
         self.vocab = gen.vocab_size
         self.needs_context = sampling.needs_context(processors)
+        # Processors that run as transformers' own code, then the warpers that run once over all positions.
+        self.head, self.warpers = sampling.split_processors(processors) if self.sample else (processors, None)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -334,15 +336,14 @@ class _Run:
                 f"the {role} model produced NaN or infinite logits at step {step}; "
                 "check its weights and dtype (fp16 overflows are common: try dtype=bfloat16 or float32)"
             )
-        head, warpers = sampling.split_processors(self.processors) if self.sample else (self.processors, None)
-        scores = self.process(head, logits, extra)
-        if head and bool((scores.amax(dim=-1) == float("-inf")).any()):
+        scores = self.process(self.head, logits, extra)
+        if self.head and bool((scores.amax(dim=-1) == float("-inf")).any()):
             raise NumericalFault(f"the {role} logits leave no token possible after processing "
                                  "(every token was filtered out); relax bad_words_ids/suppress_tokens")
-        if warpers is None:
+        if self.warpers is None:
             return scores
         batch, k, vocab = scores.shape
-        return sampling.warped_probs(scores.reshape(batch * k, vocab), warpers).view(batch, k, vocab)
+        return sampling.warped_probs(scores.reshape(batch * k, vocab), self.warpers).view(batch, k, vocab)
 
     def accept(self, proposal: Proposal, num_accepted: torch.Tensor, next_token: torch.Tensor,
                remaining: torch.Tensor) -> None:
