@@ -234,6 +234,7 @@ def bare_run(processors: LogitsProcessorList, tokens: torch.Tensor, lengths: lis
     run = object.__new__(_Run)
     run.processors, run.sample, run.generator, run.vocab = processors, True, None, tokens.shape[1]
     run.needs_context = sampling.needs_context(processors)
+    run.head, run.warpers = sampling.split_processors(processors)
     run.tokens, run.lengths, run.target_passes = tokens, torch.tensor(lengths), 0
     return run
 
