@@ -13,6 +13,10 @@ tokens.
 
 Invariant, checked after every step: the number of unmasked cached positions of a
 row equals the number of its committed tokens that have been fed to the model.
+
+A model whose cache keeps a recurrent state (Mamba, hybrids) gets its own layout and
+a ``RecurrentState`` that snapshots and replays it (see ``hfspec.recurrent``); such a
+state cannot skip a hole, so its rows run one at a time.
 """
 from __future__ import annotations
 
@@ -21,21 +25,36 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from hfspec.recurrent import RecurrentState, is_recurrent
+
 
 class KVState:
-    """A ``DynamicCache`` plus its 2-D attention mask (B, L), kept in step."""
+    """A ``DynamicCache`` plus its 2-D attention mask (B, L), kept in step.
 
-    def __init__(self, batch: int, device: torch.device, model: Any = None):
-        self.cache = DynamicCache()
+    ``adapter=False`` rolls a recurrent cache back on the generic path (see ``hfspec.recurrent``).
+    """
+
+    def __init__(self, batch: int, device: torch.device, model: Any = None, adapter: bool = True):
+        self.recurrent = RecurrentState(model, adapter) if model is not None and is_recurrent(model) else None
+        # Attention-only models keep whole key/value caches, also for sliding-window layers: the mask
+        # does the windowing, and a whole cache can always be cropped.
+        self.cache = self.recurrent.cache if self.recurrent is not None else DynamicCache()
         self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
 
     @staticmethod
     def is_recurrent(model: Any) -> bool:
         """True when ``model``'s cache keeps a recurrent state (which masked holes cannot skip)."""
-        return False
+        return is_recurrent(model)
+
+    @property
+    def serial(self) -> bool:
+        """True when the model can only continue its cached state one token at a time."""
+        return self.recurrent is not None and self.recurrent.serial
 
     def snapshot(self) -> None:
         """Remember the state that ``rollback`` may have to return to (key/value caches need nothing)."""
+        if self.recurrent is not None:
+            self.recurrent.snapshot()
 
     @property
     def length(self) -> int:
@@ -44,6 +63,8 @@ class KVState:
     def extend_mask(self, valid: torch.Tensor) -> torch.Tensor:
         """Append the (B, k) validity of k new columns; returns the mask for the forward."""
         self.mask = torch.cat([self.mask, valid.to(self.mask.dtype)], dim=1)
+        if self.recurrent is not None and not self.recurrent.attends:
+            return self.mask[:, -valid.shape[1] :]  # without attention, a model reads only the new columns' mask
         return self.mask
 
     def append(self, key: torch.Tensor, value: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +81,13 @@ class KVState:
         become holes. ``ids`` (B, k) are the tokens those columns read, for caches
         that must replay them.
         """
+        if self.recurrent is not None:
+            # One row at a time (no holes); snapshot() was called at ``start``.
+            assert self.mask.shape[0] <= 1, "a recurrent cache holds one row"
+            kept = int(keep.max()) if keep.numel() else 0
+            self.recurrent.rollback(kept, start, self.mask, ids)
+            self.mask = self.mask[:, : start + kept]
+            return
         new_length = start + int(keep.max()) if keep.numel() else start
         removed = self.cache.get_seq_length() - new_length
         if removed > 0:
@@ -71,12 +99,15 @@ class KVState:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (1-D long) of the batch, e.g. after others finished."""
-        self.cache.batch_select_indices(rows)
+        if self.recurrent is not None:  # linear layers select rows through reorder_cache only
+            self.cache.reorder_cache(rows)
+        else:
+            self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
 
     def check(self, fed: torch.Tensor, name: str) -> None:
         """Assert the invariant: unmasked positions per row == tokens fed per row."""
-        cached = self.cache.get_seq_length()
+        cached = self.recurrent.seq_length(self.length) if self.recurrent is not None else self.cache.get_seq_length()
         assert cached == self.length, f"{name} cache holds {cached} positions but its mask {self.length}"
         real = self.mask.sum(dim=1)
         assert torch.equal(real, fed), f"{name} cache rows hold {real.tolist()} tokens, expected {fed.tolist()}"

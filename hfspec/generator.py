@@ -25,7 +25,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import config as cfg
-from hfspec import costs, sampling
+from hfspec import costs, recurrent, sampling
 from hfspec.cache import KVState
 from hfspec.drafters import Drafter, Features, Proposal, make_drafter
 from hfspec.errors import NumericalFault
@@ -65,6 +65,10 @@ class SpeculativeGenerator:
         self.drafter = make_drafter(draft, tokenizer, target)
         self.tokenizer = tokenizer
         self.vocab_size = shared_vocab_size(target, self.drafter.vocab_size, tokenizer)
+        # Refuse, before any generation, a recurrent state that cannot be rolled back exactly.
+        recurrent.check(self.target, "target")
+        if self.draft is not None:
+            recurrent.check(self.draft, "draft")
         self.check_invariants = True
         self.tuning = Tuning()  # gamma="auto": the costs measured here and the acceptance seen so far
 
@@ -157,12 +161,17 @@ class SpeculativeGenerator:
         device = self.target.get_output_embeddings().weight.device
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(seed))
-        run = _Run(self, conf, sampling.build_processors(conf, logits_processor), policy, generator, streamer, window)
+        processors = sampling.build_processors(conf, logits_processor)
+        # A recurrent state cannot skip padding or a masked hole: then each prompt runs alone, unpadded.
+        alone = KVState.is_recurrent(self.target) or self.drafter.recurrent
+        rows = [(r[m.bool()][None], m[m.bool()][None]) for r, m in zip(ids, mask)] if alone else [(ids, mask)]
         try:
-            return run.execute(ids.to(device), mask.to(device))
+            parts = [_Run(self, conf, processors, policy, generator, streamer, window)
+                     .execute(r.to(device), m.to(device)) for r, m in rows]
         finally:
             if streamer is not None:
                 streamer.end()
+        return _stack(ids.to(device), parts, _pad_id(conf)) if alone else parts[0]
 
     def _context_window(self) -> int | None:
         models = [self.target] + ([self.draft] if self.draft is not None else [])
@@ -407,9 +416,7 @@ class _Run:
 
     def output(self, ids: torch.Tensor, start: float) -> GenerateOutput:
         batch = ids.shape[0]
-        pad = self.conf.pad_token_id
-        if pad is None:
-            pad = self.eos[0] if self.eos else 0
+        pad = _pad_id(self.conf)
         longest = max(t.numel() for t, _ in self.results.values())
         gen = torch.full((batch, longest), int(pad), dtype=torch.long, device=ids.device)
         for row, (new_tokens, _) in self.results.items():
@@ -425,3 +432,20 @@ class _Run:
             rows=rows,
         )
         return GenerateOutput(torch.cat([ids, gen], dim=1), stats, ids.shape[1])
+
+
+def _pad_id(conf: GenerationConfig) -> int:
+    """What right-pads finished rows: pad_token_id, else the first EOS, else 0."""
+    if conf.pad_token_id is not None:
+        return int(conf.pad_token_id)
+    eos = cfg.eos_ids(conf)
+    return eos[0] if eos else 0
+
+
+def _stack(ids: torch.Tensor, parts: list[GenerateOutput], pad: int) -> GenerateOutput:
+    """One output for prompts ``ids`` (B, T) that ran one at a time, as if they had run as a batch."""
+    new = [p.sequences[0, p.prompt_length :] for p in parts]
+    gen = torch.full((len(parts), max(t.numel() for t in new)), pad, dtype=torch.long, device=ids.device)
+    for b, tokens in enumerate(new):
+        gen[b, : tokens.numel()] = tokens
+    return GenerateOutput(torch.cat([ids, gen], dim=1), Stats.combine([p.stats for p in parts]), ids.shape[1])

@@ -50,8 +50,7 @@ class ModelDrafter(Drafter):
         feed, valid, positions = self._unfed(ctx)
         tokens, qs = [], []
         for i in range(gamma):
-            logits = forward(self.model, feed, self.kv.extend_mask(valid), positions, self.kv.cache,
-                             logits_to_keep=1)[:, -1]
+            logits = self._forward(feed, valid, positions)
             if i == 0:  # caught up: everything from here on is a draft, and may be rolled back
                 self.fed = ctx.lengths.clone()
                 self.start_col = self.kv.length
@@ -64,6 +63,16 @@ class ModelDrafter(Drafter):
             feed, valid, positions = token[:, None], torch.ones_like(token)[:, None], (ctx.lengths + i)[:, None]
         self.drafts = torch.stack(tokens, dim=1)
         return Proposal(self.drafts, torch.stack(qs, dim=1) if ctx.sample else None)
+
+    def _forward(self, feed: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Last-position logits (B, V) after feeding (B, k) tokens; a cache that can only continue its
+        state one token at a time (``KVState.serial``) takes them one by one once it holds any."""
+        step = 1 if self.kv.serial and self.kv.length else feed.shape[1]
+        for s in range(0, feed.shape[1], step):
+            cols = slice(s, s + step)
+            logits = forward(self.model, feed[:, cols], self.kv.extend_mask(valid[:, cols]), positions[:, cols],
+                             self.kv.cache, logits_to_keep=1)
+        return logits[:, -1]
 
     def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         if self.drafts is None:
