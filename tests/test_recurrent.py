@@ -230,8 +230,8 @@ def test_sampled_rows_share_one_generator(load):
     target, tok = load("falcon_h1")
     draft, _ = load("mamba", seed=1)
     gen = SpeculativeGenerator(target, draft, tok)
-    a = gen.generate([[7, 8, 9]] * 4, max_new_tokens=12, do_sample=True, seed=3)
-    b = gen.generate([[7, 8, 9]] * 4, max_new_tokens=12, do_sample=True, seed=3)
+    a = gen.generate([[7, 8, 9]] * 4, max_new_tokens=12, gamma=3, do_sample=True, seed=3)
+    b = gen.generate([[7, 8, 9]] * 4, max_new_tokens=12, gamma=3, do_sample=True, seed=3)
     assert torch.equal(a.sequences, b.sequences)
     assert len({tuple(r) for r in a.sequences.tolist()}) > 1
 
