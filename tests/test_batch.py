@@ -53,6 +53,18 @@ def test_batched_greedy_rows_equal_each_prompt_alone(arch, tiny_pair):
     assert torch.equal(out.sequences[:, :width], ids)
 
 
+@pytest.mark.parametrize("profile", ["cheap", "dear"])
+def test_batched_auto_rows_equal_each_prompt_alone(profile, tiny_pair, scripted_auto):
+    target, draft, tok = tiny_pair("llama", vocab_size=16)
+    prompts = batch_prompts(16, seed=1)
+    eos = early_eos(target, prompts)
+    want = [alone(target, p, 30, eos) for p in prompts]
+    gen = scripted_auto(SpeculativeGenerator(target, draft, tok), profile)
+    out = gen.generate(prompts, max_new_tokens=30, gamma="auto", eos_token_id=eos)
+    assert rows_of(out) == want
+    assert sum(out.stats.gamma_histogram) == out.stats.target_passes
+
+
 def test_finished_rows_are_padded_and_reasons_reported(tiny_pair):
     target, draft, tok = tiny_pair("llama", vocab_size=16)
     prompts = batch_prompts(16, seed=1)
