@@ -41,6 +41,7 @@ from hfspec.loading import load_draft, load_pair, load_preset
 from hfspec.policy import (
     CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, alpha_from_tokens_per_pass, predicted_speedup,
 )
+from hfspec.recurrent import is_recurrent, rollback_cost
 from hfspec.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -109,16 +110,17 @@ class Contender:
 
 
 def contenders(gamma: int, gammas: Sequence[int], drafters: Sequence[str] = (), assisted: bool = True,
-               lookup_tokens: int = 10) -> tuple[list[Contender], list[Contender]]:
+               lookup_tokens: int | None = 10) -> tuple[list[Contender], list[Contender]]:
     """The main field and the extra fixed-γ points of the sweep (γ itself is the main ``hfspec``).
 
-    ``assisted`` is False when the main draft is not a model transformers can assist with.
+    ``assisted`` is False when transformers cannot assist with the main draft (not a model, or a
+    recurrent target); ``lookup_tokens`` None leaves transformers' prompt lookup out.
     """
     main = [Contender("plain", "plain", None, "-")]
     if assisted:
         main += [Contender("assisted", "assisted", gamma, "constant"),
                  Contender("assisted-default", "assisted", None, "transformers-default")]
-    if "ngram" in drafters:
+    if "ngram" in drafters and lookup_tokens is not None:
         main.append(Contender("prompt-lookup", "lookup", lookup_tokens, "transformers-default"))
     main += [
         Contender("hfspec-auto", "hfspec", None, "auto"),
@@ -490,8 +492,10 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
     gammas = tuple(sorted({*settings.gammas, settings.gamma}))
     costs = bench.measure_costs(encoded[0], range(1, max(gammas) + 1), settings.cost_repeats)
     extra = [name for name in bench.specs if name != MAIN]
-    main, sweep = contenders(settings.gamma, gammas, extra, assisted=bench.draft is not None,
-                             lookup_tokens=settings.lookup_tokens)
+    # transformers assists only a model draft, and refuses stateful (recurrent) targets.
+    assists = not is_recurrent(bench.target)
+    main, sweep = contenders(settings.gamma, gammas, extra, assisted=assists and bench.draft is not None,
+                             lookup_tokens=settings.lookup_tokens if assists else None)
     field = main + sweep
     result: dict[str, Any] = {"costs": costs, "auto_costs": bench.auto_costs(encoded[0]), "modes": {}}
     for m, mode in enumerate(settings.modes):
@@ -526,7 +530,29 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
         if settings.batch_size:
             rows = [encoded[i % len(encoded)] for i in range(settings.batch_size)]
             result["modes"][mode.name]["batch"] = run_batch(bench, rows, mode, settings, seed)
+    if is_recurrent(bench.target):
+        result["rollback"] = rollback_report(bench, encoded[0], gammas, result, settings.cost_repeats)
     return result
+
+
+def rollback_report(bench: Bench, context: Sequence[int], gammas: Sequence[int], result: dict[str, Any],
+                    repeats: int) -> dict[str, Any]:
+    """What rolling a recurrent target back costs: v(γ) without and with the rollback (snapshot, and the replay
+    of a rejection at the acceptance each mode measured), and the predicted speed-up either way."""
+    out: dict[str, Any] = {}
+    for g in gammas:
+        rc = rollback_cost(bench.target, context, g, repeats=max(2, repeats // 2), device=bench.device)
+        row: dict[str, Any] = {**rc.to_dict(), "modes": {}}
+        for name, mode in result["modes"].items():
+            alpha = mode["contenders"]["hfspec"]["alpha"]
+            if alpha is not None:
+                row["modes"][name] = {
+                    "alpha": alpha, "v_with_rollback": rc.expected(alpha),
+                    "predicted_speedup": predicted_speedup(alpha, g, bench.cost, rc.verify),
+                    "predicted_speedup_with_rollback": predicted_speedup(alpha, g, bench.cost, rc.expected(alpha)),
+                }
+        out[str(g)] = row
+    return out
 
 
 def run_batch(bench: Bench, rows: Sequence[Sequence[int]], mode: Mode, settings: Settings,
@@ -625,6 +651,16 @@ def format_table(result: dict[str, Any]) -> str:
                       f"one at a time ÷ plain batched {b['serial_vs_plain_batched']:.2f}"]
             if "greedy_mismatches" in b:
                 lines.append(f"  greedy rows differing from plain batched: {len(b['greedy_mismatches'])}")
+    if "rollback" in result:
+        lines += ["", "recurrent target: what the rollback costs (in single-token target forwards)",
+                  f"{'γ':>3} {'mechanism':<10}{'v(γ)':>6}{'snap':>6}{'worst':>7}   per mode: α, v with rollback, "
+                  "predicted speed-up without → with"]
+        for g, r in result["rollback"].items():
+            per_mode = "; ".join(f"{m}: α {x['alpha']:.2f}, v {x['v_with_rollback']:.2f}, "
+                                 f"{x['predicted_speedup']:.2f} → {x['predicted_speedup_with_rollback']:.2f}"
+                                 for m, x in r["modes"].items())
+            lines.append(f"{g:>3} {r['mechanism']:<10}{r['v']:>6.2f}{r['snapshot']:>6.2f}{r['v_worst']:>7.2f}   "
+                         f"{per_mode}")
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import tiny
 import torch
 
 from hfspec import bench
@@ -197,6 +198,20 @@ def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
     assert all(row["greedy_mismatches"] == [] for row in greedy["contenders"].values())
     assert greedy["batch"]["greedy_mismatches"] == []
     assert greedy["contenders"]["hfspec"]["acceptance_rate"] is not None
+
+
+def test_bench_reports_the_rollback_cost_of_a_recurrent_target(model_dir, tmp_path):
+    target, tok = tiny.load(model_dir("falcon_h1", vocab_size=64, seed=0))
+    draft, _ = tiny.load(model_dir("llama", vocab_size=64, seed=1))
+    prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}]
+    result = bench.run_bench(Bench(target, draft, tok, max_new_tokens=6, gamma=2), prompts,
+                             _tiny_settings(batch_size=0, gammas=(2,)))
+    row = result["rollback"]["2"]
+    assert row["mechanism"] == "adapter" and row["v"] > 0 and len(row["replay"]) == 2
+    assert row["modes"]["greedy"]["v_with_rollback"] >= row["v"]
+    assert "what the rollback costs" in bench.format_table(result)
+    greedy = result["modes"]["greedy"]["contenders"]
+    assert all(greedy[c]["greedy_mismatches"] == [] for c in greedy if c.startswith("hfspec"))
 
 
 def test_bench_subcommand_is_registered():
