@@ -228,7 +228,7 @@ class _Run:
         t0 = time.perf_counter()
         proposal = (self.drafter.propose(self, gamma, self.policy.stop) if gamma
                     else Proposal.empty(self.rows.numel(), self.tokens.device))
-        self.draft_passes += proposal.gamma
+        self.draft_passes += proposal.draft_forwards()
         t1 = time.perf_counter()
         num_accepted, next_token = self.verify(proposal)
         self.drafter.commit(self, num_accepted)
@@ -353,6 +353,7 @@ class _Run:
             accepted, passes, drafted = self.row_counts[row].tolist()
             new_tokens = self.tokens[b, self.prompt_lens[b] : self.lengths[b]].clone()
             self.results[row] = (new_tokens, RowStats(int(new_tokens.numel()), accepted, passes, drafted, why))
+            self.drafter.finished(b, new_tokens)
         keep = (~finished).nonzero().flatten()
         if keep.numel() == self.rows.numel():
             return

@@ -34,16 +34,21 @@ class Proposal:
     ``tokens`` (B, γ) long; ``q`` (B, γ, V) the distributions they were drawn from, or
     ``None`` when each token was picked deterministically (a one-hot q); ``counts``
     (B,) the drafts of each row, ≤ γ, whose later columns are padding that is never
-    accepted (``None``: γ for every row).
+    accepted (``None``: γ for every row); ``forwards`` the draft forwards it took
+    (``None``: one per column, γ).
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     counts: torch.Tensor | None = None
+    forwards: int | None = None
 
     @property
     def gamma(self) -> int:
         return self.tokens.shape[1]
+
+    def draft_forwards(self) -> int:
+        return self.gamma if self.forwards is None else self.forwards
 
     def drafted(self) -> torch.Tensor:
         """(B,) drafts per row."""
@@ -110,6 +115,10 @@ class Drafter:
     def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         """After each verification: row b kept ``num_accepted[b]`` drafts of the last proposal
         (0 for a step without one). ``ctx.lengths`` still counts the tokens before that step."""
+
+    def finished(self, row: int, output: torch.Tensor) -> None:
+        """Row ``row`` ended with ``output`` (1-D), its committed new tokens; it leaves at the next
+        ``select_rows``. Drafters that learn from earlier outputs keep them here."""
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only rows ``keep`` (1-D long) of the batch, in that order."""
