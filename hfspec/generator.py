@@ -48,18 +48,22 @@ class GenerateOutput:
 class SpeculativeGenerator:
     """Lossless speculative decoding: a ``draft`` proposes, the ``target`` causal LM verifies.
 
-    ``draft`` is a causal LM sharing the target's tokenizer, or any ``hfspec.drafters.Drafter``.
+    ``draft`` is a causal LM sharing the target's tokenizer, any ``hfspec.drafters.Drafter``,
+    or ``"ngram"`` (model-free lookup in the context and in earlier outputs). ``ngram=True``
+    adds that lookup to a model draft: per row, whichever is expected to get more accepted.
     """
 
     def __init__(
         self,
         target: PreTrainedModel,
-        draft: PreTrainedModel | Drafter,
+        draft: PreTrainedModel | Drafter | str,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        *,
+        ngram: bool = False,
     ):
         check_causal_lm(target, "target")
         self.target = target.eval()
-        self.drafter = make_drafter(draft, tokenizer)
+        self.drafter = make_drafter(draft, tokenizer, ngram=ngram)
         self.tokenizer = tokenizer
         self.vocab_size = shared_vocab_size(target, self.drafter.vocab_size, tokenizer)
         self.check_invariants = True
@@ -70,11 +74,12 @@ class SpeculativeGenerator:
         return getattr(self.drafter, "model", None)
 
     @classmethod
-    def from_pretrained(cls, target: str, draft: str, **kwargs: Any) -> SpeculativeGenerator:
-        """Load both models and the target's tokenizer by hub name or local path (see ``hfspec.loading``)."""
+    def from_pretrained(cls, target: str, draft: str, *, ngram: bool = False, **kwargs: Any) -> SpeculativeGenerator:
+        """Load both models and the target's tokenizer by hub name or local path (see ``hfspec.loading``);
+        ``draft="ngram"`` needs no model."""
         from hfspec.loading import load_pair
 
-        return cls(*load_pair(target, draft, **kwargs))
+        return cls(*load_pair(target, draft, **kwargs), ngram=ngram)
 
     @torch.inference_mode()
     def generate(

@@ -4,10 +4,11 @@ A *preset* is one JSON file naming a target, a draft and the settings that suit
 them (γ, dtype, chat, sampling defaults). Presets ship in ``hfspec/configs/``
 and are found by name; any other JSON file works by path.
 
-Two model names are special: ``"offline"`` as the target is SmolLM2-135M-Instruct,
-built without a model hub (``hfspec.assets.offline_target_path``), and
+Three model names are special: ``"offline"`` as the target is SmolLM2-135M-Instruct,
+built without a model hub (``hfspec.assets.offline_target_path``);
 ``"shipped"`` as the draft is the draft committed with the package
-(``hfspec.assets.shipped_draft_path``).
+(``hfspec.assets.shipped_draft_path``); ``"ngram"`` as the draft is model-free
+lookup (``hfspec.drafters.ngram``), with no model to load.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec.drafters import Drafter
+from hfspec.drafters import NGRAM, Drafter
 from hfspec.errors import HfspecError
 from hfspec.models import load_model, same_tokenizer
 
@@ -153,7 +154,14 @@ def load_pair(
 
 def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.dtype | str, device: torch.device,
                 trust_remote_code: bool) -> PreTrainedModel | Drafter:
-    """The draft named by ``draft_path``, on ``device``: a causal LM, or another kind of drafter."""
+    """The draft named by ``draft_path``, on ``device``: a causal LM, or another kind of drafter.
+
+    ``"ngram"`` is model-free lookup (a directory of that name is ``./ngram``).
+    """
+    if draft_path == NGRAM:
+        from hfspec.drafters.ngram import NgramDrafter
+
+        return NgramDrafter()
     model = load_model(draft_path, "draft", dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device)
 
@@ -206,7 +214,7 @@ class Preset:
 
     name: str
     target: str  # hub name, local path, or "offline"
-    draft: str  # hub name, local path, or "shipped"
+    draft: str  # hub name, local path, "shipped", or "ngram" (model-free lookup)
     description: str = ""
     gamma: int = 4  # γ: drafts per verification step
     dtype: str = "auto"  # weights of both models: auto, float32, float16, bfloat16
@@ -221,6 +229,7 @@ class Preset:
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float | None = None
+    ngram: bool = False  # add n-gram lookup to the model draft (per row, whichever is expected to do better)
     source: str = ""  # the file it was read from (filled in by load_preset)
 
     def load_kwargs(self) -> dict[str, Any]:
@@ -237,7 +246,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,), "target": (str,), "draft": (str,), "description": (str,), "gamma": (int,),
     "dtype": (str,), "draft_dtype": (str,), "chat": (bool,), "system": (str,), "gguf_file": (str,),
     "revision": (str,), "trust_remote_code": (bool,), "do_sample": (bool,), "temperature": (int, float),
-    "top_k": (int,), "top_p": (int, float), "repetition_penalty": (int, float),
+    "top_k": (int,), "top_p": (int, float), "repetition_penalty": (int, float), "ngram": (bool,),
 }
 ALLOWED_KEYS = tuple(_TYPES)
 

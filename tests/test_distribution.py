@@ -60,12 +60,13 @@ def exact_joint(target, prompt: list[int], settings: dict) -> np.ndarray:
     return joint
 
 
-def sample_counts(gen, prompts: list[list[int]], settings: dict, seed: int) -> list[np.ndarray]:
-    """Counts of (x1, x2, x3) per prompt, drawing SAMPLES per prompt in batches of interleaved rows."""
+def sample_counts(gen, prompts: list[list[int]], settings: dict, seed: int,
+                  samples: int = SAMPLES) -> list[np.ndarray]:
+    """Counts of (x1, x2, x3) per prompt, drawing ``samples`` per prompt in batches of interleaved rows."""
     counts = [np.zeros([V] * NEW) for _ in prompts]
     g = torch.Generator().manual_seed(seed)
     rows = [prompts[i % len(prompts)] for i in range(BATCH)]
-    for _ in range(SAMPLES * len(prompts) // BATCH):
+    for _ in range(samples * len(prompts) // BATCH):
         out = gen.generate(rows, max_new_tokens=NEW, gamma=2, do_sample=True, generator=g, **settings)
         new = out.sequences[:, -NEW:].numpy()
         for i in range(len(prompts)):

@@ -139,21 +139,36 @@ class Drafter:
         return {"kind": self.kind}
 
 
-def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None, **load_kwargs: Any) -> Drafter:
-    """A drafter from what a user passes as the draft: a ``Drafter``, a loaded causal LM, or a name.
+NGRAM = "ngram"  # the draft name of model-free lookup
 
-    Names: ``"ngram"`` for model-free lookup, an EAGLE-3 head's directory, or any causal
-    LM that ``hfspec.loading`` can load.
+
+def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None, *, ngram: bool = False,
+                 **load_kwargs: Any) -> Drafter:
+    """A drafter from what a user passes as the draft: a ``Drafter``, a loaded causal LM, or ``"ngram"``.
+
+    ``"ngram"`` is model-free lookup in the context and earlier outputs
+    (``hfspec.drafters.ngram``); other names and paths go through
+    ``SpeculativeGenerator.from_pretrained``. ``ngram=True`` adds n-gram lookup to any
+    other drafter (``hfspec.drafters.hybrid``).
     """
     from transformers import PreTrainedModel
 
+    from hfspec.drafters.hybrid import with_ngram
     from hfspec.drafters.model import ModelDrafter
+    from hfspec.drafters.ngram import NgramDrafter
 
     if isinstance(draft, Drafter):
-        return draft
-    if isinstance(draft, PreTrainedModel):
-        return ModelDrafter(draft)
-    raise TypeError(
-        f"the draft must be a transformers PreTrainedModel or an hfspec Drafter (got {type(draft).__name__}); "
-        "load it with AutoModelForCausalLM.from_pretrained(...) or use SpeculativeGenerator.from_pretrained"
-    )
+        drafter = draft
+    elif isinstance(draft, PreTrainedModel):
+        drafter = ModelDrafter(draft)
+    elif isinstance(draft, str) and draft == NGRAM:
+        drafter = NgramDrafter()
+    else:
+        hint = ("; to load a draft by name or path use SpeculativeGenerator.from_pretrained"
+                if isinstance(draft, str) else "")
+        raise TypeError(
+            f"the draft must be a transformers PreTrainedModel, an hfspec Drafter or 'ngram' (got "
+            f"{draft!r:.60} of type {type(draft).__name__}){hint}; load models with "
+            "AutoModelForCausalLM.from_pretrained(...)"
+        )
+    return with_ngram(drafter) if ngram else drafter
