@@ -9,6 +9,7 @@ Plumbing: ``"ngram"`` and ``ngram=True`` through every entry point.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import tiny
@@ -396,3 +397,26 @@ def test_presets_name_ngram_and_the_hybrid(model_dir, tmp_path):
     hybrid.write_text(json.dumps({"name": "hybrid", "target": target, "draft": draft, "ngram": "yes"}))
     with pytest.raises(HfspecError, match="ngram must be bool"):
         load_preset(hybrid)
+
+
+# -- prompt sets ----------------------------------------------------------------------------------
+
+def read_jsonl(name: str) -> list[dict]:
+    path = Path(hfspec.__file__).parent / "prompts" / name
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_the_grounded_and_mixed_prompt_sets_ship_with_the_package():
+    grounded, mixed, bench = (read_jsonl(n) for n in ("grounded.jsonl", "mixed.jsonl", "bench.jsonl"))
+    for items in (grounded, mixed):
+        assert all(set(item) == {"id", "kind", "prompt"} for item in items)
+        assert len({item["id"] for item in items}) == len(items)
+    assert len(grounded) >= 12 and {"summary", "rewrite", "code-edit", "qa"} <= {g["kind"] for g in grounded}
+    for item in grounded:  # an instruction, a blank line, then the given text of 80 to 300 words
+        instruction, passage = item["prompt"].split("\n\n", 1)
+        assert instruction and 80 <= len(passage.split()) <= 300, item["id"]
+    # Half open-ended prompts of bench.jsonl, half grounded ones, each unchanged.
+    assert sum(m in bench for m in mixed) == sum(m in grounded for m in mixed) == len(mixed) // 2
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    data = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "prompts/*" in data["tool"]["setuptools"]["package-data"]["hfspec"]
