@@ -7,6 +7,7 @@ shipped draft, chat template on).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,19 +44,24 @@ class Completion:
 
 
 def resolve_preset(target: str | Path | None = None, draft: str | Path | None = None,
-                   config: str | Path | Preset | None = None) -> Preset:
-    """The pair to use: a preset (by name, path or object), a target/draft pair, or the default."""
+                   config: str | Path | Preset | None = None, ngram: bool | None = None) -> Preset:
+    """The pair to use: a preset (by name, path or object), a target/draft pair, or the default;
+    ``ngram`` (not None) overrides the preset's."""
     if config is not None:
         if target is not None or draft is not None:
             raise HfspecError("pass either a config preset or target and draft, not both")
-        return config if isinstance(config, Preset) else loading.load_preset(config)
-    if target is None and draft is None:
-        return loading.load_preset(DEFAULT_PRESET)
-    if target is None or draft is None:
+        preset = config if isinstance(config, Preset) else loading.load_preset(config)
+    elif target is None and draft is None:
+        preset = loading.load_preset(DEFAULT_PRESET)
+    elif target is None or draft is None:
         missing = "target" if target is None else "draft"
         raise HfspecError(f"no {missing} given: pass both target and draft (or a config preset, or neither "
                           f"for the default {DEFAULT_PRESET} pair)")
-    return Preset(name="custom", target=str(target), draft=str(draft))
+    else:
+        preset = Preset(name="custom", target=str(target), draft=str(draft))
+    if ngram is not None and not isinstance(ngram, bool):
+        raise TypeError(f"ngram must be True or False, got {ngram!r}")
+    return preset if ngram is None else dataclasses.replace(preset, ngram=ngram)
 
 
 def _hashable(value: Any) -> Any:
@@ -69,10 +75,11 @@ def _hashable(value: Any) -> Any:
 def load(preset: Preset, **load_kwargs: Any) -> SpeculativeGenerator:
     """The generator for ``preset``, loaded on first use and cached for the process."""
     kwargs = {**preset.load_kwargs(), **load_kwargs}
-    key = (preset.target, preset.draft, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
+    key = (preset.target, preset.draft, preset.ngram, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
     if key not in _PAIRS:
         log.info("loading target %s and draft %s", preset.target, preset.draft)
-        _PAIRS[key] = SpeculativeGenerator(*loading.load_pair(preset.target, preset.draft, **kwargs))
+        _PAIRS[key] = SpeculativeGenerator(*loading.load_pair(preset.target, preset.draft, **kwargs),
+                                           ngram=preset.ngram)
     return _PAIRS[key]
 
 
@@ -127,7 +134,7 @@ def complete(
     chat = bool(_pick(chat, preset.chat))
     system = system if system is not None else (preset.system if chat else None)
     settings = {
-        "preset": preset.name, "target": preset.target, "draft": preset.draft,
+        "preset": preset.name, "target": preset.target, "draft": preset.draft, "drafter": gen.drafter.kind,
         "gamma": _pick(gamma, preset.gamma), "max_new_tokens": max_new_tokens,
         "do_sample": bool(_pick(do_sample, _pick(preset.do_sample, False))),
         "temperature": _pick(temperature, preset.temperature), "top_k": _pick(top_k, preset.top_k),
@@ -165,6 +172,7 @@ def generate(
     seed: int | None = None,
     chat: bool | None = None,
     system: str | None = None,
+    ngram: bool | None = None,
     streamer: Any = None,
     return_stats: bool = False,
     **load_kwargs: Any,
@@ -173,12 +181,14 @@ def generate(
 
     The pair is ``target`` + ``draft`` (hub names or paths), or a ``config`` preset
     (a shipped name such as ``"qwen2.5-7b"`` or a JSON path), or by default the
-    offline SmolLM2 pair. Settings left as ``None`` come from the preset, then from
-    the target's generation config; ``do_sample`` defaults to greedy and ``chat``
-    to off (on for the default pair). ``gamma`` is γ, the drafts per step, ``"auto"``
-    (the default of every shipped preset: chosen at every step, see ``AutoGamma``) or a
-    ``GammaPolicy``. ``seed`` makes sampling reproducible. ``load_kwargs`` go to
-    ``hfspec.loading.load_pair`` (``dtype``, ``device``, ``device_map``, ...).
+    offline SmolLM2 pair. ``draft="ngram"`` drafts by lookup in the prompt and earlier
+    outputs, with no draft model; ``ngram=True`` adds that lookup to a model draft (per
+    row, whichever is expected to get more accepted). Settings left as ``None`` come
+    from the preset, then from the target's generation config; ``do_sample`` defaults
+    to greedy and ``chat`` to off (on for the default pair). ``gamma`` is γ, the drafts
+    per step, ``"auto"`` (the default of every shipped preset: chosen at every step, see
+    ``AutoGamma``) or a ``GammaPolicy``. ``seed`` makes sampling reproducible. ``load_kwargs``
+    go to ``hfspec.loading.load_pair`` (``dtype``, ``device``, ``device_map``, ...).
     With ``return_stats`` the result is ``(text, stats)``.
     """
     if isinstance(prompt, str):
@@ -188,7 +198,7 @@ def generate(
     else:
         raise TypeError("prompt must be a string or a non-empty list of strings; "
                         "for token ids use SpeculativeGenerator.generate")
-    preset = resolve_preset(target, draft, config)
+    preset = resolve_preset(target, draft, config, ngram)
     gen = load(preset, **load_kwargs)
     result = complete(gen, prompts, preset=preset, max_new_tokens=max_new_tokens, gamma=gamma, do_sample=do_sample,
                       temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,

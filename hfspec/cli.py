@@ -110,7 +110,8 @@ def _add_generate(sub) -> None:
     pair = p.add_argument_group("models (--target and --draft together, or --config)")
     pair.add_argument("--target", help="target model: hub name, local directory, or 'offline'")
     pair.add_argument("--draft", help="draft model sharing the target's tokenizer: hub name, local directory, "
-                      "or 'shipped'")
+                      "'shipped', or 'ngram' to draft without a model, by lookup in the prompt, the text so far "
+                      "and earlier outputs (a directory named ngram is ./ngram)")
     pair.add_argument("--config", metavar="NAME|PATH",
                       help=f"a pair preset: a shipped name ({', '.join(preset_names())}) or a JSON file")
     pair.add_argument("--device", metavar="DEVICE", help="where to run: cpu, cuda, cuda:1, mps, or 'auto' to spread the target "
@@ -129,6 +130,10 @@ def _add_generate(sub) -> None:
                       help="choose γ as decoding goes: 'heuristic' grows γ after fully accepted steps and "
                       "shrinks it otherwise; 'cost' picks the γ with the best predicted speedup from the "
                       "running acceptance rate and --draft-cost")
+    spec.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=None,
+                      help="add n-gram lookup to the draft model: each step, per prompt, the lookup's proposal "
+                      "where it is expected to get more tokens accepted, the model's otherwise; no draft forward "
+                      "when every prompt takes the lookup (default: the preset's, else off)")
     spec.add_argument("--draft-cost", type=cost_value, metavar="C",
                       help="with --adaptive cost: time of one draft step / one target step (default: estimated "
                       "from the parameter counts)")
@@ -316,11 +321,12 @@ def _policy(args: argparse.Namespace, preset: Preset, gen) -> int | GammaPolicy 
         return HeuristicGamma(value=start)
     cost = args.draft_cost
     if cost is None:
-        # Decoding is memory-bound, so parameter counts are a fair first guess at the step cost ratio.
+        # Decoding is memory-bound, so parameter counts are a fair first guess at the step cost ratio;
+        # lookup without a draft model costs next to nothing.
         parameters = gen.drafter.describe().get("parameters")
-        if parameters is None:
+        if parameters is None and gen.drafter.kind != "ngram":
             raise HfspecError(f"cannot estimate the cost of a {gen.drafter.kind} drafter; pass --draft-cost")
-        cost = parameters / gen.target.num_parameters()
+        cost = parameters / gen.target.num_parameters() if parameters is not None else 0.0
     return CostModelGamma(cost=cost, maximum=max(8, start))
 
 
@@ -345,7 +351,7 @@ def run_generate(args: argparse.Namespace) -> int:
     _check_combination(args)
     items = _read_prompts_file(args.prompts_file) if args.prompts_file is not None else None
     prompt = _read_prompt(args.prompt) if items is None else None
-    preset = api.resolve_preset(args.target, args.draft, args.config)
+    preset = api.resolve_preset(args.target, args.draft, args.config, args.ngram)
     if args.do_sample is None and not preset.do_sample and (args.temperature or args.top_k or args.top_p):
         log.warning("--temperature/--top-k/--top-p only apply when sampling; decoding greedily (add --do-sample)")
     gen = api.load(preset, **_load_kwargs(args))

@@ -50,8 +50,10 @@ class GenerateOutput:
 class SpeculativeGenerator:
     """Lossless speculative decoding: a ``draft`` proposes, the ``target`` causal LM verifies.
 
-    ``draft`` is a causal LM sharing the target's tokenizer, any ``hfspec.drafters.Drafter``, or a
-    path (an EAGLE-3 head's directory, a causal LM).
+    ``draft`` is a causal LM sharing the target's tokenizer, any ``hfspec.drafters.Drafter``, a
+    path (an EAGLE-3 head's directory, a causal LM), or ``"ngram"`` (model-free lookup in the
+    context and in earlier outputs). ``ngram=True`` adds that lookup to a model draft or head:
+    per row, whichever is expected to get more accepted.
     """
 
     def __init__(
@@ -59,10 +61,12 @@ class SpeculativeGenerator:
         target: PreTrainedModel,
         draft: PreTrainedModel | Drafter | str | Path,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        *,
+        ngram: bool = False,
     ):
         check_causal_lm(target, "target")
         self.target = target.eval()
-        self.drafter = make_drafter(draft, tokenizer, target)
+        self.drafter = make_drafter(draft, tokenizer, target, ngram=ngram)
         self.tokenizer = tokenizer
         self.vocab_size = shared_vocab_size(target, self.drafter.vocab_size, tokenizer)
         # Refuse, before any generation, a recurrent state that cannot be rolled back exactly.
@@ -93,11 +97,12 @@ class SpeculativeGenerator:
         return getattr(self.drafter, "model", None)
 
     @classmethod
-    def from_pretrained(cls, target: str, draft: str, **kwargs: Any) -> SpeculativeGenerator:
-        """Load both models and the target's tokenizer by hub name or local path (see ``hfspec.loading``)."""
+    def from_pretrained(cls, target: str, draft: str, *, ngram: bool = False, **kwargs: Any) -> SpeculativeGenerator:
+        """Load both models and the target's tokenizer by hub name or local path (see ``hfspec.loading``);
+        ``draft="ngram"`` needs no model."""
         from hfspec.loading import load_pair
 
-        return cls(*load_pair(target, draft, **kwargs))
+        return cls(*load_pair(target, draft, **kwargs), ngram=ngram)
 
     @torch.inference_mode()
     def generate(
@@ -268,7 +273,7 @@ class _Run:
         self.confidence: list[torch.Tensor] = []
         proposal = (self.drafter.propose(self, gamma, self.policy.stop) if gamma
                     else Proposal.empty(self.rows.numel(), self.tokens.device))
-        self.draft_passes += proposal.gamma
+        self.draft_passes += proposal.draft_forwards()
         t1 = time.perf_counter()
         num_accepted, next_token = self.verify(proposal)
         self.drafter.commit(self, num_accepted)
@@ -406,6 +411,7 @@ class _Run:
             accepted, passes, drafted = self.row_counts[row].tolist()
             new_tokens = self.tokens[b, self.prompt_lens[b] : self.lengths[b]].clone()
             self.results[row] = (new_tokens, RowStats(int(new_tokens.numel()), accepted, passes, drafted, why))
+            self.drafter.finished(b, new_tokens)
         keep = (~finished).nonzero().flatten()
         if keep.numel() == self.rows.numel():
             return

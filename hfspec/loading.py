@@ -4,10 +4,11 @@ A *preset* is one JSON file naming a target, a draft and the settings that suit
 them (γ, dtype, chat, sampling defaults). Presets ship in ``hfspec/configs/``
 and are found by name; any other JSON file works by path.
 
-Two model names are special: ``"offline"`` as the target is SmolLM2-135M-Instruct,
-built without a model hub (``hfspec.assets.offline_target_path``), and
+Three model names are special: ``"offline"`` as the target is SmolLM2-135M-Instruct,
+built without a model hub (``hfspec.assets.offline_target_path``);
 ``"shipped"`` as the draft is the draft committed with the package
-(``hfspec.assets.shipped_draft_path``).
+(``hfspec.assets.shipped_draft_path``); ``"ngram"`` as the draft is model-free
+lookup (``hfspec.drafters.ngram``), with no model to load.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec.drafters import Drafter
+from hfspec.drafters import NGRAM, Drafter
 from hfspec.errors import HfspecError
 from hfspec.models import load_model, same_tokenizer
 
@@ -165,10 +166,15 @@ def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.
 
     An EAGLE-3 head's directory (either layout, recognised by its contents) becomes an
     ``Eagle3Drafter`` for ``target_model``, in the target's dtype unless ``dtype`` says
-    otherwise; it never goes through ``AutoModelForCausalLM``.
+    otherwise; it never goes through ``AutoModelForCausalLM``. ``"ngram"`` is model-free
+    lookup (a directory of that name is ``./ngram``).
     """
     from hfspec.drafters import eagle3
 
+    if draft_path == NGRAM:
+        from hfspec.drafters.ngram import NgramDrafter
+
+        return NgramDrafter()
     if eagle3.is_eagle3_dir(draft_path):
         head = eagle3.load_head(draft_path, dtype=target_model.dtype if dtype == "auto" else dtype, device=device)
         return eagle3.Eagle3Drafter(head, target_model)
@@ -235,7 +241,7 @@ class Preset:
 
     name: str
     target: str  # hub name, local path, or "offline"
-    draft: str  # hub name, local path, or "shipped"
+    draft: str  # hub name, local path, "shipped", or "ngram" (model-free lookup)
     description: str = ""
     gamma: int | str = "auto"  # γ: drafts per verification step, or "auto" (chosen at every step)
     dtype: str = "auto"  # weights of both models: auto, float32, float16, bfloat16
@@ -250,6 +256,7 @@ class Preset:
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float | None = None
+    ngram: bool = False  # add n-gram lookup to the model draft (per row, whichever is expected to do better)
     source: str = ""  # the file it was read from (filled in by load_preset)
 
     def load_kwargs(self) -> dict[str, Any]:
@@ -266,7 +273,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,), "target": (str,), "draft": (str,), "description": (str,), "gamma": (int, str),
     "dtype": (str,), "draft_dtype": (str,), "chat": (bool,), "system": (str,), "gguf_file": (str,),
     "revision": (str,), "trust_remote_code": (bool,), "do_sample": (bool,), "temperature": (int, float),
-    "top_k": (int,), "top_p": (int, float), "repetition_penalty": (int, float),
+    "top_k": (int,), "top_p": (int, float), "repetition_penalty": (int, float), "ngram": (bool,),
 }
 ALLOWED_KEYS = tuple(_TYPES)
 

@@ -15,7 +15,8 @@ from hfspec import api, cli
 
 PROMPT = "w10 w11 w12"
 GENERATE_FLAGS = [
-    "--target", "--draft", "--config", "--device", "--dtype", "--gamma", "--adaptive", "--draft-cost",
+    "--target", "--draft", "--config", "--device", "--dtype", "--gamma", "--adaptive", "--ngram", "--no-ngram",
+    "--draft-cost",
     "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed",
     "--chat", "--no-chat", "--system", "--prompts-file", "--batch-size", "--stream", "--stats", "--json",
 ]

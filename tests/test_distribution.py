@@ -36,8 +36,8 @@ def exact_joint(target, prompt: list[int], settings: dict) -> np.ndarray:
 
 
 def sample_counts(gen, prompts: list[list[int]], settings: dict, seed: int, gamma: int | str = 2,
-                  histogram: list[int] | None = None) -> list[np.ndarray]:
-    return stat_utils.sample_counts(gen, prompts, settings, seed, vocab=V, new=NEW, samples=SAMPLES, batch=BATCH,
+                  histogram: list[int] | None = None, samples: int = SAMPLES) -> list[np.ndarray]:
+    return stat_utils.sample_counts(gen, prompts, settings, seed, vocab=V, new=NEW, samples=samples, batch=BATCH,
                                     gamma=gamma, histogram=histogram)
 
 

@@ -34,16 +34,21 @@ class Proposal:
     ``tokens`` (B, γ) long; ``q`` (B, γ, V) the distributions they were drawn from, or
     ``None`` when each token was picked deterministically (a one-hot q); ``counts``
     (B,) the drafts of each row, ≤ γ, whose later columns are padding that is never
-    accepted (``None``: γ for every row).
+    accepted (``None``: γ for every row); ``forwards`` the draft forwards it took
+    (``None``: one per column, γ).
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     counts: torch.Tensor | None = None
+    forwards: int | None = None
 
     @property
     def gamma(self) -> int:
         return self.tokens.shape[1]
+
+    def draft_forwards(self) -> int:
+        return self.gamma if self.forwards is None else self.forwards
 
     def drafted(self) -> torch.Tensor:
         """(B,) drafts per row."""
@@ -111,6 +116,10 @@ class Drafter:
         """After each verification: row b kept ``num_accepted[b]`` drafts of the last proposal
         (0 for a step without one). ``ctx.lengths`` still counts the tokens before that step."""
 
+    def finished(self, row: int, output: torch.Tensor) -> None:
+        """Row ``row`` ended with ``output`` (1-D), its committed new tokens; it leaves at the next
+        ``select_rows``. Drafters that learn from earlier outputs keep them here."""
+
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only rows ``keep`` (1-D long) of the batch, in that order."""
 
@@ -130,36 +139,50 @@ class Drafter:
         return {"kind": self.kind}
 
 
+NGRAM = "ngram"  # the draft name of model-free lookup
+
+
 def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
-                 target: PreTrainedModel | None = None) -> Drafter:
+                 target: PreTrainedModel | None = None, *, ngram: bool = False) -> Drafter:
     """A drafter from what a user passes as the draft, for ``target``.
 
-    A ``Drafter``; a loaded causal LM; an ``Eagle3Head``; or a path or name that
+    A ``Drafter``; a loaded causal LM; an ``Eagle3Head``; ``"ngram"`` (model-free lookup
+    in the context and earlier outputs, ``hfspec.drafters.ngram``); or a path that
     ``hfspec.loading.load_draft`` recognises (an EAGLE-3 head's directory, any causal LM).
+    ``ngram=True`` adds n-gram lookup to any other drafter (``hfspec.drafters.hybrid``).
     """
     from pathlib import Path
 
     from transformers import PreTrainedModel
 
     from hfspec.drafters.eagle3 import Eagle3Drafter, Eagle3Head
+    from hfspec.drafters.hybrid import with_ngram
     from hfspec.drafters.model import ModelDrafter
+    from hfspec.drafters.ngram import NgramDrafter
 
     if isinstance(draft, Eagle3Drafter) and target is not None and draft.target is not target:
         raise ValueError("this EAGLE-3 drafter was built for another target model; build it with the target "
                          "you generate with, or pass the head's directory as the draft")
     if isinstance(draft, Drafter):
-        return draft
-    if isinstance(draft, PreTrainedModel):
-        return ModelDrafter(draft)
-    if isinstance(draft, (Eagle3Head, str, Path)) and target is None:
-        raise TypeError("an EAGLE-3 head or a draft path needs the target model: make_drafter(draft, tokenizer, target)")
-    if isinstance(draft, Eagle3Head):
-        return Eagle3Drafter(draft, target)
-    if isinstance(draft, (str, Path)):
-        from hfspec.loading import load_draft
+        drafter = draft
+    elif isinstance(draft, PreTrainedModel):
+        drafter = ModelDrafter(draft)
+    elif isinstance(draft, str) and draft == NGRAM:
+        drafter = NgramDrafter()
+    elif isinstance(draft, (Eagle3Head, str, Path)):
+        if target is None:
+            raise TypeError("an EAGLE-3 head or a draft path needs the target model: "
+                            "make_drafter(draft, tokenizer, target)")
+        if isinstance(draft, Eagle3Head):
+            drafter = Eagle3Drafter(draft, target)
+        else:
+            from hfspec.loading import load_draft
 
-        return make_drafter(load_draft(draft, target), tokenizer, target)
-    raise TypeError(
-        f"the draft must be a transformers PreTrainedModel, an hfspec Drafter or a path (got {type(draft).__name__}); "
-        "load it with AutoModelForCausalLM.from_pretrained(...) or use SpeculativeGenerator.from_pretrained"
-    )
+            return make_drafter(load_draft(draft, target), tokenizer, target, ngram=ngram)
+    else:
+        raise TypeError(
+            f"the draft must be a transformers PreTrainedModel, an hfspec Drafter, 'ngram' or a path (got "
+            f"{type(draft).__name__}); load models with AutoModelForCausalLM.from_pretrained(...) or use "
+            "SpeculativeGenerator.from_pretrained"
+        )
+    return with_ngram(drafter) if ngram else drafter

@@ -1,0 +1,196 @@
+"""A model drafter plus n-gram lookup: per row, whichever is expected to get more tokens accepted.
+
+Each step the n-gram lookup proposes first (it costs no forward). For each row with an
+n-gram proposal of k tokens after a match of m tokens, the expected accepted length is
+E_ngram = α + α² + … + α^k, with α the running per-token acceptance of n-gram drafts
+after matches of about m tokens (one record per match-length bucket: 1, 2–3, 4–7, …);
+that of the main drafter is E_main = β + … + β^γ with β its own running acceptance.
+The row takes the n-gram proposal when E_ngram ≥ E_main, the main drafter's otherwise.
+When every row takes the n-gram proposal, the main drafter does not run that step.
+
+Both records are per-token Bernoulli counts with exponential decay, as in
+``hfspec.policy.CostModelGamma``: a run of n accepts of k drafts is n successes and, if
+n < k, one failure. The n-gram record also learns in rows where it lost: for one-hot
+drafts, draft i is accepted exactly when it equals the committed token (a rejection
+resamples from p without it), so comparing the n-gram proposal with the main drafter's
+accepted tokens is the same Bernoulli trial; where those run out the comparison stops
+without a failure.
+
+Mixed batches carry one-hot q rows and the main drafter's q rows in one (B, γ, V)
+tensor; verification is the usual one (Leviathan et al., arXiv 2211.17192), so the
+output is distributed exactly as the target's. Rows that took the n-gram proposal
+commit none of the main drafter's drafts; a ``ModelDrafter`` then catches up on the
+committed tokens in its next forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hfspec import sampling
+from hfspec.drafters import Context, Drafter, Proposal, Stop
+from hfspec.drafters.ngram import NgramDrafter
+
+BUCKETS = 6  # match lengths 1, 2-3, 4-7, 8-15, 16-31, 32+
+
+
+@dataclass
+class Rate:
+    """A per-token acceptance estimate from exponentially decayed Bernoulli counts, with a prior."""
+
+    prior: float = 0.5
+    weight: float = 2.0  # the prior is worth this many trials
+    decay: float = 0.98
+
+    def __post_init__(self) -> None:
+        self.successes = self.prior * self.weight
+        self.trials = self.weight
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / self.trials
+
+    def add(self, accepted: int, failed: bool) -> None:
+        """A run of ``accepted`` successes, then one failure if ``failed``; older evidence decays."""
+        self.successes = self.decay * self.successes + accepted
+        self.trials = self.decay * self.trials + accepted + failed
+
+    def expected(self, drafts: int) -> float:
+        """Expected accepted drafts of ``drafts`` proposed: α + α² + … + α^drafts."""
+        a = min(self.alpha, 0.999)
+        return a * (1 - a ** drafts) / (1 - a)
+
+
+def bucket(match_length: int) -> int:
+    return min(max(match_length, 1).bit_length() - 1, BUCKETS - 1)
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class HybridDrafter(Drafter):
+    """``main`` (a model drafter) and ``ngram`` lookup, chosen per row by expected accepted length."""
+
+    kind = "hybrid"
+
+    def __init__(self, main: Drafter, ngram: NgramDrafter | None = None):
+        if isinstance(main, (NgramDrafter, HybridDrafter)):
+            raise TypeError(f"the main drafter of a hybrid must draft with a model, got a {main.kind} drafter")
+        if main.feature_layers:
+            raise ValueError(
+                f"n-gram lookup cannot yet be added to a {main.kind} drafter that reads target features: "
+                "it would need the features of tokens the n-gram proposed; use it without ngram"
+            )
+        self.main = main
+        self.ngram = ngram if ngram is not None else NgramDrafter()
+        self.vocab_size = main.vocab_size
+        self.ngram_rates = [Rate() for _ in range(BUCKETS)]
+        self.main_rate = Rate()
+        self._step: dict[str, Any] | None = None  # the last proposal, until it is committed
+
+    @property
+    def model(self) -> Any:
+        return getattr(self.main, "model", None)
+
+    @property
+    def recurrent(self) -> bool:
+        return self.main.recurrent
+
+    def start(self, batch: int, device: torch.device) -> None:
+        self.main.start(batch, device)
+        self.ngram.start(batch, device)
+        self._step = None
+
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+        ng = self.ngram.propose(ctx, gamma)
+        ng_counts = ng.drafted().cpu()
+        buckets = [bucket(m) for m in self.ngram.match_lengths.tolist()]
+        e_main = self.main_rate.expected(gamma)
+        use = torch.tensor([k > 0 and self.ngram_rates[j].expected(k) >= e_main
+                            for k, j in zip(ng_counts.tolist(), buckets)], dtype=torch.bool)
+        self._step = {"ngram": ng.tokens.cpu(), "ngram_counts": ng_counts, "buckets": buckets, "use": use,
+                      "main": None, "main_counts": None}
+        if bool(use.all()):
+            return ng
+        mp = self.main.propose(ctx, gamma, stop)
+        self._step.update(main=mp.tokens.cpu(), main_counts=mp.drafted().cpu())
+        if not bool(use.any()):
+            return mp
+        return self._merge(ctx, ng, mp, use.to(mp.tokens.device))
+
+    def _merge(self, ctx: Context, ng: Proposal, mp: Proposal, use: torch.Tensor) -> Proposal:
+        """One proposal: the n-gram rows where ``use``, the main drafter's elsewhere; padding is zeros."""
+        batch, width = mp.tokens.shape[0], max(mp.gamma, ng.gamma)
+        tokens = torch.zeros(batch, width, dtype=torch.long, device=mp.tokens.device)
+        tokens[:, : mp.gamma] = mp.tokens
+        tokens[use] = torch.nn.functional.pad(ng.tokens, (0, width - ng.gamma))[use]
+        counts = torch.where(use, ng.drafted(), mp.drafted())
+        q = None
+        if mp.q is not None:  # (B, γ, V): the main drafter's q rows, one-hot rows for the n-gram's
+            q = mp.q.new_zeros(batch, width, mp.q.shape[-1])
+            q[:, : mp.gamma] = mp.q
+            q[use] = sampling.one_hot(tokens[use], q.shape[-1])
+        return Proposal(tokens, q, counts, forwards=mp.draft_forwards())
+
+    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+        step, self._step = self._step, None
+        if step is None:  # a step without a proposal
+            self.main.commit(ctx, num_accepted)
+            self.ngram.commit(ctx, num_accepted)
+            return
+        use = step["use"]
+        accepted = num_accepted.cpu()
+        self._learn(step, accepted)
+        kept = torch.where(use.to(num_accepted.device), torch.zeros_like(num_accepted), num_accepted)
+        self.main.commit(ctx, kept if step["main"] is not None else torch.zeros_like(num_accepted))
+        self.ngram.commit(ctx, num_accepted)
+
+    def _learn(self, step: dict[str, Any], accepted: torch.Tensor) -> None:
+        """Update both running records from this step's outcome (see the module docstring)."""
+        main, main_counts = step["main"], step["main_counts"]
+        for b, (n, k, used) in enumerate(zip(accepted.tolist(), step["ngram_counts"].tolist(), step["use"].tolist())):
+            rate = self.ngram_rates[step["buckets"][b]]
+            if used:
+                rate.add(n, n < k)
+            else:
+                if k:  # the n-gram proposal against the committed drafts of the main one
+                    seen = min(k, n)
+                    a = agreement(step["ngram"][b, :seen].tolist(), main[b, :seen].tolist())
+                    rate.add(a, a < seen)
+                self.main_rate.add(n, n < int(main_counts[b]))
+
+    def finished(self, row: int, output: torch.Tensor) -> None:
+        self.main.finished(row, output)
+        self.ngram.finished(row, output)
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.main.select_rows(keep)
+        self.ngram.select_rows(keep)
+
+    def check(self, ctx: Context) -> None:
+        self.main.check(ctx)
+        self.ngram.check(ctx)
+
+    def step_seconds(self, context: list[int], device: torch.device) -> float:
+        return self.main.step_seconds(context, device)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "main": self.main.describe(), "ngram": self.ngram.describe(),
+                "ngram_alpha": [round(r.alpha, 3) for r in self.ngram_rates],
+                "main_alpha": round(self.main_rate.alpha, 3)}
+
+
+def with_ngram(drafter: Drafter) -> Drafter:
+    """``drafter`` with n-gram lookup added (an n-gram or hybrid drafter is returned as it is)."""
+    if isinstance(drafter, (NgramDrafter, HybridDrafter)):
+        return drafter
+    return HybridDrafter(drafter)

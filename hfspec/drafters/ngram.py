@@ -1,0 +1,267 @@
+"""Drafting without a draft model: continue the longest earlier match of the context.
+
+Prompt lookup (transformers' ``prompt_lookup_num_tokens``) and SuffixDecoding (Oliaro
+et al., arXiv 2411.04975) draft by copying: summaries, rewrites, code edits and answers
+about a given text repeat long runs of their input. Each step, per row:
+
+1. find ``m``, the length of the longest suffix of the context (prompt plus committed
+   tokens) that also ends earlier in it, or in a bounded store of earlier outputs of
+   the same drafter, and every earlier end of that suffix;
+2. follow the continuation after those ends, one token at a time, taking the token most
+   of the still-agreeing ends continue with (ties: the most recent); its share of them is
+   the token's empirical frequency ``f``, and the running product ``P = f1·f2·…`` the
+   empirical chance that the whole proposal so far is right;
+3. stop at ``factor × m`` tokens (SuffixDecoding's max_spec), at γ, or before ``P``
+   falls under ``min_prob``: a long match earns a long proposal, a continuation that was
+   not always the same a short one.
+
+Of the context's and the store's proposals the one with the larger ``ΣP`` (expected
+accepted tokens, were ``f`` the acceptance probability) is used. The tokens are picked
+deterministically, so their q is one-hot (``Proposal.q = None``): the target keeps a
+draft x with probability p(x) and otherwise resamples from p without x, the ordinary
+rule of Leviathan et al. (arXiv 2211.17192), exact at any temperature.
+
+The index of each row grows with the tokens committed since the last step (O(new tokens)
+per step) and reads nothing past ``ctx.lengths``: it learns only committed text, and the
+store only whole outputs of finished rows.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from hfspec.drafters import Context, Drafter, Proposal, Stop
+
+SEPARATOR = -1  # ends each output in the store; equal to no token, so no match crosses it
+
+
+class TokenIndex:
+    """A growing token sequence and, for each n-gram of ``key`` tokens in it, the positions where it ends.
+
+    ``extend`` costs O(new tokens). ``match`` looks at the ``candidates`` most recent ends
+    of the query's last ``key`` tokens and measures how far back each agrees with the
+    query (at most ``max_match`` tokens). Plain lists: the sizes are small, and per-call
+    overhead, not arithmetic, is what a step pays for.
+    """
+
+    def __init__(self, key: int, max_match: int, candidates: int):
+        self.key, self.max_match, self.candidates = key, max_match, candidates
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, new: list[int]) -> None:
+        start = len(self.tokens)
+        self.tokens.extend(new)
+        # The n-grams ending at the new positions; earlier ones are indexed already.
+        seq, key = self.tokens, self.key
+        for end in range(max(key - 1, start), len(seq)):
+            gram = tuple(seq[end - key + 1: end + 1])
+            if min(gram) >= 0:
+                self.ends.setdefault(gram, []).append(end)
+
+    def tail(self, n: int) -> list[int]:
+        """The last ``n`` tokens (fewer if there are fewer)."""
+        return self.tokens[-n:]
+
+    def match(self, query: list[int], exclude: int | None = None) -> tuple[int, list[int]]:
+        """``(m, ends)``: the longest suffix of ``query`` found here ends at each of ``ends``, m tokens long.
+
+        ``exclude`` is a position not to count (the query's own end, when it is this sequence).
+        """
+        if len(query) < self.key:
+            return 0, []
+        found = self.ends.get(tuple(query[-self.key:]), [])
+        seq, depth, last = self.tokens, min(self.max_match, len(query)), len(query) - 1
+        best, ends = 0, []
+        for end in found[-self.candidates - 1:]:
+            if end == exclude:
+                continue
+            m, reach = self.key, min(depth, end + 1)  # the key's tokens agree already
+            while m < reach and seq[end - m] == query[last - m]:
+                m += 1
+            if m > best:
+                best, ends = m, [end]
+            elif m == best:
+                ends.append(end)
+        return best, ends[-self.candidates:]
+
+    def follow(self, ends: list[int], limit: int, min_prob: float, periodic: bool) -> tuple[list[int], list[float]]:
+        """The continuation after ``ends`` (step 2 of the module docstring) and its running ``P`` per token.
+
+        ``periodic``: a continuation that reaches the end of the sequence goes on with the
+        tokens proposed so far (the repeat of a period, as in LZ77's overlapping copies).
+        """
+        seq, size = self.tokens, len(self.tokens)
+        tokens: list[int] = []
+        chance: list[float] = []
+        prob = 1.0
+        for i in range(limit):
+            votes: dict[int, int] = {}
+            nexts = []
+            for end in ends:  # oldest first, so the last vote for a token is its most recent
+                at = end + 1 + i
+                token = seq[at] if at < size else (tokens[at - size] if periodic else SEPARATOR)
+                nexts.append(token)
+                if token >= 0:
+                    votes[token] = votes.get(token, 0) + 1
+            if not votes:
+                break
+            top = max(votes.values())
+            token = next(t for t in reversed(nexts) if votes.get(t) == top)
+            share = top / sum(votes.values())
+            if prob * share < min_prob:
+                break
+            prob *= share
+            tokens.append(token)
+            chance.append(prob)
+            ends = [end for end, t in zip(ends, nexts) if t == token]
+        return tokens, chance
+
+
+class History:
+    """Earlier outputs, newest last, bounded in tokens: when full, the oldest half goes."""
+
+    def __init__(self, capacity: int, key: int, max_match: int, candidates: int):
+        self.capacity = capacity
+        self.settings = (key, max_match, candidates)
+        self.outputs: deque[list[int]] = deque()
+        self.index = TokenIndex(*self.settings)
+
+    @property
+    def size(self) -> int:
+        """Tokens held, separators included."""
+        return self.index.size
+
+    def add(self, output: list[int]) -> None:
+        output = output[-(self.capacity - 1):]
+        if len(output) <= self.index.key:
+            return  # no n-gram with a continuation
+        need = len(output) + 1
+        if self.size + need > self.capacity:
+            # Evict down to half the capacity at once, so rebuilding costs O(1) per token added.
+            held = self.size
+            while self.outputs and held + need > self.capacity // 2:
+                held -= len(self.outputs.popleft()) + 1
+            self.index = TokenIndex(*self.settings)
+            for old in self.outputs:
+                self.index.extend(old + [SEPARATOR])
+        self.outputs.append(output)
+        self.index.extend(output + [SEPARATOR])
+
+    def clear(self) -> None:
+        self.outputs.clear()
+        self.index = TokenIndex(*self.settings)
+
+
+class NgramDrafter(Drafter):
+    """Model-free drafts: the continuation of the longest earlier match (see the module docstring).
+
+    ``min_match``: shortest suffix match that proposes anything (also the index's n-gram
+    length); ``max_match``: longest match measured; ``factor``: at most factor × m tokens
+    after a match of m; ``min_prob``: the least running frequency P of a proposal;
+    ``candidates``: most recent earlier ends compared per lookup; ``history``: also look up
+    earlier outputs of this drafter, at most ``history_tokens`` tokens of them.
+
+    After each ``propose``, ``match_lengths`` (B,) holds m per row and ``expected`` (B,)
+    ΣP, the proposal's expected accepted tokens were its empirical frequencies the
+    acceptance probabilities (0 for rows without a proposal).
+    """
+
+    kind = "ngram"
+
+    def __init__(self, *, min_match: int = 2, max_match: int = 32, factor: float = 2.0, min_prob: float = 0.1,
+                 candidates: int = 64, history: bool = True, history_tokens: int = 1 << 16):
+        for name, value in (("min_match", min_match), ("max_match", max_match), ("candidates", candidates),
+                            ("history_tokens", history_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_match < min_match:
+            raise ValueError(f"max_match ({max_match}) must be >= min_match ({min_match})")
+        if not factor > 0:
+            raise ValueError(f"factor must be > 0, got {factor!r}")
+        if not 0 <= min_prob <= 1:
+            raise ValueError(f"min_prob must be in [0, 1], got {min_prob!r}")
+        self.min_match, self.max_match, self.factor, self.min_prob = min_match, max_match, factor, min_prob
+        self.candidates = candidates
+        settings = (min_match, max_match, candidates)
+        self.history = History(history_tokens, *settings) if history else None
+        self.rows: list[TokenIndex] = []
+        self.match_lengths = torch.zeros(0, dtype=torch.long)
+        self.expected = torch.zeros(0)
+
+    def start(self, batch: int, device: torch.device) -> None:
+        self.rows = [TokenIndex(self.min_match, self.max_match, self.candidates) for _ in range(batch)]
+
+    def _catch_up(self, ctx: Context) -> None:
+        """Index the tokens each row committed since the last call: only those, read in one gather."""
+        seen = torch.tensor([row.size for row in self.rows], device=ctx.lengths.device)
+        new = ctx.lengths - seen
+        width = int(new.max()) if len(self.rows) else 0
+        if width <= 0:
+            return
+        cols = (seen[:, None] + torch.arange(width, device=seen.device)).clamp(max=ctx.tokens.shape[1] - 1)
+        block = ctx.tokens.gather(1, cols).tolist()
+        for row, n, tokens in zip(self.rows, new.tolist(), block):
+            if n > 0:
+                row.extend(tokens[:n])
+
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+        self._catch_up(ctx)
+        picks = [self._propose_row(row, gamma, ctx.vocab) for row in self.rows]
+        width = max((len(tokens) for tokens, _, _ in picks), default=0)
+        device = ctx.tokens.device
+        flat = [x for t, _, _ in picks for x in t + [0] * (width - len(t))]
+        tokens = torch.tensor(flat, dtype=torch.long).view(len(picks), width).to(device)
+        counts = torch.tensor([len(t) for t, _, _ in picks], dtype=torch.long).to(device)
+        self.match_lengths = torch.tensor([m for _, _, m in picks], dtype=torch.long)
+        self.expected = torch.tensor([sum(chance) for _, chance, _ in picks], dtype=torch.float32)
+        return Proposal(tokens, None, counts, forwards=0)
+
+    def _propose_row(self, row: TokenIndex, gamma: int, vocab: int) -> tuple[list[int], list[float], int]:
+        """(tokens, running P per token, match length) for one row; no tokens when nothing matches."""
+        query = row.tail(self.max_match)
+        best: tuple[list[int], list[float], int] = ([], [], 0)
+        sources = [(row, row.size - 1, True)]
+        if self.history is not None:
+            sources.append((self.history.index, None, False))
+        for index, exclude, periodic in sources:
+            if sum(best[1]) >= gamma:
+                break  # γ sure tokens already: no proposal can be better
+            m, ends = index.match(query, exclude)
+            if m < self.min_match:
+                continue
+            limit = min(gamma, max(1, int(self.factor * m)))
+            tokens, chance = index.follow(ends, limit, self.min_prob, periodic)
+            if sum(chance) > sum(best[1]):
+                best = (tokens, chance, m)
+        tokens, chance, m = best
+        # A drafter shared with another target may remember ids this vocabulary lacks.
+        cut = next((i for i, t in enumerate(tokens) if t >= vocab), len(tokens))
+        return tokens[:cut], chance[:cut], m if cut else 0
+
+    def finished(self, row: int, output: torch.Tensor) -> None:
+        if self.history is not None:
+            self.history.add(output.tolist())
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.rows = [self.rows[i] for i in keep.tolist()]
+
+    def check(self, ctx: Context) -> None:
+        seen = torch.tensor([row.size for row in self.rows], device=ctx.lengths.device)
+        assert bool((seen <= ctx.lengths).all()), "the n-gram index read past the committed tokens"
+
+    def clear_history(self) -> None:
+        """Forget the earlier outputs."""
+        if self.history is not None:
+            self.history.clear()
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "min_match": self.min_match, "max_match": self.max_match,
+                "factor": self.factor, "min_prob": self.min_prob,
+                "history_tokens": None if self.history is None else self.history.size}
