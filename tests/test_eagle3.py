@@ -312,6 +312,27 @@ def test_negative_control_argmax_draft_with_softmax_q_is_detected(target9, monke
     assert chi_square_pvalue(counts, joint(target, PROMPT_A, {})) < ALPHA
 
 
+def test_hybrid_with_ngram_lookup_is_exact(target9, trained9):
+    # The head beside n-gram lookup: rows take either proposal; the head hears every verification.
+    target, tok = target9
+    gen = SpeculativeGenerator(target, Eagle3Drafter(trained9, target), tok, ngram=True)
+    (counts,) = counts_of(gen, [PROMPT_A], {"temperature": 0.8}, seed=17)
+    pv = chi_square_pvalue(counts, joint(target, PROMPT_A, {"temperature": 0.8}))
+    assert pv > ALPHA, f"hybrid with a head: p-value {pv:.3g}"
+
+
+def test_hybrid_with_ngram_lookup_equals_target_greedy(target64, trained64):
+    target, tok, _ = target64
+    gen = SpeculativeGenerator(target, Eagle3Drafter(trained64, target), tok, ngram=True)
+    looped = [[9, 10, 11, 12] * 4, [20, 21] * 5 + [30], [40]]  # repeats give the lookup something to propose
+    want = [reference(target, p, 24, eos_token_id=None) for p in looped]
+    for gamma in (2, 6):
+        out = gen.generate(looped, max_new_tokens=24, gamma=gamma, eos_token_id=[])
+        assert rows_of(out) == want, f"γ={gamma}"
+    described = gen.drafter.describe()
+    assert described["kind"] == "hybrid" and described["main"]["kind"] == "eagle3"
+
+
 def test_heads_in_the_distribution_tests_really_disagree_with_the_target(target9, trained9):
     # Otherwise the tests above could pass with any acceptance rule.
     target, tok = target9

@@ -7,6 +7,9 @@ after matches of about m tokens (one record per match-length bucket: 1, 2–3, 4
 that of the main drafter is E_main = β + … + β^γ with β its own running acceptance.
 The row takes the n-gram proposal when E_ngram ≥ E_main, the main drafter's otherwise.
 When every row takes the n-gram proposal, the main drafter does not run that step.
+The main drafter may be a model or an EAGLE-3 head: it hears every verification (and
+the target features it reads), and keeps of its own drafts only those the committed
+text begins with.
 
 Both records are per-token Bernoulli counts with exponential decay, as in
 ``hfspec.policy.CostModelGamma``: a run of n accepts of k drafts is n successes and, if
@@ -18,9 +21,9 @@ without a failure.
 
 Mixed batches carry one-hot q rows and the main drafter's q rows in one (B, γ, V)
 tensor; verification is the usual one (Leviathan et al., arXiv 2211.17192), so the
-output is distributed exactly as the target's. Rows that took the n-gram proposal
-commit none of the main drafter's drafts; a ``ModelDrafter`` then catches up on the
-committed tokens in its next forward.
+output is distributed exactly as the target's. A ``ModelDrafter`` keeps none of its drafts
+in rows that took the n-gram proposal (unless they happen to equal it) and catches up on
+the committed tokens in its next forward.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 
 from hfspec import sampling
-from hfspec.drafters import Context, Drafter, Proposal, Stop
+from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
 
 BUCKETS = 6  # match lengths 1, 2-3, 4-7, 8-15, 16-31, 32+
@@ -85,12 +88,8 @@ class HybridDrafter(Drafter):
     def __init__(self, main: Drafter, ngram: NgramDrafter | None = None):
         if isinstance(main, (NgramDrafter, HybridDrafter)):
             raise TypeError(f"the main drafter of a hybrid must draft with a model, got a {main.kind} drafter")
-        if main.feature_layers:
-            raise ValueError(
-                f"n-gram lookup cannot yet be added to a {main.kind} drafter that reads target features: "
-                "it would need the features of tokens the n-gram proposed; use it without ngram"
-            )
         self.main = main
+        self.feature_layers = main.feature_layers
         self.ngram = ngram if ngram is not None else NgramDrafter()
         self.vocab_size = main.vocab_size
         self.ngram_rates = [Rate() for _ in range(BUCKETS)]
@@ -109,6 +108,9 @@ class HybridDrafter(Drafter):
         self.main.start(batch, device)
         self.ngram.start(batch, device)
         self._step = None
+
+    def observe(self, ctx: Context, features: Features) -> None:
+        self.main.observe(ctx, features)
 
     def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
         ng = self.ngram.propose(ctx, gamma)
@@ -143,15 +145,9 @@ class HybridDrafter(Drafter):
 
     def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         step, self._step = self._step, None
-        if step is None:  # a step without a proposal
-            self.main.commit(ctx, num_accepted)
-            self.ngram.commit(ctx, num_accepted)
-            return
-        use = step["use"]
-        accepted = num_accepted.cpu()
-        self._learn(step, accepted)
-        kept = torch.where(use.to(num_accepted.device), torch.zeros_like(num_accepted), num_accepted)
-        self.main.commit(ctx, kept if step["main"] is not None else torch.zeros_like(num_accepted))
+        if step is not None:  # not a step without a proposal
+            self._learn(step, num_accepted.cpu())
+        self.main.commit(ctx, num_accepted)
         self.ngram.commit(ctx, num_accepted)
 
     def _learn(self, step: dict[str, Any], accepted: torch.Tensor) -> None:

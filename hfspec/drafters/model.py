@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from hfspec import sampling
 from hfspec.cache import KVState
 from hfspec.drafters import Context, Drafter, Proposal, Stop
 from hfspec.models import check_causal_lm, forward, model_vocab_size
@@ -77,9 +78,12 @@ class ModelDrafter(Drafter):
     def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         if self.drafts is None:
             return
-        # Keep the fed drafts that were accepted; the last draft of a step is never fed.
+        # Keep the fed drafts (the last draft of a step is never fed) that the committed text begins with:
+        # the accepted ones, or, when another drafter's proposal was verified (a hybrid), those that match it.
         fed_drafts = self.drafts[:, :-1]
-        kept = torch.clamp(num_accepted, max=fed_drafts.shape[1])
+        width = fed_drafts.shape[1]
+        committed = ctx.tokens.gather(1, ctx.lengths[:, None] + torch.arange(width, device=ctx.tokens.device))
+        kept = torch.minimum(sampling.first_rejection(fed_drafts == committed), num_accepted)
         self.kv.rollback(kept, self.start_col, fed_drafts)
         self.fed = self.fed + kept
         self.drafts = None
