@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hfspec.costs import forward_seconds, sync
+from hfspec.costs import cpu_model, forward_seconds, sync
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
@@ -841,26 +841,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     batch_size=args.batch_size, batch_repeats=max(1, args.batch_repeats),
                     cost_repeats=max(1, args.cost_repeats), progress=not args.no_progress,
                     lookup_tokens=args.lookup_tokens)
-
-
-def cpu_model() -> str:
-    """The CPU's model name as ``lscpu`` prints it (else /proc/cpuinfo's, else the platform's)."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:

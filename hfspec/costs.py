@@ -11,10 +11,13 @@ bookkeeping included.
 """
 from __future__ import annotations
 
+import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +58,24 @@ def forward_seconds(model: Any, context: Sequence[int], sizes: Sequence[int], re
             times[k].append(time.perf_counter() - t0)
         kv.rollback(torch.zeros(1, dtype=torch.long, device=device), start, feed)
     return {k: statistics.median(t) for k, t in times.items()}
+
+
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` prints it (else /proc/cpuinfo's, else the platform's)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def sync(device: torch.device) -> None:

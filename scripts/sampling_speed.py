@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -25,25 +24,8 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hfspec import sampling  # noqa: E402
+from hfspec.costs import cpu_model  # noqa: E402
 from hfspec.generator import _Run  # noqa: E402
-
-
-def cpu_name() -> str:
-    """``lscpu``'s model name, else /proc/cpuinfo's, else unknown."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def timed(fns: list[Callable[[], object]], repeats: int) -> list[tuple[float, float]]:
@@ -120,7 +102,7 @@ def measure(args: argparse.Namespace) -> dict:
         rows.append({"case": name, "rows": n, "old_ms_per_row": old_median / n, "new_ms_per_row": new_median / n,
                      "speedup": old_median / new_median, "old_best_ms_per_row": old_best / n,
                      "new_best_ms_per_row": new_best / n, "speedup_best": old_best / new_best})
-    return {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "vocab": args.vocab, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
             "min_p": args.min_p, "warpers_left_to_transformers": len(head), "repeats": args.repeats,
             "cases": rows}
