@@ -231,6 +231,7 @@ class _Run:
         self.by_pos_drafted: list[int] = []
         self.gamma_counts: list[int] = []  # steps by the width of their proposal
         self.policy.begin(batch)
+        self.eos_ids = torch.tensor(self.eos, dtype=torch.long, device=device)
 
         self.kv_target = KVState(batch, device, self.gen.target)
         self.drafter.start(batch, device)
@@ -371,7 +372,7 @@ class _Run:
         in_block = torch.arange(gamma + 1, device=new.device)[None, :] < commit[:, None]
         hit_eos = torch.zeros_like(in_block)
         if self.eos:
-            hit_eos = torch.isin(new, torch.tensor(self.eos, device=new.device)) & in_block
+            hit_eos = torch.isin(new, self.eos_ids) & in_block
         has_eos = hit_eos.any(dim=1)
         commit = torch.where(has_eos, hit_eos.long().argmax(dim=1) + 1, commit)
         if self.streamer is not None:

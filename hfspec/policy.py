@@ -197,27 +197,36 @@ class Calibration:
     A drafter's confidence is a hint, not a probability of acceptance: the bins learn
     what it is worth. Until a bin has evidence, an estimate takes the overall α, or the
     confidence itself where that is lower (a drafter that says it is unsure is believed).
+    Plain Python numbers: a step asks for a handful of them, and tiny tensors would cost more.
     """
 
     def __init__(self, bins: int = 10, weight: float = 4.0, decay: float = 0.999):
         self.bins, self.weight, self.decay = bins, weight, decay
-        self.accepted = torch.zeros(bins, dtype=torch.float64)
-        self.trials = torch.zeros(bins, dtype=torch.float64)
+        self.accepted = [0.0] * bins
+        self.trials = [0.0] * bins
 
-    def index(self, confidence: torch.Tensor) -> torch.Tensor:
-        return (confidence.double().clamp(0, 1) * self.bins).long().clamp(max=self.bins - 1)
+    def index(self, confidence: float) -> int:
+        return min(self.bins - 1, max(0, int(confidence * self.bins)))
 
-    def predict(self, confidence: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-        """Estimated acceptance (B,) of drafts with ``confidence`` (B,); ``fallback`` (B,) is the prior."""
-        i = self.index(confidence)
-        prior = torch.minimum(fallback, confidence.double())
-        return (self.accepted[i] + self.weight * prior) / (self.trials[i] + self.weight)
+    def predict(self, confidence: list[float], fallback: list[float]) -> list[float]:
+        """Estimated acceptance of drafts with ``confidence``, one per row; ``fallback`` is each row's α."""
+        out = []
+        for c, a in zip(confidence, fallback):
+            i = self.index(c)
+            out.append((self.accepted[i] + self.weight * min(a, c)) / (self.trials[i] + self.weight))
+        return out
 
-    def add(self, confidence: torch.Tensor, reached: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Drafts with ``confidence`` (B, k); ``reached`` those whose fate was decided, ``accepted`` those kept."""
-        i = self.index(confidence[reached])
-        self.accepted.mul_(self.decay).index_add_(0, i, accepted[reached].double())
-        self.trials.mul_(self.decay).index_add_(0, i, torch.ones_like(i, dtype=torch.float64))
+    def add(self, confidence: list[list[float]], reached: list[int], accepted: list[int]) -> None:
+        """Row b's drafts with ``confidence[b]``: the first ``reached[b]`` were decided, the first
+        ``accepted[b]`` of those kept."""
+        decay = self.decay ** sum(reached)
+        self.accepted = [x * decay for x in self.accepted]
+        self.trials = [x * decay for x in self.trials]
+        for conf, n, kept in zip(confidence, reached, accepted):
+            for j, c in enumerate(conf[:n]):
+                i = self.index(c)
+                self.trials[i] += 1.0
+                self.accepted[i] += 1.0 if j < kept else 0.0
 
 
 @dataclass
@@ -279,53 +288,50 @@ class AutoGamma(GammaPolicy):
 
     def begin(self, batch: int) -> None:
         memory = self.tuning.evidence()
-        self.accepted = torch.full((batch,), memory.alpha * self.row_weight, dtype=torch.float64)
-        self.trials = torch.full((batch,), self.row_weight, dtype=torch.float64)
+        self.accepted = [memory.alpha * self.row_weight] * batch
+        self.trials = [self.row_weight] * batch
 
-    def alphas(self, rows: torch.Tensor) -> torch.Tensor:
-        return (self.accepted[rows] / self.trials[rows]).clamp(0.0, 0.99)
+    def alphas(self, rows: torch.Tensor) -> list[float]:
+        return [min(0.99, self.accepted[r] / self.trials[r]) for r in rows.tolist()]
 
     def gamma(self, rows: torch.Tensor) -> int:
-        rows = rows.cpu()
-        self.rows, self.alpha = rows, self.alphas(rows)
-        self.reach = torch.ones_like(self.alpha)  # P(every draft so far is accepted), per row
-        self.expected = float(rows.numel())  # expected tokens of the step with the drafts so far
-        gamma, _ = self.best(0, self.reach, self.expected)
+        self.batch, self.alpha = rows.numel(), self.alphas(rows)
+        self.reach = [1.0] * self.batch  # P(every draft so far is accepted), per row
+        self.expected = float(self.batch)  # expected tokens of the step with the drafts so far
+        gamma = self.best(0)
         self.probing = False
         if gamma == 0:
             self.probe[0] += 1
             if self.probe[0] >= self.probe[1]:  # probe: draft anyway, to learn whether it pays again
                 self.probe[:] = [0, min(2 * self.probe[1], self.probe_max)]
                 self.probing = True
-                gamma, _ = self.best(0, self.reach, self.expected, at_least=1)
+                gamma = self.best(0, at_least=1)
         else:
             self.probe[:] = [0, self.probe_every]
         self.chosen = gamma
         return gamma
 
-    def best(self, drafted: int, reach: torch.Tensor, expected: float, at_least: int | None = None) -> tuple[int, float]:
-        """The γ ≥ ``drafted`` with the best expected tokens per second, and that rate."""
-        batch = self.rows.numel()
-        t_draft = self.costs.draft_seconds(batch)
-        best, rate = drafted, -1.0
-        future = torch.zeros_like(reach)
+    def best(self, drafted: int, at_least: int = 0) -> int:
+        """The γ ≥ ``drafted`` (and ≥ ``at_least``) with the best expected tokens per second."""
+        t_draft = self.costs.draft_seconds(self.batch)
+        best, rate, future = drafted, -1.0, 0.0
+        powers = list(self.reach)  # reach · α^k for the k-th draft after these
         for g in range(drafted, self.maximum + 1):
             if g > drafted:
-                future = future + reach * self.alpha ** (g - drafted)
-            if at_least is not None and g < at_least:
+                powers = [p * a for p, a in zip(powers, self.alpha)]
+                future += sum(powers)
+            if g < at_least:
                 continue
-            r = (expected + float(future.sum())) / (g * t_draft + self.costs.verify_seconds(batch, g + 1))
+            r = (self.expected + future) / (g * t_draft + self.costs.verify_seconds(self.batch, g + 1))
             if r > rate:
                 best, rate = g, r
-        return best, rate
+        return best
 
     def stop(self, drafted: int, confidence: torch.Tensor) -> bool:
-        accept = self.calibration.predict(confidence.cpu(), self.alpha)
-        self.reach = self.reach * accept
-        self.expected += float(self.reach.sum())
-        if drafted >= self.chosen:
-            return True
-        return self.best(drafted, self.reach, self.expected)[0] == drafted
+        accept = self.calibration.predict(confidence.tolist(), self.alpha)
+        self.reach = [r * a for r, a in zip(self.reach, accept)]
+        self.expected += sum(self.reach)
+        return drafted >= self.chosen or self.best(drafted) == drafted
 
     def update(self, step: Step) -> None:
         memory = self.tuning.evidence()
@@ -338,9 +344,9 @@ class AutoGamma(GammaPolicy):
                 self.trials[row] = self.row_decay * self.trials[row] + n + (1 if n < d else 0)
                 memory.add(d, n)
         if step.confidence is not None and step.confidence.numel():
-            k = torch.arange(step.confidence.shape[1])[None, :]
-            reached = (k <= step.accepted[:, None]) & (k < step.drafted[:, None])
-            self.calibration.add(step.confidence, reached, k < step.accepted[:, None])
+            # Draft j of a row was decided if the drafts before it were accepted; it was kept if j < accepted.
+            reached = [min(n + 1, d) for d, n in zip(drafted, accepted)]
+            self.calibration.add(step.confidence.tolist(), reached, accepted)
         batch = step.rows.numel()
         self.costs.record_verify(batch, step.gamma + 1, step.verify_seconds)
         if step.gamma and not self.after_plain:  # after plain steps, drafting began with a long catch-up
