@@ -482,6 +482,7 @@ class Settings:
     cost_repeats: int = 20
     progress: bool = True
     lookup_tokens: int = 10  # transformers' prompt_lookup_num_tokens, for the prompt-lookup contender
+    skip: tuple[str, ...] = ()  # contenders of the main field to leave out (never plain)
 
 
 def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Settings) -> dict[str, Any]:
@@ -496,6 +497,8 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
     assists = not is_recurrent(bench.target)
     main, sweep = contenders(settings.gamma, gammas, extra, assisted=assists and bench.draft is not None,
                              lookup_tokens=settings.lookup_tokens if assists else None)
+    main = [c for c in main if c.name == "plain" or c.name not in settings.skip]
+    gammas = tuple(g for g in gammas if g != settings.gamma or any(c.name == "hfspec" for c in main))
     field = main + sweep
     result: dict[str, Any] = {"costs": costs, "auto_costs": bench.auto_costs(encoded[0]), "modes": {}}
     for m, mode in enumerate(settings.modes):
@@ -544,7 +547,7 @@ def rollback_report(bench: Bench, context: Sequence[int], gammas: Sequence[int],
         rc = rollback_cost(bench.target, context, g, repeats=max(2, repeats // 2), device=bench.device)
         row: dict[str, Any] = {**rc.to_dict(), "modes": {}}
         for name, mode in result["modes"].items():
-            alpha = mode["contenders"]["hfspec"]["alpha"]
+            alpha = mode["contenders"].get("hfspec", mode["contenders"]["hfspec-auto"])["alpha"]
             if alpha is not None:
                 row["modes"][name] = {
                     "alpha": alpha, "v_with_rollback": rc.expected(alpha),
@@ -756,6 +759,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     work.add_argument("--top-k", type=int, default=0,
                       help="top-k of the sample mode; 0 turns it off for every contender (default: 0)")
     work.add_argument("--seed", type=int, default=0, help="base seed of the sample mode (default: 0)")
+    work.add_argument("--skip", type=_name_list, default=(), metavar="LIST",
+                      help="contenders of the main field to leave out, comma-separated (e.g. "
+                           "hfspec-heuristic,hfspec-cost); plain always runs")
     work.add_argument("--lookup-tokens", type=int, default=10,
                       help="prompt_lookup_num_tokens of transformers' prompt-lookup contender (default: 10)")
     work.add_argument("--batch-size", type=int, default=8,
@@ -840,7 +846,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(gamma=args.gamma, gammas=tuple(args.gammas), modes=tuple(modes), warmup=args.warmup,
                     batch_size=args.batch_size, batch_repeats=max(1, args.batch_repeats),
                     cost_repeats=max(1, args.cost_repeats), progress=not args.no_progress,
-                    lookup_tokens=args.lookup_tokens)
+                    lookup_tokens=args.lookup_tokens, skip=tuple(args.skip))
 
 
 def environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:

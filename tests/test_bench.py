@@ -156,6 +156,16 @@ def test_greedy_check_flags_a_wrong_contender(tiny_pair):
     assert "mismatch" in bench.format_table(result)
 
 
+def test_skipped_contenders_do_not_run(tiny_pair):
+    target, draft, tok = tiny_pair("llama", sharpness=4.0)
+    prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}]
+    settings = _tiny_settings(batch_size=0, skip=("hfspec", "hfspec-heuristic", "hfspec-cost", "plain"))
+    result = bench.run_bench(Bench(target, draft, tok, max_new_tokens=4, gamma=2), prompts, settings)
+    mode = result["modes"]["greedy"]
+    assert set(mode["contenders"]) == {"plain", "assisted", "assisted-default", "hfspec-auto"}
+    assert [s["gamma"] for s in mode["sweep"]] == [1]
+
+
 def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
     target = model_dir("llama", seed=0, sharpness=4.0)
     draft = model_dir("llama", seed=0, sharpness=4.0, hidden=16)
