@@ -152,14 +152,6 @@ def load_pair(
     return target_model, draft_model, tok
 
 
-def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str | torch.dtype = "auto",
-               device: str | torch.device | None = None, trust_remote_code: bool = False) -> PreTrainedModel | Drafter:
-    """A draft for ``target_model`` by name or path (see ``load_pair``), without a tokenizer check."""
-    device = _check_device(device, "draft") or _input_device(target_model)
-    return _load_draft(resolve_model(draft, "draft"), target_model, dtype=parse_dtype(dtype), device=device,
-                       trust_remote_code=trust_remote_code)
-
-
 def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.dtype | str, device: torch.device,
                 trust_remote_code: bool) -> PreTrainedModel | Drafter:
     """The draft named by ``draft_path``, on ``device``: a causal LM, or another kind of drafter.

@@ -175,6 +175,11 @@ def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
                             "make_drafter(draft, tokenizer, target)")
         if isinstance(draft, Eagle3Head):
             drafter = Eagle3Drafter(draft, target)
+        elif not Path(draft).expanduser().exists():
+            raise TypeError(
+                f"the draft {str(draft)!r} is neither 'ngram' nor an existing directory; pass 'ngram', a local "
+                "path or a loaded model, or load a hub model with SpeculativeGenerator.from_pretrained(target, draft)"
+            )
         else:
             from hfspec.loading import load_draft
 

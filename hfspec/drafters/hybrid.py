@@ -180,7 +180,8 @@ class HybridDrafter(Drafter):
         return self.main.step_seconds(context, device)
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "main": self.main.describe(), "ngram": self.ngram.describe(),
+        main = self.main.describe()
+        return {"kind": self.kind, "parameters": main.get("parameters"), "main": main, "ngram": self.ngram.describe(),
                 "ngram_alpha": [round(r.alpha, 3) for r in self.ngram_rates],
                 "main_alpha": round(self.main_rate.alpha, 3)}
 
