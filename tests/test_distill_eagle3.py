@@ -84,7 +84,8 @@ def test_draft_vocabulary_is_the_most_frequent_generated_tokens_sorted():
 
 # -- training -----------------------------------------------------------------------------------
 
-def test_fast_unroll_equals_the_heads_training_time_test(target8, trained):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_fast_unroll_equals_the_heads_training_time_test(target8, trained, steps):
     out, _ = trained
     target, _ = load_target(target8)
     split = de._Split(out / "data", out / "features", "train", LAYERS)
@@ -95,7 +96,6 @@ def test_fast_unroll_equals_the_heads_training_time_test(target8, trained):
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-    steps = 4
     batch = de._make_batch(split, [0, 3, 7], t2d, steps)
     width = batch.valid.shape[1]
     fused = head.fuse(batch.features)
