@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -331,6 +332,30 @@ def _claim(lock: Path) -> bool:
     return False
 
 
+def stage_text(target, tokenizer, data_dir: Path, s, progress: bool) -> tuple[int, float]:
+    """Stage the train and eval splits into ``data_dir``; returns (train tokens, generation seconds of both).
+
+    ``s`` carries ``tokens``, ``eval_tokens``, ``seq_len``, ``gen_batch``, ``top_k`` and ``seed``;
+    every kind of draft trains on the same staged text.
+    """
+    train_prompts, eval_prompts = _split_prompts(_load_prompts(), s.seed)
+    n_train, gen_train = _stage_data(target, tokenizer, train_prompts, data_dir, "train", s.tokens, s, progress)
+    _, gen_eval = _stage_data(target, tokenizer, eval_prompts, data_dir, "eval", s.eval_tokens, s, progress)
+    return n_train, gen_train + gen_eval
+
+
+def resolve_target(target: str | Path, progress: bool) -> Path:
+    """A local target directory; the word ``"offline"`` names SmolLM2-135M-Instruct from hfspec.assets."""
+    if str(target) == "offline":
+        from hfspec.assets import offline_target_path
+
+        target = offline_target_path(progress=progress)
+    path = Path(target)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"target must be a local model directory with a config.json (or 'offline'), got {target!s}")
+    return path
+
+
 def _load_samples(data_dir: Path, split: str) -> list[dict]:
     samples = []
     for path in sorted(data_dir.glob(f"{split}-*.pt")):
@@ -431,84 +456,132 @@ def _lr_at(step: int, s: _Settings) -> float:
     return s.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac))))
 
 
-def _train(
-    draft, samples: list[dict], heldout: list[dict], train_dir: Path, pad: int, s: _Settings, progress: bool
-) -> tuple[list[float], float, list[tuple[int, float, float]], int]:
-    """Train with AdamW and a cosine schedule, checkpointing to ``train_dir``.
+@dataclass(frozen=True)
+class Optim:
+    """AdamW settings and the gradient-norm clip of a training run."""
 
-    Every ``s.eval_every`` steps (and at the last) the draft is checked on ``heldout``
-    against the staged target top-k (:func:`_staged_acceptance`, no target forward),
-    and the weights with the best α are the ones left in ``draft`` at the end: a small
-    draft trained for many epochs on a fixed set of target text overfits it.
-    Returns (losses, seconds, checks as (step, α, agreement), best step).
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = 0.01
+    clip: float = 1.0
+
+
+def fit(
+    model: torch.nn.Module,
+    loss_of: Callable[[list[int]], torch.Tensor],
+    check: Callable[[], tuple[float, tuple]],
+    n_samples: int,
+    train_dir: Path,
+    s,
+    *,
+    optim: Optim = Optim(),
+    generator: torch.Generator | None = None,
+    desc: str = "training draft",
+    progress: bool = True,
+) -> tuple[list[float], float, list[tuple], int]:
+    """Train ``model`` with AdamW, warm-up and cosine decay (:func:`_lr_at`) and clipping, checkpointing to ``train_dir``.
+
+    Each step takes the loss of ``loss_of(sample indices)``, ``s.batch`` indices of a
+    shuffled pass over ``n_samples`` (seeded by ``s.seed``). Every ``s.eval_every`` steps
+    (and at the last) ``check()`` returns (score, row): the row is kept in the checks,
+    and the weights with the best score are the ones left in ``model`` at the end (a
+    small model trained for many epochs on fixed text overfits it). A checkpoint in
+    ``train_dir`` resumes, with ``generator``'s state. Returns (losses, seconds, checks
+    as (step, *row), best step).
     """
     train_dir.mkdir(parents=True, exist_ok=True)
     ckpt = train_dir / "checkpoint.pt"
-    opt = torch.optim.AdamW(draft.parameters(), lr=s.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=optim.betas, weight_decay=optim.weight_decay)
     step, losses, seconds = 0, [], 0.0
-    checks: list[tuple[int, float, float]] = []
-    best: tuple[int, float, dict] | None = None  # (step, α, weights)
-    sampler = torch.Generator().manual_seed(s.seed)
+    checks: list[tuple] = []
+    best: tuple[int, float, dict] | None = None  # (step, score, weights)
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
-        draft.load_state_dict(state["model"])
+        model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, losses, seconds = state["step"], state["losses"], state["seconds"]
         checks, best = state.get("checks", []), state.get("best")
-        sampler.set_state(state["sampler"])
+        if generator is not None:
+            generator.set_state(state["sampler"])
         log.info("resuming training at step %d of %d", step, s.steps)
-    rng = random.Random(s.seed)
-    order: list[int] = []
-    for _ in range(step):  # replay the sampler so a resumed run sees the same batches
-        if not order:
-            order = list(range(len(samples)))
-            rng.shuffle(order)
-        del order[: s.batch]
-    draft.train()
+    batches = _batch_indices(n_samples, s.batch, s.seed, start=step)
+    model.train()
     t_last = time.perf_counter()
-    with tqdm(total=s.steps, initial=step, desc="training draft", unit="step", disable=not progress) as bar:
+    with tqdm(total=s.steps, initial=step, desc=desc, unit="step", disable=not progress) as bar:
         while step < s.steps:
-            if not order:
-                order = list(range(len(samples)))
-                rng.shuffle(order)
-            batch = _collate([samples[i] for i in order[: s.batch]], pad)
-            del order[: s.batch]
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, s)
-            hidden = draft.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-            # Project only the positions that predict generated tokens, onto a sampled vocabulary.
-            logits, top_ids, token = _candidate_logits(
-                hidden[batch["pos"]], draft.lm_head.weight, batch["top_ids"], batch["token"], s.negatives, sampler
-            )
-            loss = _distill_loss(logits, top_ids, batch["top_logp"], token, s.hard_weight)
+            loss = loss_of(next(batches))
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip)
             opt.step()
             losses.append(float(loss.detach()))
             step += 1
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             if step % s.eval_every == 0 or step == s.steps:
-                alpha, agreement = _staged_acceptance(draft, heldout, pad, s.batch)
-                checks.append((step, round(alpha, 4), round(agreement, 4)))
-                if best is None or alpha >= best[1]:  # on a tie, the later (longer trained) weights
-                    best = (step, alpha, {k: v.detach().clone() for k, v in draft.state_dict().items()})
-                bar.set_postfix(loss=f"{losses[-1]:.3f}", heldout_alpha=f"{alpha:.3f}", best=best[0])
+                was_training = model.training
+                model.eval()
+                score, row = check()
+                model.train(was_training)
+                checks.append((step, *row))
+                if best is None or score >= best[1]:  # on a tie, the later (longer trained) weights
+                    best = (step, score, {k: v.detach().clone() for k, v in model.state_dict().items()})
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", heldout=f"{row[0]:.3f}", best=best[0])
                 now = time.perf_counter()
                 seconds += now - t_last
                 t_last = now
+                state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "losses": losses,
+                         "seconds": seconds, "checks": checks, "best": best}
+                if generator is not None:
+                    state["sampler"] = generator.get_state()
                 tmp = train_dir / "checkpoint.pt.tmp"
-                torch.save(
-                    {"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "losses": losses,
-                     "seconds": seconds, "sampler": sampler.get_state(), "checks": checks, "best": best},
-                    tmp,
-                )
+                torch.save(state, tmp)
                 tmp.replace(ckpt)
     if best is not None:
-        draft.load_state_dict(best[2])
-    draft.eval()
+        model.load_state_dict(best[2])
+    model.eval()
     return losses, seconds, checks, best[0] if best is not None else step
+
+
+def _batch_indices(n: int, batch: int, seed: int, start: int = 0) -> Iterator[list[int]]:
+    """Sample indices of each step: shuffled passes over ``n``, from step ``start`` on (a resumed run sees the same)."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    step = 0
+    while True:
+        if not order:
+            order = list(range(n))
+            rng.shuffle(order)
+        chosen, order = order[:batch], order[batch:]
+        if step >= start:
+            yield chosen
+        step += 1
+
+
+def _train(
+    draft, samples: list[dict], heldout: list[dict], train_dir: Path, pad: int, s: _Settings, progress: bool
+) -> tuple[list[float], float, list[tuple[int, float, float]], int]:
+    """:func:`fit` the draft; the periodic check is α on ``heldout`` against the staged target top-k
+    (:func:`_staged_acceptance`, no target forward). Returns (losses, seconds, checks as (step, α,
+    agreement), best step).
+    """
+    sampler = torch.Generator().manual_seed(s.seed)
+
+    def loss_of(idx: list[int]) -> torch.Tensor:
+        batch = _collate([samples[i] for i in idx], pad)
+        hidden = draft.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        # Project only the positions that predict generated tokens, onto a sampled vocabulary.
+        logits, top_ids, token = _candidate_logits(
+            hidden[batch["pos"]], draft.lm_head.weight, batch["top_ids"], batch["token"], s.negatives, sampler
+        )
+        return _distill_loss(logits, top_ids, batch["top_logp"], token, s.hard_weight)
+
+    def check() -> tuple[float, tuple]:
+        alpha, agreement = _staged_acceptance(draft, heldout, pad, s.batch)
+        return alpha, (round(alpha, 4), round(agreement, 4))
+
+    return fit(draft, loss_of, check, len(samples), train_dir, s, generator=sampler, progress=progress)
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -632,22 +705,14 @@ def distill(
     kv_heads = heads if kv_heads is None else kv_heads
     eval_every = max(1, min(200, steps // 10)) if eval_every is None else eval_every
     intermediate = 4 * hidden if intermediate is None else intermediate
-    for name, value in dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
-                            tokens=tokens, eval_tokens=eval_tokens, seq_len=seq_len, gen_batch=gen_batch,
-                            top_k=top_k, batch=batch, steps=steps, eval_every=eval_every).items():
-        if value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value}")
+    require_positive(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
+                     tokens=tokens, eval_tokens=eval_tokens, seq_len=seq_len, gen_batch=gen_batch, top_k=top_k,
+                     batch=batch, steps=steps, eval_every=eval_every)
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads}), and heads by kv_heads ({kv_heads})")
     if save_dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"save_dtype must be float32, float16 or bfloat16, got {save_dtype!r}")
-    if str(target) == "offline":
-        from hfspec.assets import offline_target_path
-
-        target = offline_target_path(progress=progress)
-    target_path = Path(target)
-    if not (target_path / "config.json").is_file():
-        raise ValueError(f"target must be a local model directory with a config.json (or 'offline'), got {target!s}")
+    target_path = resolve_target(target, progress)
     if init_from is not None and not (Path(init_from) / "config.json").is_file():
         raise ValueError(f"init_from must be a draft directory with a config.json, got {init_from!s}")
     s = _Settings(hidden, layers, heads, kv_heads, intermediate, tokens, eval_tokens, seq_len, gen_batch, top_k,
@@ -665,9 +730,7 @@ def distill(
         raise ValueError(f"top_k ({top_k}) must not exceed the target vocabulary ({target_model.config.vocab_size})")
 
     # 1. Stage target-generated text, resumably, for training and for held-out evaluation.
-    train_prompts, eval_prompts = _split_prompts(_load_prompts(), seed)
-    n_train, gen_train = _stage_data(target_model, tokenizer, train_prompts, out / "data", "train", tokens, s, progress)
-    _, gen_eval = _stage_data(target_model, tokenizer, eval_prompts, out / "data", "eval", eval_tokens, s, progress)
+    n_train, gen_seconds = stage_text(target_model, tokenizer, out / "data", s, progress)
     if data_only:
         return None
 
@@ -696,7 +759,7 @@ def distill(
     report = DistillReport(
         target=str(target_path), out_dir=str(out), draft_params=sum(p.numel() for p in draft.parameters()),
         hidden=hidden, layers=layers, train_tokens=n_train, eval_tokens=n_pos, steps=len(losses), best_step=best_step,
-        gen_seconds=round(gen_train + gen_eval, 1), train_seconds=round(train_seconds, 1),
+        gen_seconds=round(gen_seconds, 1), train_seconds=round(train_seconds, 1),
         final_loss=round(sum(tail) / len(tail), 4), alpha=round(alpha, 4), greedy_agreement=round(agreement, 4),
         target_step_ms=round(1000 * t_target, 3), draft_step_ms=round(1000 * t_draft, 3), cost_ratio=round(c, 4),
         speedup_sampled=round(sp_a, 3), gamma_sampled=g_a, speedup_greedy=round(sp_g, 3), gamma_greedy=g_g,
@@ -707,14 +770,23 @@ def distill(
     return report
 
 
-def _check_settings(path: Path, s: _Settings, resume: bool) -> None:
-    """Refuse to resume into a checkpoint made with a different architecture or schedule."""
+_MODEL_FIXED = ("hidden", "layers", "heads", "kv_heads", "intermediate", "batch", "steps", "lr", "hard_weight",
+                "negatives", "seed", "init_from")
+
+
+def require_positive(**values: int) -> None:
+    """Refuse any of ``values`` below 1, naming it."""
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+def _check_settings(path: Path, s, resume: bool, fixed: tuple[str, ...] = _MODEL_FIXED) -> None:
+    """Refuse to resume into a checkpoint made with different ``fixed`` settings (architecture, schedule)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    current = asdict(s)
+    current = json.loads(json.dumps(asdict(s)))  # as the saved file reads back (tuples become lists)
     if path.is_file() and resume:
         saved = json.loads(path.read_text())
-        fixed = ("hidden", "layers", "heads", "kv_heads", "intermediate", "batch", "steps", "lr", "hard_weight",
-                 "negatives", "seed", "init_from")
         changed = [k for k in fixed if saved.get(k, "" if k == "init_from" else None) != current[k]]
         if changed and (path.parent / "checkpoint.pt").is_file():
             raise ValueError(
@@ -730,58 +802,102 @@ def _check_settings(path: Path, s: _Settings, resume: bool) -> None:
 # --------------------------------------------------------------------------- command line
 
 
+# Flags that only one --kind reads; the other refuses them instead of ignoring them.
+MODEL_FLAGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "hard_weight", "negatives", "save_dtype",
+               "init_from")
+EAGLE3_FLAGS = ("draft_vocab", "unroll", "layer_ids", "format", "feature_batch")
+KINDS = ("model", "eagle3")
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``distill`` subcommand on an ``argparse`` subparsers object."""
     p = subparsers.add_parser(
         "distill",
-        help="train a small draft model for a target model",
-        description="Distil a small draft for a target causal LM on text the target generates, "
-        "then report acceptance (α), greedy agreement, cost ratio and predicted speedup.",
+        help="train a small draft model or an EAGLE-3 head for a target model",
+        description="Distil a small draft (--kind model) or an EAGLE-3 head (--kind eagle3) for a target causal LM "
+        "on text the target generates, then report acceptance (α), greedy agreement, cost ratio and predicted "
+        "speedup.",
     )
+    p.add_argument("--kind", choices=KINDS, default="model",
+                   help="model: an independent small draft model (default); eagle3: an EAGLE-3 head that drafts "
+                   "from the target's own hidden states")
     p.add_argument("--target", required=True, help="local target model directory, or 'offline' for SmolLM2-135M-Instruct")
     p.add_argument("--out", required=True, help="output directory (data, checkpoint, draft, report); reused to resume")
-    p.add_argument("--hidden", type=int, default=128, help="draft hidden size (default 128)")
-    p.add_argument("--layers", type=int, default=4, help="draft transformer layers (default 4)")
-    p.add_argument("--heads", type=int, default=4, help="draft attention heads (default 4)")
-    p.add_argument("--kv-heads", type=int, default=None, help="draft key/value heads (default: --heads)")
-    p.add_argument("--intermediate", type=int, default=None, help="draft MLP size (default 4 x hidden)")
     p.add_argument("--tokens", type=int, default=200_000, help="target-generated training tokens (default 200000)")
     p.add_argument("--eval-tokens", type=int, default=10_000, help="held-out evaluation tokens (default 10000)")
     p.add_argument("--seq-len", type=int, default=128, help="longest continuation generated per prompt (default 128)")
     p.add_argument("--gen-batch", type=int, default=16, help="prompts generated together (default 16)")
     p.add_argument("--top-k", type=int, default=32, help="target log-probs kept per position (default 32)")
-    p.add_argument("--batch", type=int, default=16, help="training sequences per step (default 16)")
-    p.add_argument("--steps", type=int, default=2_000, help="training steps (default 2000)")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, cosine decay to 10%% (default 2e-3)")
-    p.add_argument("--hard-weight", type=float, default=0.5, help="weight of the hard-label cross-entropy (default 0.5)")
-    p.add_argument("--negatives", type=int, default=4096,
-                   help="random vocabulary negatives per step for the sampled softmax; 0 = full vocabulary (default 4096)")
+    p.add_argument("--batch", type=int, default=None, help="training sequences per step (default 16, eagle3: 8)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 2000, eagle3: 3000)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate, warm-up then cosine decay to 10%% (default 2e-3, eagle3: 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--save-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
-                   help="dtype of the saved draft weights (default float16)")
     p.add_argument("--eval-every", type=int, default=None, metavar="N",
                    help="checkpoint and check the draft on held-out data every N steps; the weights with the "
                    "best held-out α are the ones saved (default: a tenth of --steps, at most 200)")
-    p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from the weights of an earlier draft with the same architecture (new optimiser and "
-                   "schedule), to train it further on more data or for more steps")
     p.add_argument("--no-resume", dest="resume", action="store_false", help="retrain from scratch (staged data is kept)")
     p.add_argument("--data-only", action="store_true",
-                   help="only generate the data, then exit; run beside a full run on the same --out to share the work")
+                   help="only stage the data (and for eagle3 the target features), then exit; run beside a full "
+                   "run on the same --out to share the work")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    model = p.add_argument_group("--kind model")
+    model.add_argument("--hidden", type=int, default=None, help="draft hidden size (default 128)")
+    model.add_argument("--layers", type=int, default=None, help="draft transformer layers (default 4)")
+    model.add_argument("--heads", type=int, default=None, help="draft attention heads (default 4)")
+    model.add_argument("--kv-heads", type=int, default=None, help="draft key/value heads (default: --heads)")
+    model.add_argument("--intermediate", type=int, default=None, help="draft MLP size (default 4 x hidden)")
+    model.add_argument("--hard-weight", type=float, default=None,
+                       help="weight of the hard-label cross-entropy (default 0.5)")
+    model.add_argument("--negatives", type=int, default=None,
+                       help="random vocabulary negatives per step for the sampled softmax; 0 = full vocabulary "
+                       "(default 4096)")
+    model.add_argument("--save-dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                       help="dtype of the saved draft weights (default float16)")
+    model.add_argument("--init-from", default=None, metavar="DIR",
+                       help="start from the weights of an earlier draft with the same architecture (new optimiser "
+                       "and schedule), to train it further on more data or for more steps")
+    eagle = p.add_argument_group("--kind eagle3")
+    eagle.add_argument("--draft-vocab", type=int, default=None,
+                       help="draft vocabulary: the N most frequent generated tokens of the training text "
+                       "(default 8192)")
+    eagle.add_argument("--unroll", type=int, default=None,
+                       help="draft steps unrolled in training, the training-time test (default 7)")
+    eagle.add_argument("--layer-ids", default=None, metavar="I,J,K",
+                       help="target hidden_states indices the head reads (default: 2, N//2, N-3 of N layers)")
+    eagle.add_argument("--format", default=None, choices=["speculators", "eagle"],
+                       help="layout of the saved head: speculators (vLLM, default) or eagle (SafeAILab/EAGLE, "
+                       "SGLang)")
+    eagle.add_argument("--feature-batch", type=int, default=None,
+                       help="sequences per target forward when staging features (default 8)")
     p.set_defaults(func=run)
     return p
 
 
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the ``distill`` subcommand; prints the report as JSON."""
-    report = distill(
-        args.target, args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-        intermediate=args.intermediate, tokens=args.tokens, eval_tokens=args.eval_tokens, seq_len=args.seq_len,
-        gen_batch=args.gen_batch, top_k=args.top_k, batch=args.batch, steps=args.steps, lr=args.lr,
-        hard_weight=args.hard_weight, negatives=args.negatives, seed=args.seed, save_dtype=args.save_dtype, resume=args.resume,
-        data_only=args.data_only, eval_every=args.eval_every, init_from=args.init_from, progress=not args.quiet,
-    )
+    kind = getattr(args, "kind", "model")
+    model_only, eagle_only = _given(args, MODEL_FLAGS), _given(args, EAGLE3_FLAGS)
+    wrong = eagle_only if kind == "model" else model_only
+    if wrong:
+        flags = ", ".join("--" + name.replace("_", "-") for name in wrong)
+        other = "eagle3" if kind == "model" else "model"
+        raise ValueError(f"{flags} only apply to --kind {other}; drop them or pass --kind {other}")
+    common = dict(tokens=args.tokens, eval_tokens=args.eval_tokens, seq_len=args.seq_len, gen_batch=args.gen_batch,
+                  top_k=args.top_k, seed=args.seed, resume=args.resume, data_only=args.data_only,
+                  eval_every=args.eval_every, progress=not args.quiet, **_given(args, ("batch", "steps", "lr")))
+    if kind == "eagle3":
+        from hfspec.distill_eagle3 import distill_eagle3, parse_layer_ids
+
+        if "layer_ids" in eagle_only:
+            eagle_only["layer_ids"] = parse_layer_ids(eagle_only["layer_ids"])
+        report = distill_eagle3(args.target, args.out, **common, **eagle_only)
+    else:
+        report = distill(args.target, args.out, **common, **model_only)
     if report is not None:
         print(json.dumps(report.to_dict(), indent=2))
     return 0

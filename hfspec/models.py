@@ -5,11 +5,12 @@ absorbed here, so the decoding loop sees one ``forward`` and one vocabulary size
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -68,6 +69,39 @@ def decoder_layers(model: PreTrainedModel) -> Any:
     return layers if isinstance(layers, torch.nn.ModuleList) else None
 
 
+class _Enough(Exception):
+    """Raised once the highest requested layer input is captured: the layers above it are not needed."""
+
+
+@contextlib.contextmanager
+def _layer_inputs(blocks: Any, layers: tuple[int, ...], stop: bool) -> Iterator[dict[int, torch.Tensor]]:
+    """Capture the input of ``blocks[i]`` for i in ``layers`` with pre-hooks, removed on exit.
+
+    With ``stop`` the forward ends right after the highest one is captured.
+    """
+    captured: dict[int, torch.Tensor] = {}
+    last = max(layers)
+
+    def hook(_module, args, kwargs, i: int) -> None:
+        captured[i] = args[0] if args else kwargs["hidden_states"]
+        if stop and i == last:
+            raise _Enough
+
+    handles = [blocks[i].register_forward_pre_hook(functools.partial(hook, i=i), with_kwargs=True)
+               for i in set(layers)]
+    try:
+        yield captured
+    except _Enough:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _has_layers(blocks: Any, layers: tuple[int, ...]) -> bool:
+    return blocks is not None and all(0 <= i < len(blocks) for i in layers)
+
+
 def forward_features(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -83,24 +117,31 @@ def forward_features(
     those layers, so no other hidden state is kept. Returns (logits, (B, k, F)).
     """
     blocks = decoder_layers(model)
-    captured: dict[int, torch.Tensor] = {}
-    handles = []
-    if blocks is not None and all(0 <= i < len(blocks) for i in layers):
-        for i in set(layers):
-            def hook(_module, args, kwargs, i=i):
-                captured[i] = args[0] if args else kwargs["hidden_states"]
-            handles.append(blocks[i].register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        if handles:
-            logits = forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep)
-        else:  # unusual layout: ask transformers for every hidden state
-            logits, hidden = forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep,
-                                     output_hidden_states=True)
-            captured = {i: hidden[i] for i in layers}
-    finally:
-        for h in handles:
-            h.remove()
+    if not _has_layers(blocks, layers):  # unusual layout: ask transformers for every hidden state
+        logits, hidden = forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep,
+                                 output_hidden_states=True)
+        return logits, torch.cat([hidden[i] for i in layers], dim=-1)
+    with _layer_inputs(blocks, layers, stop=False) as captured:
+        logits = forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep)
     return logits, torch.cat([captured[i] for i in layers], dim=-1)
+
+
+@torch.inference_mode()
+def hidden_features(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    layers: tuple[int, ...]) -> torch.Tensor:
+    """transformers' ``hidden_states[i]`` for i in ``layers``, concatenated (B, T, F), from one forward without cache.
+
+    The decoder runs up to the highest requested layer only: the layers above it and
+    the LM head are skipped.
+    """
+    blocks = decoder_layers(model)
+    if not _has_layers(blocks, layers):
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                       output_hidden_states=True).hidden_states
+        return torch.cat([hidden[i] for i in layers], dim=-1)
+    with _layer_inputs(blocks, layers, stop=True) as captured:
+        model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return torch.cat([captured[i] for i in layers], dim=-1)
 
 
 def check_causal_lm(model: Any, role: str) -> None:

@@ -11,7 +11,7 @@ out="${BENCH_OUT:-runs/bench}"
 part="${1:-all}"
 [ $# -gt 0 ] && shift
 mkdir -p "$out"
-eagle="hfspec/drafters/smollm2-135m-instruct-eagle3"
+eagle="hfspec/drafts/smollm2-135m-instruct-eagle3"
 common=(--target offline --draft shipped --threads 2 --warmup 1 --batch-size 0)
 
 run() {  # run NAME ARGS...: one bench run, its table in $out/NAME.txt and its results in $out/NAME.json

@@ -5,47 +5,18 @@ import argparse
 import json
 
 import pytest
+import tiny
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hfspec import distill as distill_mod
 from hfspec.distill import DistillReport, distill, predicted_speedup
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>"]
-WORDS = ["user", "assistant", "system", "the", "a", "of", "to", "and", "in", "is", "what", "write", "explain", "how"]
 
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
     """A 2-layer Llama (vocab 160, hidden 32) with a word-level chat tokenizer, saved by path."""
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
-    for i in range(160 - len(vocab)):
-        vocab[f"w{i}"] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>", pad_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # a peaked target, so its distributions are worth learning
-        model.get_input_embeddings().weight.mul_(40.0)
-    path = tmp_path_factory.mktemp("tiny-target")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return tiny.chat_target(tmp_path_factory.mktemp("tiny-target"), layers=2)
 
 
 SMALL = dict(hidden=16, layers=1, heads=2, tokens=600, eval_tokens=150, seq_len=12, gen_batch=8, top_k=8,
@@ -85,15 +56,7 @@ def test_distill_beats_untrained_draft(tiny_target, tmp_path):
 def test_resume_continues_data_and_training(tiny_target, tmp_path, monkeypatch):
     out = tmp_path / "draft"
     real_loss = distill_mod._distill_loss
-    calls = {"n": 0}
-
-    def interrupted_loss(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > 25:
-            raise KeyboardInterrupt
-        return real_loss(*args, **kwargs)
-
-    monkeypatch.setattr(distill_mod, "_distill_loss", interrupted_loss)
+    monkeypatch.setattr(distill_mod, "_distill_loss", tiny.fail_after(real_loss, 25))
     with pytest.raises(KeyboardInterrupt):
         distill(tiny_target, out, **SMALL)
     first = torch.load(out / "train" / "checkpoint.pt", weights_only=False)

@@ -145,3 +145,58 @@ def load(path: Path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # AutoTokenizer maps some model types (qwen2) to their own tokenizer class; load the saved one as is.
     return model, PreTrainedTokenizerFast.from_pretrained(path)
+
+
+CHAT_SPECIALS = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>"]
+CHAT_WORDS = ["user", "assistant", "system", "the", "a", "of", "to", "and", "in", "is", "what", "write", "explain",
+              "how"]
+IM_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_target(directory: Path, *, layers: int = 2, vocab_size: int = 160, seed: int = 0,
+                sharpness: float = 40.0) -> Path:
+    """A Llama (hidden 32) with a word-level ChatML tokenizer that reads English prompts, saved by path.
+
+    Its (tied) embeddings are scaled by ``sharpness`` so that its next-token
+    distributions are peaked, as a trained model's are, and worth distilling.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = {tok: i for i, tok in enumerate(CHAT_SPECIALS + CHAT_WORDS)}
+    for i in range(vocab_size - len(vocab)):
+        vocab[f"w{i}"] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>", pad_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = IM_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(sharpness)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
+
+
+def fail_after(fn, calls: int):
+    """``fn`` that raises KeyboardInterrupt from its call ``calls + 1`` on: a run interrupted midway."""
+    count = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] > calls:
+            raise KeyboardInterrupt
+        return fn(*args, **kwargs)
+
+    return wrapped
