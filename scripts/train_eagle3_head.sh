@@ -4,11 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1  # one thread per process while two processes share the two cores
-TEXT="--target offline --tokens 1000000 --eval-tokens 20000 --seq-len 128 --gen-batch 32 --top-k 32 --out runs/eagle3"
+TEXT="--target offline --tokens 265000 --eval-tokens 6000 --seq-len 128 --gen-batch 32 --top-k 32 --out runs/eagle3"
 # Training settings: see the model card (hfspec/drafts/smollm2-135m-instruct-eagle3/README.md) for why.
-TRAIN="--draft-vocab 8192 --unroll 5 --batch 8 --steps 6000 --lr 1e-3 --eval-every 250"
+TRAIN="--draft-vocab 8192 --unroll 2 --batch 8 --steps ${STEPS:-1600} --lr 3e-3 --eval-every 200"
 
-# 1. Stage 1M target-generated tokens (and 20k held-out ones), two processes sharing runs/eagle3/data.
+# 1. Stage 265k target-generated tokens (and 6k held-out ones), two processes sharing runs/eagle3/data.
 mkdir -p runs/eagle3
 nice -n 10 python -m hfspec.distill $TEXT --data-only --quiet &
 nice -n 10 python -m hfspec.distill $TEXT --data-only --quiet
