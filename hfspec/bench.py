@@ -728,7 +728,8 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            "built by hfspec.assets (default: offline)")
     pair.add_argument("--draft", default="shipped",
                       help="draft model: a directory, a hub name, or 'shipped' for the draft committed in the "
-                           "package (default: shipped)")
+                           "package (default: shipped; 'shipped-eagle3' is the EAGLE-3 head committed beside it, "
+                           "which --drafters takes too)")
     pair.add_argument("--drafters", type=_name_list, default=(), metavar="LIST",
                       help="more drafters as contenders, each with hfspec's default settings, comma-separated: "
                            "'useless' (random weights of the draft's own shape: the control), 'ngram' (model-free "

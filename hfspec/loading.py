@@ -4,10 +4,11 @@ A *preset* is one JSON file naming a target, a draft and the settings that suit
 them (γ, dtype, chat, sampling defaults). Presets ship in ``hfspec/configs/``
 and are found by name; any other JSON file works by path.
 
-Three model names are special: ``"offline"`` as the target is SmolLM2-135M-Instruct,
+Four model names are special: ``"offline"`` as the target is SmolLM2-135M-Instruct,
 built without a model hub (``hfspec.assets.offline_target_path``);
-``"shipped"`` as the draft is the draft committed with the package
-(``hfspec.assets.shipped_draft_path``); ``"ngram"`` as the draft is model-free
+``"shipped"`` as the draft is the draft model committed with the package for it
+(``hfspec.assets.shipped_draft_path``) and ``"shipped-eagle3"`` the EAGLE-3 head
+(``hfspec.assets.shipped_head_path``); ``"ngram"`` as the draft is model-free
 lookup (``hfspec.drafters.ngram``), with no model to load.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
 OFFLINE_TARGET = "offline"
 SHIPPED_DRAFT = "shipped"
+SHIPPED_HEAD = "shipped-eagle3"
 
 DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",
@@ -78,20 +80,19 @@ def _input_device(model: PreTrainedModel) -> torch.device:
 # -- model names ----------------------------------------------------------------------------------
 
 def resolve_model(name: str | Path, role: str) -> str:
-    """Turn the special names ``offline`` (target) and ``shipped`` (draft) into local paths."""
+    """Turn the special names ``offline`` (target), ``shipped`` and ``shipped-eagle3`` (draft) into local paths."""
     name = str(name)
     if Path(name).expanduser().exists():
         return name
+    from hfspec import assets
+
     if role == "target" and name == OFFLINE_TARGET:
-        from hfspec import assets
-
         return str(assets.offline_target_path())
-    if role == "draft" and name == SHIPPED_DRAFT:
-        from hfspec import assets
-
-        path = Path(assets.shipped_draft_path())
+    if role == "draft" and name in (SHIPPED_DRAFT, SHIPPED_HEAD):
+        what = "draft" if name == SHIPPED_DRAFT else "EAGLE-3 head"
+        path = Path(assets.shipped_draft_path() if name == SHIPPED_DRAFT else assets.shipped_head_path())
         if not (path / "config.json").is_file():
-            raise HfspecError(f"the shipped draft is not part of this installation (expected it at {path}); "
+            raise HfspecError(f"the shipped {what} is not part of this installation (expected it at {path}); "
                               "pass a draft model with --draft PATH")
         return str(path)
     return name
@@ -176,7 +177,7 @@ def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.
 
 def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str | torch.dtype = "auto",
                device: str | torch.device | None = None, trust_remote_code: bool = False) -> PreTrainedModel | Drafter:
-    """Load the draft named ``draft`` (hub name, path, ``"shipped"``) for an already loaded target.
+    """Load the draft named ``draft`` (hub name, path, ``"shipped"``, ``"shipped-eagle3"``) for an already loaded target.
 
     It goes to ``device``, else to the device of the target's embeddings.
     """
@@ -233,7 +234,7 @@ class Preset:
 
     name: str
     target: str  # hub name, local path, or "offline"
-    draft: str  # hub name, local path, "shipped", or "ngram" (model-free lookup)
+    draft: str  # hub name, local path, "shipped", "shipped-eagle3", or "ngram" (model-free lookup)
     description: str = ""
     gamma: int | str = "auto"  # γ: drafts per verification step, or "auto" (chosen at every step)
     dtype: str = "auto"  # weights of both models: auto, float32, float16, bfloat16

