@@ -3,7 +3,7 @@
 The pair is loaded once per process and reused: calls with the same models and
 loading options share one ``SpeculativeGenerator``. With no target, draft or
 config, the ``smollm2-offline`` preset is used (SmolLM2-135M-Instruct and the
-shipped draft, chat template on).
+EAGLE-3 head shipped for it, chat template on).
 """
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def _add_generate(sub) -> None:
         description="Continue PROMPT (or each prompt of --prompts-file) with a target model, a draft model "
         "proposing γ tokens per step. "
         f"With no --target/--draft/--config the offline default pair ({api.DEFAULT_PRESET}: "
-        "SmolLM2-135M-Instruct and the draft shipped with hfspec) is used; its target is built "
+        "SmolLM2-135M-Instruct and the EAGLE-3 head shipped with hfspec) is used; its target is built "
         "once from PyPI without a model hub.",
     )
     p.add_argument("prompt", metavar="PROMPT", nargs="?",

@@ -2,7 +2,7 @@
 # The measured runs behind docs/BENCHMARKS.md: SmolLM2-135M-Instruct (built offline) as the target,
 # on the CPU, with every drafter hfspec ships. Run it on an otherwise idle machine: a second busy
 # process on the same cores makes torch's threads wait at every barrier and the ratios meaningless.
-# On an idle 2-core machine it takes about an hour; `scripts/bench.sh main` (or grounded, open, mixed)
+# On an idle 2-core machine it takes about 80 minutes; `scripts/bench.sh main` (or eagle, grounded, open, mixed)
 # runs one part. Extra arguments after the part go to every `hfspec bench` call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,19 +33,25 @@ if [[ $part == all || $part == main ]]; then
     run main --num-prompts 12 --max-new-tokens 48 --gamma 2 --gammas 1,2,3,4 --drafters "$drafters" \
         --plot docs/bench-smollm2-cpu.png "$@"
 fi
+# 1b. The EAGLE-3 head as the main drafter: fixed γ beside its defaults, for its acceptance and tokens per pass
+#     on the same prompts (transformers cannot run a head, so there is no assisted contender).
+if [[ ( $part == all || $part == eagle ) && -d $eagle ]]; then
+    run eagle --draft shipped-eagle3 --num-prompts 12 --max-new-tokens 48 --modes greedy --gamma 3 --gammas 1,2,3,5 \
+        --skip hfspec-heuristic,hfspec-cost "$@"
+fi
 # 2. Drafting by lookup on input-grounded prompts (summaries, rewrites, code edits, answers from a passage):
 #    n-gram and the hybrid against transformers' prompt lookup, greedy.
 if [[ $part == all || $part == grounded ]]; then
     run grounded --prompts-file hfspec/prompts/grounded.jsonl --num-prompts 16 --max-new-tokens 64 --modes greedy \
-        --gamma 3 --gammas 3 --drafters ngram,hybrid --skip hfspec-heuristic,hfspec-cost "$@"
+        --gamma 3 --gammas 3 --drafters ngram,hybrid --skip assisted,hfspec,hfspec-heuristic,hfspec-cost "$@"
 fi
 # 3. The same drafters on the open-ended prompts, where lookup finds little: gamma="auto" must fall back.
 if [[ $part == all || $part == open ]]; then
     run open --num-prompts 12 --max-new-tokens 48 --modes greedy \
-        --gamma 3 --gammas 3 --drafters ngram,hybrid --skip hfspec-heuristic,hfspec-cost "$@"
+        --gamma 3 --gammas 3 --drafters ngram,hybrid --skip assisted,hfspec,hfspec-heuristic,hfspec-cost "$@"
 fi
 # 4. Half open-ended, half grounded: the hybrid against each of its parts.
 if [[ $part == all || $part == mixed ]]; then
     run mixed --prompts-file hfspec/prompts/mixed.jsonl --num-prompts 16 --max-new-tokens 48 --modes greedy \
-        --gamma 3 --gammas 3 --drafters ngram,hybrid --skip hfspec-heuristic,hfspec-cost "$@"
+        --gamma 3 --gammas 3 --drafters ngram,hybrid --skip assisted,hfspec,hfspec-heuristic,hfspec-cost "$@"
 fi

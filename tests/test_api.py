@@ -118,12 +118,24 @@ def test_config_preset_supplies_defaults(pair, tmp_path):
     assert text != hfspec.generate("w10", config=str(path), max_new_tokens=8, chat=False)
 
 
-def test_default_pair_is_the_offline_preset_with_chat(pair, monkeypatch, loads):
-    target, draft = pair
+def test_default_pair_is_the_offline_preset_with_chat(pair, model_dir, monkeypatch, loads, tmp_path):
+    from eagle3_heads import random_head
+    from transformers import AutoModelForCausalLM
+
+    from hfspec.drafters.eagle3 import save_head
+
+    # The preset's draft is a draft model or an EAGLE-3 head: both are stood in for, by tiny ones.
+    target, draft = str(model_dir("llama", seed=0, layers=5)), pair[1]
+    target_model = AutoModelForCausalLM.from_pretrained(target)
+    head = save_head(random_head(target_model, list(range(3, 40)), layer_ids=(1, 2, 4)), tmp_path / "head",
+                     target=target_model)
     monkeypatch.setattr(assets, "offline_target_path", lambda **kw: target)
     monkeypatch.setattr(assets, "shipped_draft_path", lambda: draft)
+    monkeypatch.setattr(assets, "shipped_head_path", lambda: head)
+    preset = loading.load_preset("smollm2-offline")
     text = hfspec.generate("w10", max_new_tokens=8)
-    assert loads[0][0] == ("offline", "shipped") and loads[0][1]["dtype"] == "float32"
+    assert loads[0][0] == ("offline", preset.draft) and loads[0][1]["dtype"] == "float32"
+    assert preset.draft in ("shipped", "shipped-eagle3")
     api.clear_cache()
     assert text == hfspec.generate("w10", target=target, draft=draft, max_new_tokens=8, chat=True)
 
