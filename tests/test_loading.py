@@ -124,6 +124,14 @@ def test_special_names_resolve_through_assets(monkeypatch, tmp_path, model_dir):
     assert resolve_model("shipped-eagle3", "target") == "shipped-eagle3"
 
 
+def test_the_constructor_takes_the_shipped_names(monkeypatch, tiny_pair, model_dir):
+    from hfspec import SpeculativeGenerator
+
+    target, _, tok = tiny_pair("llama")
+    monkeypatch.setattr(assets, "shipped_draft_path", lambda: model_dir("llama", seed=1))
+    assert SpeculativeGenerator(target, "shipped", tok).drafter.kind == "model"
+
+
 # -- presets --------------------------------------------------------------------------------------
 
 def test_every_shipped_preset_is_valid():

@@ -175,14 +175,15 @@ def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
                             "make_drafter(draft, tokenizer, target)")
         if isinstance(draft, Eagle3Head):
             drafter = Eagle3Drafter(draft, target)
-        elif not Path(draft).expanduser().exists():
-            raise TypeError(
-                f"the draft {str(draft)!r} is neither 'ngram' nor an existing directory; pass 'ngram', a local "
-                "path or a loaded model, or load a hub model with SpeculativeGenerator.from_pretrained(target, draft)"
-            )
         else:
-            from hfspec.loading import load_draft
+            from hfspec.loading import load_draft, resolve_model
 
+            if not Path(resolve_model(draft, "draft")).expanduser().exists():  # "shipped" names resolve to paths
+                raise TypeError(
+                    f"the draft {str(draft)!r} is neither 'ngram' nor an existing directory; pass 'ngram', a local "
+                    "path or a loaded model, or load a hub model with SpeculativeGenerator.from_pretrained(target, "
+                    "draft)"
+                )
             return make_drafter(load_draft(draft, target), tokenizer, target, ngram=ngram)
     else:
         raise TypeError(
