@@ -222,6 +222,15 @@ def test_decode_step_seconds_times_each_model(tiny_target):
     assert len(times) == 2 and all(t > 0 for t in times)
 
 
+def test_decode_step_seconds_waits_for_each_models_device(tiny_target, monkeypatch):
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    devices = []
+    real = report_mod.timed
+    monkeypatch.setattr(report_mod, "timed", lambda fn, device=None: devices.append(device) or real(fn, device))
+    report_mod.decode_step_seconds(target, steps=3, warmup=2)
+    assert devices == [target.device] * 5
+
+
 def test_staging_counts_every_shard_and_fills_gaps(tiny_target, tmp_path, monkeypatch):
     out = tmp_path / "draft"
     train_draft_model(tiny_target, out, data_only=True, **SMALL)
