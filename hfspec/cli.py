@@ -30,7 +30,8 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 # Errors a user can fix; anything else is a bug and keeps its traceback.
 USER_ERRORS = (HfspecError, NumericalFault, ValueError, TypeError, OSError, RuntimeError)
-OPTIONAL_COMMANDS = ("distill", "bench")
+# Commands whose modules may be absent from an installation: command name -> module.
+OPTIONAL_COMMANDS = {"distill": "hfspec.training", "bench": "hfspec.bench"}
 DEFAULT_BATCH_SIZE = 8
 
 
@@ -181,11 +182,11 @@ def _add_generate(sub) -> None:
 
 
 def _add_optional(sub, name: str) -> None:
-    """Register ``hfspec NAME`` from ``hfspec/NAME.py`` if it is there and imports."""
+    """Register ``hfspec NAME`` from its module in :data:`OPTIONAL_COMMANDS` if it is there and imports."""
     try:
-        module = importlib.import_module(f"hfspec.{name}")
+        module = importlib.import_module(OPTIONAL_COMMANDS[name])
     except ModuleNotFoundError as exc:
-        if exc.name == f"hfspec.{name}":
+        if exc.name == OPTIONAL_COMMANDS[name]:
             return  # not part of this installation
         reason = f"it needs the missing package {exc.name!r}; install it with pip"
         _add_unavailable(sub, name, reason)

@@ -1,4 +1,4 @@
-"""distill() on a tiny random Llama target: it trains, saves, reports and resumes."""
+"""train_draft_model() on a tiny random Llama target: it trains, saves, reports and resumes."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +9,9 @@ import tiny
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from hfspec import distill as distill_mod
-from hfspec.distill import DistillReport, distill, predicted_speedup
+from hfspec.training import command, draft_model, optim, report as report_mod, staging
+from hfspec.training.draft_model import DraftModelReport, train_draft_model
+from hfspec.training.report import speedup_at_best_gamma
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +26,9 @@ SMALL = dict(hidden=16, layers=1, heads=2, tokens=600, eval_tokens=150, seq_len=
 
 def test_distill_trains_saves_and_reports(tiny_target, tmp_path):
     out = tmp_path / "draft"
-    report = distill(tiny_target, out, **SMALL)
+    report = train_draft_model(tiny_target, out, **SMALL)
 
-    assert isinstance(report, DistillReport)
+    assert isinstance(report, DraftModelReport)
     losses = torch.load(out / "train" / "checkpoint.pt", weights_only=False)["losses"]
     assert len(losses) == SMALL["steps"]
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, "training loss did not go down"
@@ -48,28 +49,28 @@ def test_distill_trains_saves_and_reports(tiny_target, tmp_path):
 
 
 def test_distill_beats_untrained_draft(tiny_target, tmp_path):
-    untrained = distill(tiny_target, tmp_path / "a", **{**SMALL, "steps": 1, "lr": 1e-6})
-    trained = distill(tiny_target, tmp_path / "b", **SMALL)
+    untrained = train_draft_model(tiny_target, tmp_path / "a", **{**SMALL, "steps": 1, "lr": 1e-6})
+    trained = train_draft_model(tiny_target, tmp_path / "b", **SMALL)
     assert trained.alpha > untrained.alpha + 0.05
 
 
 def test_resume_continues_data_and_training(tiny_target, tmp_path, monkeypatch):
     out = tmp_path / "draft"
-    real_loss = distill_mod._distill_loss
-    monkeypatch.setattr(distill_mod, "_distill_loss", tiny.fail_after(real_loss, 25))
+    real_loss = draft_model._distill_loss
+    monkeypatch.setattr(draft_model, "_distill_loss", tiny.fail_after(real_loss, 25))
     with pytest.raises(KeyboardInterrupt):
-        distill(tiny_target, out, **SMALL)
+        train_draft_model(tiny_target, out, **SMALL)
     first = torch.load(out / "train" / "checkpoint.pt", weights_only=False)
     assert 0 < first["step"] < SMALL["steps"]
     shards = sorted(p.name for p in (out / "data").glob("*.pt"))
 
     # Rerunning must neither regenerate data nor restart training.
-    monkeypatch.setattr(distill_mod, "_distill_loss", real_loss)
-    monkeypatch.setattr(distill_mod, "_generate_shard", lambda *a, **k: pytest.fail("data was regenerated"))
+    monkeypatch.setattr(draft_model, "_distill_loss", real_loss)
+    monkeypatch.setattr(staging, "_generate_shard", lambda *a, **k: pytest.fail("data was regenerated"))
     steps_before = []
-    real_train_step = distill_mod._lr_at
-    monkeypatch.setattr(distill_mod, "_lr_at", lambda step, s: steps_before.append(step) or real_train_step(step, s))
-    report = distill(tiny_target, out, **SMALL)
+    real_train_step = optim.learning_rate
+    monkeypatch.setattr(optim, "learning_rate", lambda step, s: steps_before.append(step) or real_train_step(step, s))
+    report = train_draft_model(tiny_target, out, **SMALL)
 
     assert steps_before[0] == first["step"]
     assert report.steps == SMALL["steps"]
@@ -80,17 +81,17 @@ def test_resume_continues_data_and_training(tiny_target, tmp_path, monkeypatch):
 
 def test_resume_refuses_a_different_architecture(tiny_target, tmp_path):
     out = tmp_path / "draft"
-    distill(tiny_target, out, **{**SMALL, "steps": 2})
+    train_draft_model(tiny_target, out, **{**SMALL, "steps": 2})
     with pytest.raises(ValueError, match="different hidden"):
-        distill(tiny_target, out, **{**SMALL, "steps": 2, "hidden": 8})
+        train_draft_model(tiny_target, out, **{**SMALL, "steps": 2, "hidden": 8})
 
 
 def test_init_from_starts_where_an_earlier_draft_ended(tiny_target, tmp_path):
-    first = distill(tiny_target, tmp_path / "a", **SMALL)
+    first = train_draft_model(tiny_target, tmp_path / "a", **SMALL)
     data = tmp_path / "a" / "data"
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "data").symlink_to(data)  # same data, so the losses compare
-    more = distill(tiny_target, tmp_path / "b", **{**SMALL, "steps": 10}, init_from=tmp_path / "a")
+    more = train_draft_model(tiny_target, tmp_path / "b", **{**SMALL, "steps": 10}, init_from=tmp_path / "a")
     fresh_losses = torch.load(tmp_path / "a" / "train" / "checkpoint.pt", weights_only=False)["losses"]
     warm_losses = torch.load(tmp_path / "b" / "train" / "checkpoint.pt", weights_only=False)["losses"]
     # The warm start begins near the end of the first run, far below a fresh start.
@@ -101,22 +102,22 @@ def test_init_from_starts_where_an_earlier_draft_ended(tiny_target, tmp_path):
 
 
 def test_init_from_refuses_a_different_architecture(tiny_target, tmp_path):
-    distill(tiny_target, tmp_path / "a", **{**SMALL, "steps": 2})
+    train_draft_model(tiny_target, tmp_path / "a", **{**SMALL, "steps": 2})
     with pytest.raises(ValueError, match="hidden_size 16 vs 8"):
-        distill(tiny_target, tmp_path / "b", **{**SMALL, "steps": 2, "hidden": 8}, init_from=tmp_path / "a")
+        train_draft_model(tiny_target, tmp_path / "b", **{**SMALL, "steps": 2, "hidden": 8}, init_from=tmp_path / "a")
     with pytest.raises(ValueError, match="config.json"):
-        distill(tiny_target, tmp_path / "c", **SMALL, init_from=tmp_path / "missing")
+        train_draft_model(tiny_target, tmp_path / "c", **SMALL, init_from=tmp_path / "missing")
 
 
 def test_staged_acceptance_matches_the_target_forward_when_top_k_is_the_vocabulary(tiny_target, tmp_path):
     out = tmp_path / "draft"
-    distill(tiny_target, out, **{**SMALL, "top_k": 160, "steps": 10})
+    train_draft_model(tiny_target, out, **{**SMALL, "top_k": 160, "steps": 10})
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    samples = distill_mod._load_samples(out / "data", "eval")
+    samples = staging.load_samples(out / "data", "eval")
     pad = AutoTokenizer.from_pretrained(tiny_target).pad_token_id
-    alpha, agreement, _ = distill_mod._acceptance(target, draft, samples, pad, 8)
-    staged_alpha, staged_agreement = distill_mod._staged_acceptance(draft, samples, pad, 8)
+    alpha, agreement, _ = draft_model._acceptance(target, draft, samples, pad, 8)
+    staged_alpha, staged_agreement = draft_model._staged_acceptance(draft, samples, pad, 8)
     assert staged_alpha == pytest.approx(alpha, abs=2e-3)  # top-k log-probs are stored in float16
     assert staged_agreement == pytest.approx(agreement, abs=0.02)
 
@@ -127,9 +128,9 @@ def test_the_draft_kept_is_the_best_held_out_check(tiny_target, tmp_path, monkey
     def scripted(draft, samples, pad, batch):
         return next(scores), 0.0
 
-    monkeypatch.setattr(distill_mod, "_staged_acceptance", scripted)
+    monkeypatch.setattr(draft_model, "_staged_acceptance", scripted)
     out = tmp_path / "draft"
-    report = distill(tiny_target, out, **{**SMALL, "eval_every": 10})
+    report = train_draft_model(tiny_target, out, **{**SMALL, "eval_every": 10})
     assert report.best_step == 20
     assert [c[:2] for c in report.heldout] == [(10, 0.2), (20, 0.5), (30, 0.3), (40, 0.1)]
     best = torch.load(out / "train" / "checkpoint.pt", weights_only=False)["best"]
@@ -143,31 +144,31 @@ def test_the_draft_kept_is_the_best_held_out_check(tiny_target, tmp_path, monkey
 
 def test_bad_arguments_are_rejected(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="divisible"):
-        distill(tiny_target, tmp_path, hidden=30, heads=4, progress=False)
+        train_draft_model(tiny_target, tmp_path, hidden=30, heads=4, progress=False)
     with pytest.raises(ValueError, match="positive"):
-        distill(tiny_target, tmp_path, steps=0, progress=False)
+        train_draft_model(tiny_target, tmp_path, steps=0, progress=False)
     with pytest.raises(ValueError, match="config.json"):
-        distill(tmp_path / "missing", tmp_path / "out", progress=False)
+        train_draft_model(tmp_path / "missing", tmp_path / "out", progress=False)
 
 
-def test_predicted_speedup_matches_leviathan():
+def test_speedup_at_best_gamma_matches_leviathan():
     # alpha = 0 accepts nothing: best is gamma = 1, speedup 1 / (c + 1).
-    assert predicted_speedup(0.0, 0.1) == pytest.approx((1 / 1.1, 1))
+    assert speedup_at_best_gamma(0.0, 0.1) == pytest.approx((1 / 1.1, 1))
     # alpha = 1 with free drafts: every draft accepted, the longest gamma wins.
-    assert predicted_speedup(1.0, 0.0) == pytest.approx((9.0, 8))
-    speedup, gamma = predicted_speedup(0.8, 0.05)
+    assert speedup_at_best_gamma(1.0, 0.0) == pytest.approx((9.0, 8))
+    speedup, gamma = speedup_at_best_gamma(0.8, 0.05)
     expected = max((1 - 0.8 ** (g + 1)) / ((1 - 0.8) * (g * 0.05 + 1)) for g in range(1, 9))
     assert speedup == pytest.approx(expected) and 1 <= gamma <= 8
     with pytest.raises(ValueError):
-        predicted_speedup(1.5, 0.1)
+        speedup_at_best_gamma(1.5, 0.1)
 
 
 def test_cli_parser_registers_distill():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    distill_mod.add_parser(sub)
+    command.add_parser(sub)
     args = parser.parse_args(["distill", "--target", "offline", "--out", "x", "--hidden", "64", "--no-resume"])
-    assert args.func is distill_mod.run
+    assert args.func is command.run
     assert args.target == "offline" and args.hidden == 64 and args.resume is False
 
 
@@ -178,7 +179,7 @@ def test_candidate_logits_keep_targets_and_estimate_the_normaliser():
     h = torch.randn(6, hidden, generator=gen)
     top_ids = torch.randint(vocab, (6, 4), generator=gen)
     token = top_ids[:, 0]
-    logits, top_idx, token_idx = distill_mod._candidate_logits(h, weight, top_ids, token, 1000, gen)
+    logits, top_idx, token_idx = draft_model._candidate_logits(h, weight, top_ids, token, 1000, gen)
     assert logits.shape[0] == 6 and logits.shape[1] < vocab
     full = h @ weight.T
     # Re-indexed ids point at the same logits as in the full vocabulary.
@@ -187,7 +188,7 @@ def test_candidate_logits_keep_targets_and_estimate_the_normaliser():
     # The corrected normaliser is close to the full one.
     assert torch.allclose(logits.logsumexp(-1), full.logsumexp(-1), atol=0.1)
     # Zero negatives means the full vocabulary.
-    logits, top_idx, _ = distill_mod._candidate_logits(h, weight, top_ids, token, 0, gen)
+    logits, top_idx, _ = draft_model._candidate_logits(h, weight, top_ids, token, 0, gen)
     assert logits.shape == (6, vocab) and torch.equal(top_idx, top_ids)
 
 
@@ -196,18 +197,18 @@ def test_claim_skips_live_locks_and_takes_over_stale_ones(tmp_path):
 
     live = tmp_path / ".train-00000.lock"
     live.write_text(str(os.getpid()))
-    assert not distill_mod._claim(live)
+    assert not staging.claim_lock(live)
     stale = tmp_path / ".train-00001.lock"
     stale.write_text("999999999")
-    assert distill_mod._claim(stale)
+    assert staging.claim_lock(stale)
     assert stale.read_text() == str(os.getpid())
     fresh = tmp_path / ".train-00002.lock"
-    assert distill_mod._claim(fresh) and not distill_mod._claim(fresh)
+    assert staging.claim_lock(fresh) and not staging.claim_lock(fresh)
 
 
 def test_data_only_stages_shards_and_stops(tiny_target, tmp_path):
     out = tmp_path / "draft"
-    assert distill(tiny_target, out, data_only=True, **SMALL) is None
+    assert train_draft_model(tiny_target, out, data_only=True, **SMALL) is None
     assert list((out / "data").glob("train-*.pt")) and list((out / "data").glob("eval-*.pt"))
     assert not (out / "train" / "checkpoint.pt").exists()
     assert not list((out / "data").glob(".*.lock"))
@@ -217,13 +218,22 @@ def test_decode_step_seconds_times_each_model(tiny_target):
     target = AutoModelForCausalLM.from_pretrained(tiny_target)
     small = LlamaForCausalLM(LlamaConfig(vocab_size=160, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))
-    times = distill_mod.decode_step_seconds(target, small, steps=4, warmup=1)
+    times = report_mod.decode_step_seconds(target, small, steps=4, warmup=1)
     assert len(times) == 2 and all(t > 0 for t in times)
+
+
+def test_decode_step_seconds_waits_for_each_models_device(tiny_target, monkeypatch):
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    devices = []
+    real = report_mod.timed
+    monkeypatch.setattr(report_mod, "timed", lambda fn, device=None: devices.append(device) or real(fn, device))
+    report_mod.decode_step_seconds(target, steps=3, warmup=2)
+    assert devices == [target.device] * 5
 
 
 def test_staging_counts_every_shard_and_fills_gaps(tiny_target, tmp_path, monkeypatch):
     out = tmp_path / "draft"
-    distill(tiny_target, out, data_only=True, **SMALL)
+    train_draft_model(tiny_target, out, data_only=True, **SMALL)
     data = out / "data"
     shards = sorted(data.glob("train-*.pt"))
     sizes = {p.name: torch.load(p)["tokens"] for p in shards}
@@ -231,8 +241,8 @@ def test_staging_counts_every_shard_and_fills_gaps(tiny_target, tmp_path, monkey
     shards[1].unlink()
     (data / f".{shards[1].stem}.lock").write_text("999999999")
     made = []
-    real = distill_mod._generate_shard
-    monkeypatch.setattr(distill_mod, "_generate_shard", lambda *a, **k: made.append(1) or real(*a, **k))
-    distill(tiny_target, out, data_only=True, **{**SMALL, "tokens": sum(sizes.values())})
+    real = staging._generate_shard
+    monkeypatch.setattr(staging, "_generate_shard", lambda *a, **k: made.append(1) or real(*a, **k))
+    train_draft_model(tiny_target, out, data_only=True, **{**SMALL, "tokens": sum(sizes.values())})
     assert len(made) == 1 and shards[1].is_file()
     assert torch.load(shards[1])["tokens"] == sizes[shards[1].name]

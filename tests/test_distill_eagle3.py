@@ -15,11 +15,12 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfspec import SpeculativeGenerator, cli
-from hfspec import distill as distill_mod
-from hfspec import distill_eagle3 as de
-from hfspec.distill_eagle3 import Eagle3Report, distill_eagle3, draft_vocabulary, parse_layer_ids
 from hfspec.drafters.eagle3 import load_head
 from hfspec.models import hidden_features
+from hfspec.training import eagle3 as de
+from hfspec.training import eagle3_data, optim
+from hfspec.training.eagle3 import Eagle3Report, parse_layer_ids, train_eagle3_head
+from hfspec.training.eagle3_data import draft_vocabulary
 
 SMALL = dict(draft_vocab=100, unroll=3, tokens=600, eval_tokens=150, seq_len=12, gen_batch=8, top_k=8, batch=8,
              steps=60, lr=1e-2, progress=False)
@@ -34,7 +35,7 @@ def target8(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(target8, tmp_path_factory):
     out = tmp_path_factory.mktemp("head")
-    return out, distill_eagle3(target8, out, **SMALL)
+    return out, train_eagle3_head(target8, out, **SMALL)
 
 
 def load_target(path):
@@ -88,7 +89,7 @@ def test_draft_vocabulary_is_the_most_frequent_generated_tokens_sorted():
 def test_fast_unroll_equals_the_heads_training_time_test(target8, trained, steps):
     out, _ = trained
     target, _ = load_target(target8)
-    split = de._Split(out / "data", out / "features", "train", LAYERS)
+    split = eagle3_data.StagedSplit(out / "data", out / "features", "train", LAYERS)
     vocab = torch.arange(3, 103)
     t2d = torch.full((160,), -1)
     t2d[vocab] = torch.arange(100)
@@ -96,10 +97,10 @@ def test_fast_unroll_equals_the_heads_training_time_test(target8, trained, steps
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-    batch = de._make_batch(split, [0, 3, 7], t2d, steps)
+    batch = eagle3_data.make_batch(split, [0, 3, 7], t2d, steps)
     width = batch.valid.shape[1]
     fused = head.fuse(batch.features)
-    embeds = de._embed(batch, target.get_input_embeddings().weight.detach(), width, steps)
+    embeds = eagle3_data.embed_tokens(batch, target.get_input_embeddings().weight.detach(), width, steps)
     fast = de._unroll(head, fused, embeds, batch.valid, batch.active, steps)
     reference = head.unroll(fused, embeds, steps, batch.valid)  # per step (B, T, Vd)
     rows, cols = batch.active.nonzero(as_tuple=True)
@@ -119,7 +120,7 @@ def test_fast_unroll_equals_the_heads_training_time_test(target8, trained, steps
 
 def test_trained_head_beats_an_untrained_one(target8, trained, tmp_path):
     _, report = trained
-    untrained = distill_eagle3(target8, tmp_path / "untrained", **{**SMALL, "steps": 1, "lr": 1e-9})
+    untrained = train_eagle3_head(target8, tmp_path / "untrained", **{**SMALL, "steps": 1, "lr": 1e-9})
     assert report.alpha > untrained.alpha + 0.2
     # The untrained head starts by passing the target's highest feature through, so it already agrees
     # often at greedy; training must still close much of the remaining gap.
@@ -169,9 +170,9 @@ def test_head_drives_exact_greedy_decoding_in_both_layouts(target8, trained, tmp
     shutil.copytree(trained[0], out)
     target, tok = load_target(target8)
     # Writing the other layout reuses the finished training: nothing is retrained or staged again.
-    monkeypatch.setattr(de, "_shard_features", lambda *a, **k: pytest.fail("features were staged again"))
+    monkeypatch.setattr(eagle3_data, "_shard_features", lambda *a, **k: pytest.fail("features were staged again"))
     monkeypatch.setattr(de, "_loss", lambda *a, **k: pytest.fail("the head was trained again"))
-    eagle = distill_eagle3(target8, out, **SMALL, format="eagle")
+    eagle = train_eagle3_head(target8, out, **SMALL, format="eagle")
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["LlamaForCausalLM"] and conf["draft_vocab_size"] == 100
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
@@ -194,53 +195,53 @@ def test_resume_continues_training_without_restaging(target8, tmp_path, monkeypa
     real_loss = de._loss
     monkeypatch.setattr(de, "_loss", tiny.fail_after(real_loss, 25))
     with pytest.raises(KeyboardInterrupt):
-        distill_eagle3(target8, out, **SMALL)
+        train_eagle3_head(target8, out, **SMALL)
     first = torch.load(out / "train" / "checkpoint.pt", weights_only=False)
     assert first["step"] == 24  # the last check before the interruption
 
     monkeypatch.setattr(de, "_loss", real_loss)
-    monkeypatch.setattr(de, "_shard_features", lambda *a, **k: pytest.fail("features were staged again"))
+    monkeypatch.setattr(eagle3_data, "_shard_features", lambda *a, **k: pytest.fail("features were staged again"))
     starts = []
-    real_lr = distill_mod._lr_at
-    monkeypatch.setattr(distill_mod, "_lr_at", lambda step, s: starts.append(step) or real_lr(step, s))
-    report = distill_eagle3(target8, out, **SMALL)
+    real_lr = optim.learning_rate
+    monkeypatch.setattr(optim, "learning_rate", lambda step, s: starts.append(step) or real_lr(step, s))
+    report = train_eagle3_head(target8, out, **SMALL)
     assert starts[0] == 24 and report.steps == SMALL["steps"]
     final = torch.load(out / "train" / "checkpoint.pt", weights_only=False)
     assert final["losses"][:24] == first["losses"]
     with pytest.raises(ValueError, match="different unroll"):
-        distill_eagle3(target8, out, **{**SMALL, "unroll": 2})
+        train_eagle3_head(target8, out, **{**SMALL, "unroll": 2})
 
 
 def test_features_are_staged_once_and_shared(target8, tmp_path, monkeypatch):
     out = tmp_path / "head"
-    assert distill_eagle3(target8, out, **SMALL, data_only=True) is None
+    assert train_eagle3_head(target8, out, **SMALL, data_only=True) is None
     assert list((out / "features").glob("train-*.pt")) and not (out / "train" / "checkpoint.pt").exists()
     assert not list((out / "features").glob(".*"))
     lost = sorted((out / "features").glob("train-*.pt"))[1]
     lost.unlink()
     made = []
-    real = de._shard_features
-    monkeypatch.setattr(de, "_shard_features", lambda *a, **k: made.append(1) or real(*a, **k))
-    distill_eagle3(target8, out, **SMALL, data_only=True)
+    real = eagle3_data._shard_features
+    monkeypatch.setattr(eagle3_data, "_shard_features", lambda *a, **k: made.append(1) or real(*a, **k))
+    train_eagle3_head(target8, out, **SMALL, data_only=True)
     assert len(made) == 1 and lost.is_file()
     with pytest.raises(ValueError, match="features of target layers"):
-        distill_eagle3(target8, out, **SMALL, data_only=True, layer_ids=(1, 3))
+        train_eagle3_head(target8, out, **SMALL, data_only=True, layer_ids=(1, 3))
 
 
 # -- bad input ----------------------------------------------------------------------------------
 
 def test_bad_arguments_are_rejected(target8, tmp_path):
     with pytest.raises(ValueError, match="must not exceed the target vocabulary"):
-        distill_eagle3(target8, tmp_path / "a", **{**SMALL, "draft_vocab": 161})
+        train_eagle3_head(target8, tmp_path / "a", **{**SMALL, "draft_vocab": 161})
     with pytest.raises(ValueError, match="format must be one of"):
-        distill_eagle3(target8, tmp_path / "a", **SMALL, format="gguf")
+        train_eagle3_head(target8, tmp_path / "a", **SMALL, format="gguf")
     with pytest.raises(ValueError, match="strictly increasing"):
-        distill_eagle3(target8, tmp_path / "a", **SMALL, layer_ids=(2, 8))
+        train_eagle3_head(target8, tmp_path / "a", **SMALL, layer_ids=(2, 8))
     with pytest.raises(ValueError, match="positive"):
-        distill_eagle3(target8, tmp_path / "a", **{**SMALL, "unroll": 0})
+        train_eagle3_head(target8, tmp_path / "a", **{**SMALL, "unroll": 0})
     two_layers = tiny.chat_target(tmp_path / "two", layers=2)
     with pytest.raises(ValueError, match="3 or more"):
-        distill_eagle3(two_layers, tmp_path / "b", **SMALL)
+        train_eagle3_head(two_layers, tmp_path / "b", **SMALL)
     with pytest.raises(ValueError, match="comma-separated"):
         parse_layer_ids("2,x")
     assert parse_layer_ids("2, 15,27") == (2, 15, 27)
