@@ -234,3 +234,27 @@ def test_bench_subcommand_is_registered():
     assert args.func is bench.run and args.gammas == (1, 3) and args.json == "-"
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--gammas", "0,2"])
+
+
+def test_skipping_hfspec_auto_on_a_recurrent_target_reports_the_rollback(model_dir):
+    target, tok = tiny.load(model_dir("falcon_h1", vocab_size=64, seed=0))
+    draft, _ = tiny.load(model_dir("llama", vocab_size=64, seed=1))
+    prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}]
+    result = bench.run_bench(Bench(target, draft, tok, max_new_tokens=4, gamma=2), prompts,
+                             _tiny_settings(batch_size=0, gammas=(2,), skip=("hfspec-auto",)))
+    assert "hfspec-auto" not in result["modes"]["greedy"]["contenders"]
+    # The rollback rows use the fixed-γ contender's α when hfspec-auto did not run.
+    alpha = result["modes"]["greedy"]["contenders"]["hfspec"]["alpha"]
+    assert result["rollback"]["2"]["modes"]["greedy"]["alpha"] == alpha
+
+
+def test_plot_without_an_assisted_contender(tiny_pair, tmp_path):
+    target, draft, tok = tiny_pair("llama", sharpness=4.0)
+    prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}]
+    result = bench.run_bench(Bench(target, draft, tok, max_new_tokens=4, gamma=2), prompts,
+                             _tiny_settings(batch_size=0, skip=("assisted", "assisted-default")))
+    assert "assisted" not in result["modes"]["greedy"]["contenders"]
+    png = tmp_path / "no-assisted.png"
+    bench.plot(result, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+

@@ -120,13 +120,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
                   label=f"hfspec, {mode['label']}")
         left.plot(gs, [s["predicted_speedup_v"] or float("nan") for s in mode["sweep"]], "--", color=color,
                   alpha=0.6, label=f"predicted with v(γ), {name}")
-        assisted = mode["contenders"]["assisted"]
-        if assisted["speedup_vs_plain"]:
+        assisted = mode["contenders"].get("assisted")  # absent when skipped or when transformers cannot assist
+        if assisted and assisted["speedup_vs_plain"]:
             left.plot([assisted["gamma"]], [assisted["speedup_vs_plain"]], "x", color=color, markersize=9,
                       label=f"transformers assisted, {name}")
-        widest = max(mode["sweep"], key=lambda s: len(s["acceptance_by_position"]))
-        by_pos = widest["acceptance_by_position"]
-        right.plot(range(1, len(by_pos) + 1), by_pos, "o-", color=color, label=f"γ={widest['gamma']}, {name}")
+        if mode["sweep"]:  # empty when --skip hfspec took the sweep's only γ
+            widest = max(mode["sweep"], key=lambda s: len(s["acceptance_by_position"]))
+            by_pos = widest["acceptance_by_position"]
+            right.plot(range(1, len(by_pos) + 1), by_pos, "o-", color=color, label=f"γ={widest['gamma']}, {name}")
     left.set_xticks(sorted({s["gamma"] for mode in result["modes"].values() for s in mode["sweep"]}))
     left.axhline(1.0, color="grey", linewidth=0.8)
     left.set(xlabel="γ (drafts per step)", ylabel="speed-up vs target generate()", title="Speed-up vs γ")

@@ -91,7 +91,7 @@ def rollback_report(bench: Bench, context: Sequence[int], gammas: Sequence[int],
         rc = rollback_cost(bench.target, context, g, repeats=max(2, repeats // 2), device=bench.device)
         row: dict[str, Any] = {**rc.to_dict(), "modes": {}}
         for name, mode in result["modes"].items():
-            alpha = mode["contenders"].get("hfspec", mode["contenders"]["hfspec-auto"])["alpha"]
+            alpha = measured_alpha(mode["contenders"])
             if alpha is not None:
                 row["modes"][name] = {
                     "alpha": alpha, "v_with_rollback": rc.expected(alpha),
@@ -100,6 +100,15 @@ def rollback_report(bench: Bench, context: Sequence[int], gammas: Sequence[int],
                 }
         out[str(g)] = row
     return out
+
+
+def measured_alpha(rows: dict[str, dict[str, Any]]) -> float | None:
+    """α of the fixed-γ ``hfspec`` contender, else of ``hfspec-auto``; None when --skip left out both."""
+    # Looked up in turn: a .get() with the other as its fallback would index a skipped contender first.
+    for name in ("hfspec", "hfspec-auto"):
+        if name in rows:
+            return rows[name]["alpha"]
+    return None
 
 
 def run_batch(bench: Bench, rows: Sequence[Sequence[int]], mode: Mode, settings: Settings,
