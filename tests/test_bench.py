@@ -9,6 +9,9 @@ import torch
 
 from hfspec import bench
 from hfspec.bench import Bench, Contender, Mode, Run, Settings
+from hfspec.drafters.hybrid import HybridDrafter
+from hfspec.drafters.ngram import NgramDrafter
+from hfspec.errors import HfspecError
 from hfspec.policy import alpha_from_tokens_per_pass
 from hfspec.stats import RowStats, Stats
 
@@ -258,3 +261,15 @@ def test_plot_without_an_assisted_contender(tiny_pair, tmp_path):
     bench.plot(result, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+
+def test_drafters_are_built_once_each_from_the_main_draft(tiny_pair):
+    target, draft, _ = tiny_pair("llama", sharpness=4.0)
+    built = bench.load_drafters(["useless", "hybrid", "ngram"], target, draft, seed=3)
+    useless = built["useless"]
+    assert type(useless) is type(draft) and useless.config.to_dict() == draft.config.to_dict()
+    assert not torch.equal(useless.get_output_embeddings().weight, draft.get_output_embeddings().weight)
+    assert isinstance(built["hybrid"], HybridDrafter) and built["hybrid"].model is draft
+    assert isinstance(built["ngram"], NgramDrafter)
+    with pytest.raises(HfspecError, match="needs a draft model"):
+        bench.useless_copy(built["ngram"], 0)

@@ -11,7 +11,8 @@ draft step costing c target steps, the expected speed-up is
 pass, (1 - α^(γ+1)) / (1 - α); the share of drafts accepted is reported beside it
 but is not α (it is smaller: later drafts are only reached when earlier ones pass).
 Verifying γ+1 tokens is not free on every machine, so the bench also measures v(γ),
-a target forward over γ+1 new tokens ÷ one over a single token, and predicts (1 - α^(γ+1)) / ((1 - α)(γc + v(γ))).
+a target forward over γ+1 new tokens ÷ one over a single token, and predicts
+(1 - α^(γ+1)) / ((1 - α)(γc + v(γ))).
 Efficiency is the measured speed-up ÷ that prediction: what the implementation
 keeps of what the cost model promises.
 
@@ -24,20 +25,20 @@ from __future__ import annotations
 
 from hfspec.bench.command import (
     DESCRIPTION, add_parser, apply_preset, configure, environment, load, load_drafters, main, run, settings_from,
-    write_outputs,
+    useless_copy, write_outputs,
 )
 from hfspec.bench.field import (
-    DEFAULT_PROMPTS, MAIN, USELESS, Contender, Mode, Settings, contenders, encode, load_prompts,
+    DEFAULT_PROMPTS, HYBRID, MAIN, USELESS, Contender, Mode, Settings, contenders, encode, load_prompts,
 )
-from hfspec.bench.measure import Bench, CallCounter, Run, assistant_settings, trim, useless_copy
+from hfspec.bench.measure import Bench, CallCounter, Run, assistant_settings, counting, trim
 from hfspec.bench.report import format_table, plot
 from hfspec.bench.runner import rollback_report, run_batch, run_bench
 from hfspec.bench.summary import acceptance, median_ratio, mismatches, prediction, spread, summarize
 
 __all__ = [
-    "DEFAULT_PROMPTS", "DESCRIPTION", "MAIN", "USELESS", "Bench", "CallCounter", "Contender", "Mode", "Run",
-    "Settings", "acceptance", "add_parser", "apply_preset", "assistant_settings", "configure", "contenders",
-    "encode", "environment", "format_table", "load", "load_drafters", "load_prompts", "main", "median_ratio",
-    "mismatches", "plot", "prediction", "rollback_report", "run", "run_batch", "run_bench", "settings_from",
-    "spread", "summarize", "trim", "useless_copy", "write_outputs",
+    "DEFAULT_PROMPTS", "DESCRIPTION", "HYBRID", "MAIN", "USELESS", "Bench", "CallCounter", "Contender", "Mode",
+    "Run", "Settings", "acceptance", "add_parser", "apply_preset", "assistant_settings", "configure", "contenders",
+    "counting", "encode", "environment", "format_table", "load", "load_drafters", "load_prompts", "main",
+    "median_ratio", "mismatches", "plot", "prediction", "rollback_report", "run", "run_batch", "run_bench",
+    "settings_from", "spread", "summarize", "trim", "useless_copy", "write_outputs",
 ]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import sys
@@ -11,16 +12,17 @@ from typing import Any
 
 import torch
 import transformers
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hfspec.bench.field import MAIN, USELESS, Mode, Settings, load_prompts
+from hfspec.bench.field import HYBRID, MAIN, USELESS, Mode, Settings, load_prompts
 from hfspec.bench.measure import Bench
 from hfspec.bench.report import format_table, plot
 from hfspec.bench.runner import run_bench
-from hfspec.costs import cpu_model
 from hfspec.drafters import make_drafter
-from hfspec.drafters.hybrid import HybridDrafter
-from hfspec.drafters.ngram import NgramDrafter
+from hfspec.drafters.hybrid import with_ngram
+from hfspec.errors import HfspecError
 from hfspec.loading import load_draft, load_pair, load_preset
+from hfspec.timing import cpu_model
 
 DESCRIPTION = """\
 Measure one target with its draft (and other drafters) in one process. Contenders, interleaved per prompt:
@@ -166,18 +168,29 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return load_pair(args.target, args.draft, dtype=dtype, device=device)
 
 
-def load_drafters(names: Sequence[str], target: Any, draft: Any) -> dict[str, Any]:
-    """The --drafters: names to drafters (``useless`` is built by ``Bench`` from the draft itself)."""
+def load_drafters(names: Sequence[str], target: Any, draft: Any, seed: int = 0) -> dict[str, Any]:
+    """The --drafters, by name: the useless control and the hybrid are built from the main ``draft``."""
     out: dict[str, Any] = {}
     for name in names:
         if name == USELESS:
-            out[name] = None
-        elif name == "hybrid":
-            out[name] = HybridDrafter(make_drafter(draft), NgramDrafter())
-        else:
+            out[name] = useless_copy(draft, seed)
+        elif name == HYBRID:
+            out[name] = with_ngram(make_drafter(draft, target=target))
+        else:  # "ngram", "shipped-eagle3" or a directory: whatever hfspec.loading makes of it
             device = target.get_output_embeddings().weight.device
             out[name] = load_draft(name, target, dtype=target.dtype, device=device)
     return out
+
+
+def useless_copy(draft: Any, seed: int) -> PreTrainedModel:
+    """A draft of ``draft``'s own architecture and size with random weights: it costs the same and helps nothing."""
+    if not isinstance(draft, PreTrainedModel):
+        raise HfspecError(f"the {USELESS!r} control needs a draft model (it copies the draft's shape); "
+                          f"--draft is a {type(draft).__name__}: leave {USELESS!r} out of --drafters")
+    torch.manual_seed(seed + 12345)
+    model = AutoModelForCausalLM.from_config(draft.config).to(dtype=draft.dtype, device=draft.device)
+    model.generation_config = copy.deepcopy(draft.generation_config)
+    return model.eval()
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -217,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts_file)[: args.num_prompts]
     target, draft, tokenizer = load(args)
     bench = Bench(target, draft, tokenizer, max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed,
-                  drafters=load_drafters(args.drafters, target, draft))
+                  drafters=load_drafters(args.drafters, target, draft, args.seed))
     result = {"environment": environment(args, bench), **run_bench(bench, prompts, settings),
               "prompts": [p["id"] for p in prompts]}
     write_outputs(result, args.json, args.plot)

@@ -14,6 +14,7 @@ from typing import Any
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "bench.jsonl"
 MAIN = "draft"  # the drafter key of the main draft
 USELESS = "useless"  # random weights of the main draft's shape: a draft that cannot help
+HYBRID = "hybrid"  # the main draft plus n-gram lookup (hfspec.drafters.hybrid.with_ngram)
 
 
 @dataclass(frozen=True)

@@ -8,22 +8,21 @@ are the one count that means the same for both.
 from __future__ import annotations
 
 import copy
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from hfspec.bench.field import MAIN, USELESS, Contender, Mode
-from hfspec.costs import forward_seconds, sync
-from hfspec.errors import HfspecError
+from hfspec import costs
+from hfspec.bench.field import MAIN, Contender, Mode
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
 from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma
 from hfspec.stats import Stats
+from hfspec.timing import timed
 
 
 @dataclass
@@ -55,17 +54,29 @@ def trim(row: Sequence[int], eos: set[int], length: int | None = None) -> list[i
 
 
 class CallCounter:
-    """Counts forward calls of a model through a hook (the same for every contender)."""
+    """Counts forward calls of a model through a hook (the same for every contender); None counts nothing."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module | None):
         self.calls = 0
-        self.handle = model.register_forward_hook(self._hook)
+        self.handle = model.register_forward_hook(self._hook) if model is not None else None
 
     def _hook(self, *_: Any) -> None:
         self.calls += 1
 
     def close(self) -> None:
-        self.handle.remove()
+        if self.handle is not None:
+            self.handle.remove()
+
+
+@contextmanager
+def counting(*models: torch.nn.Module | None) -> Iterator[list[CallCounter]]:
+    """One ``CallCounter`` per model, removed afterwards whatever happens."""
+    counters = [CallCounter(m) for m in models]
+    try:
+        yield counters
+    finally:
+        for c in counters:
+            c.close()
 
 
 @contextmanager
@@ -92,19 +103,20 @@ def assistant_settings(draft: torch.nn.Module, gamma: int | None):
 
 
 class Bench:
-    """A target, its draft model and other drafters, and the means to run every contender on them."""
+    """A target, its draft model and other drafters, and the means to run every contender on them.
+
+    ``drafters`` maps names to anything ``SpeculativeGenerator`` takes as a draft (built by
+    ``hfspec.bench.command.load_drafters``); each gets a generator of its own, so that
+    gamma="auto" measures and learns for it as a user's generator would.
+    """
 
     def __init__(self, target: Any, draft: Any, tokenizer: Any, *, max_new_tokens: int, gamma: int = 4,
                  seed: int = 0, drafters: dict[str, Any] | None = None):
         self.target, self.tokenizer = target.eval(), tokenizer
         self.specs = {MAIN: SpeculativeGenerator(target, draft, tokenizer)}
-        self.draft = self.specs[MAIN].draft  # the draft model, None for other drafters
-        self.assistants = {MAIN: self.draft}
-        for name, drafter in (drafters or {}).items():
-            if name == USELESS:
-                drafter = self.assistants[USELESS] = useless_copy(self.draft, seed)
-            self.specs[name] = SpeculativeGenerator(target, drafter, tokenizer)
+        self.specs.update({name: SpeculativeGenerator(target, d, tokenizer) for name, d in (drafters or {}).items()})
         self.spec = self.specs[MAIN]
+        self.draft = self.spec.draft  # the draft model, None for other drafters
         self.max_new_tokens = max_new_tokens
         self.gamma = gamma  # where the heuristic schedule starts, as transformers' does
         self.seed = seed
@@ -136,28 +148,25 @@ class Bench:
 
     def run(self, contender: Contender, rows: Sequence[Sequence[int]], mode: Mode, seed: int,
             serial: bool = False) -> Run:
-        """Generate for ``rows`` (one batch, or one at a time with ``serial``) and time it."""
-        assistant = self.assistants.get(contender.drafter) or self.specs[contender.drafter].draft
-        counters = [CallCounter(self.target)] + ([CallCounter(assistant)] if assistant is not None else [])
-        try:
-            with torch.inference_mode():
-                sync(self.device)
-                start = time.perf_counter()
-                if serial:
-                    parts = [self._generate(contender, [r], mode, seed + i) for i, r in enumerate(rows)]
-                    tokens = [t for p, _ in parts for t in p]
-                    stats = None
-                else:
-                    tokens, stats = self._generate(contender, rows, mode, seed)
-                sync(self.device)
-                seconds = time.perf_counter() - start
-        finally:
-            for c in counters:
-                c.close()
-        return Run(tokens, seconds, counters[0].calls, counters[1].calls if len(counters) > 1 else 0, stats)
+        """Generate for ``rows`` (one batch, or one at a time with ``serial``) and time it.
+
+        Only the ``generate`` calls are timed, each through ``hfspec.timing.timed``; forwards of the
+        target and of the drafter's model are counted by hooks.
+        """
+        parts = [[row] for row in rows] if serial else [list(rows)]
+        tokens: list[list[int]] = []
+        seconds, stats = 0.0, None
+        draft_model = self.specs[contender.drafter].draft
+        with counting(self.target, draft_model) as (on_target, on_draft), torch.inference_mode():
+            for i, part in enumerate(parts):
+                (new, stats), took = timed(partial(self._generate, contender, part, mode, seed + i), self.device)
+                tokens += new
+                seconds += took
+        return Run(tokens, seconds, on_target.calls, on_draft.calls, None if serial else stats)
 
     def _generate(self, contender: Contender, rows: Sequence[Sequence[int]], mode: Mode,
                   seed: int) -> tuple[list[list[int]], Stats | None]:
+        """New tokens per row (trimmed after EOS) and hfspec's counts (None for transformers)."""
         ids, mask = self.batch(rows)
         n = self.max_new_tokens
         if contender.kind == "hfspec":
@@ -169,44 +178,31 @@ class Bench:
         # transformers samples from torch's global generator.
         torch.manual_seed(seed)
         extra: dict[str, Any] = {}
-        assistant = self.assistants.get(contender.drafter)
+        assistant = self.specs[contender.drafter].draft if contender.kind == "assisted" else None
         if contender.kind == "assisted":
             extra["assistant_model"] = assistant
         elif contender.kind == "lookup":
             extra["prompt_lookup_num_tokens"] = contender.gamma
-        with assistant_settings(assistant, contender.gamma if contender.kind == "assisted" else None):
+        with assistant_settings(assistant, contender.gamma):
             out = self.target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
                                        pad_token_id=self.pad, **mode.kwargs(), **extra)
         return [trim(t, self.eos) for t in out[:, ids.shape[1]:].tolist()], None
 
-    # -- costs --------------------------------------------------------------------------------
-
     def measure_costs(self, context: Sequence[int], gammas: Sequence[int], repeats: int = 20) -> dict[str, Any]:
         """c = draft step ÷ target step, v(γ) = target over γ+1 tokens ÷ target over 1, both with caches.
 
-        These feed the cost-model contender and the predictions; each ``hfspec-auto``
+        Measured by ``hfspec.costs.measure``, as gamma="auto" measures them, only with more
+        repeats. These feed the cost-model contender and the predictions; each ``hfspec-auto``
         contender measures its own at its first call, as a user's generator does.
         """
-        t_target = forward_seconds(self.target, context, sorted({1, *(g + 1 for g in gammas)}), repeats, self.device)
-        t_draft = self.spec.drafter.step_seconds(list(context), self.device)
-        self.cost = t_draft / t_target[1]
-        self.verify_cost = {g: t_target[g + 1] / t_target[1] for g in sorted(set(gammas))}
+        measured = costs.measure(self.target, self.spec.drafter, context, max(gammas), self.device, repeats)
+        self.cost = measured.c
+        self.verify_cost = {g: measured.v(g) for g in sorted(set(gammas))}
         return {"c": self.cost, "v": {str(g): v for g, v in self.verify_cost.items()},
-                "target_step_ms": 1e3 * t_target[1], "draft_step_ms": 1e3 * t_draft,
-                "target_ms": {str(k): 1e3 * t for k, t in t_target.items()}, "context_tokens": len(context),
+                "target_step_ms": 1e3 * measured.verify[1], "draft_step_ms": 1e3 * measured.draft,
+                "target_ms": {str(k): 1e3 * t for k, t in measured.verify.items()}, "context_tokens": len(context),
                 "repeats": repeats}
 
     def auto_costs(self, context: Sequence[int]) -> dict[str, Any]:
         """Each drafter's generator measures its costs as gamma="auto" does at a first call; returns them."""
         return {name: spec.measure_costs(context).to_dict() for name, spec in self.specs.items()}
-
-
-def useless_copy(draft: Any, seed: int) -> Any:
-    """A draft of ``draft``'s own architecture and size with random weights: it costs the same and helps nothing."""
-    if draft is None:
-        raise HfspecError("the 'useless' control needs a draft model (it copies the draft's shape)")
-    torch.manual_seed(seed + 12345)
-    model = AutoModelForCausalLM.from_config(draft.config).to(dtype=draft.dtype, device=draft.device)
-    model.generation_config = copy.deepcopy(draft.generation_config)
-    return model.eval()
-
