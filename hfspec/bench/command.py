@@ -47,7 +47,15 @@ contender with gamma="auto": the costs it measured and the γ it chose, step by 
 (a histogram). At greedy, every contender's tokens are checked against plain's.
 Then a fixed-γ sweep (--gammas) and a batch row (--batch-size). The machine (CPU
 model name, torch threads) is printed and saved with every result.
+
+Lookup stores: an 'ngram' or 'hybrid' drafter (or --draft ngram) also drafts from a
+store of earlier outputs. Before every call the bench rebuilds that store to hold
+exactly the outputs of the drafter's earlier calls in the same mode (warm-up calls
+included), oldest first, of every prompt other than the ones being generated: a
+prompt never finds its own answer there (not its warm-up output, nor its greedy
+output in the sample mode), and finds those of the prompts before it.
 """
+
 
 def _int_list(text: str) -> tuple[int, ...]:
     try:
@@ -86,7 +94,8 @@ def _pair_options(pair: argparse._ArgumentGroup) -> None:
                       help="more drafters as contenders, each with hfspec's default settings, comma-separated: "
                            "'useless' (random weights of the draft's own shape: the control), 'ngram' (model-free "
                            "lookup; adds transformers' prompt lookup as a baseline), 'hybrid' (the draft plus n-gram "
-                           "lookup), or a directory (an EAGLE-3 head or another draft model)")
+                           "lookup; for what their store of earlier outputs holds, see 'Lookup stores' above), or a "
+                           "directory (an EAGLE-3 head or another draft model)")
     pair.add_argument("--config", metavar="NAME",
                       help="a pair preset (a name from hfspec/configs or a JSON path): sets the target and the "
                            "draft, and the dtype and γ unless --dtype/--gamma are given")

@@ -18,6 +18,7 @@ import torch
 
 from hfspec import costs
 from hfspec.bench.field import MAIN, Contender, Mode
+from hfspec.bench.stores import LookupStores
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
 from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma
@@ -117,6 +118,7 @@ class Bench:
         self.specs.update({name: SpeculativeGenerator(target, d, tokenizer) for name, d in (drafters or {}).items()})
         self.spec = self.specs[MAIN]
         self.draft = self.spec.draft  # the draft model, None for other drafters
+        self.stores = LookupStores(self.specs)  # what n-gram lookup may draft from: outputs of other prompts
         self.max_new_tokens = max_new_tokens
         self.gamma = gamma  # where the heuristic schedule starts, as transformers' does
         self.seed = seed
@@ -151,17 +153,23 @@ class Bench:
         """Generate for ``rows`` (one batch, or one at a time with ``serial``) and time it.
 
         Only the ``generate`` calls are timed, each through ``hfspec.timing.timed``; forwards of the
-        target and of the drafter's model are counted by hooks.
+        target and of the drafter's model are counted by hooks. Before each hfspec call, untimed,
+        the drafter's lookup store is rebuilt without the outputs of ``rows`` (``hfspec.bench.stores``).
         """
+        hfspec = contender.kind == "hfspec"
         parts = [[row] for row in rows] if serial else [list(rows)]
         tokens: list[list[int]] = []
         seconds, stats = 0.0, None
         draft_model = self.specs[contender.drafter].draft
         with counting(self.target, draft_model) as (on_target, on_draft), torch.inference_mode():
             for i, part in enumerate(parts):
+                if hfspec:
+                    self.stores.prepare(contender.drafter, rows)
                 (new, stats), took = timed(partial(self._generate, contender, part, mode, seed + i), self.device)
                 tokens += new
                 seconds += took
+        if hfspec:
+            self.stores.record(contender.drafter, rows, tokens)
         return Run(tokens, seconds, on_target.calls, on_draft.calls, None if serial else stats)
 
     def _generate(self, contender: Contender, rows: Sequence[Sequence[int]], mode: Mode,

@@ -70,7 +70,11 @@ def field_of(bench: Bench, settings: Settings, gammas: Sequence[int]) -> tuple[l
 
 def run_field(bench: Bench, field: Sequence[Contender], encoded: Sequence[Sequence[int]], mode: Mode,
               settings: Settings, seed: int) -> dict[str, list[Run]]:
-    """Warm-up passes, then every prompt with every contender in turn (A B C A B C …); the runs by contender."""
+    """Warm-up passes, then every prompt with every contender in turn (A B C A B C …); the runs by contender.
+
+    The lookup stores start the mode empty and only ever hold outputs of other prompts (``hfspec.bench.stores``).
+    """
+    bench.stores.forget()
     progress = {"disable": not settings.progress, "file": sys.stderr}
     for i in tqdm(range(settings.warmup), desc=f"warm-up ({mode.name})", **progress):
         for c in field:
@@ -113,7 +117,12 @@ def measured_alpha(rows: dict[str, dict[str, Any]]) -> float | None:
 
 def run_batch(bench: Bench, rows: Sequence[Sequence[int]], mode: Mode, settings: Settings,
               seed: int) -> dict[str, Any]:
-    """hfspec on a whole batch vs hfspec one prompt at a time vs the target's batched ``generate()``."""
+    """hfspec on a whole batch vs hfspec one prompt at a time vs the target's batched ``generate()``.
+
+    Rows repeat when the batch is larger than the prompts. Every call starts with a lookup store
+    free of the batch's own outputs, but with ``--draft ngram`` a row that finishes within a batched
+    call enters the store at once, where a repeat of it still running may find it.
+    """
     hfspec = Contender("hfspec-auto", "hfspec", None, "auto")
     field: dict[str, tuple[Contender, bool]] = {
         "plain_batched": (Contender("plain", "plain", None, "-"), False),
