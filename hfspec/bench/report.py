@@ -131,10 +131,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     left.set_xticks(sorted({s["gamma"] for mode in result["modes"].values() for s in mode["sweep"]}))
     left.axhline(1.0, color="grey", linewidth=0.8)
     left.set(xlabel="γ (drafts per step)", ylabel="speed-up vs target generate()", title="Speed-up vs γ")
-    left.legend(fontsize=7)
     right.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02),
               title="Acceptance by draft position")
-    right.legend(fontsize=7)
+    for ax in (left, right):
+        if ax.get_legend_handles_labels()[0]:  # a panel left empty by --skip gets no legend (and no warning)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
