@@ -9,6 +9,10 @@ import torch
 
 from hfspec import bench
 from hfspec.bench import Bench, Contender, Mode, Run, Settings
+from hfspec.drafters import make_drafter
+from hfspec.drafters.hybrid import HybridDrafter, with_ngram
+from hfspec.drafters.ngram import NgramDrafter
+from hfspec.errors import HfspecError
 from hfspec.policy import alpha_from_tokens_per_pass
 from hfspec.stats import RowStats, Stats
 
@@ -234,3 +238,85 @@ def test_bench_subcommand_is_registered():
     assert args.func is bench.run and args.gammas == (1, 3) and args.json == "-"
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--gammas", "0,2"])
+
+
+def test_skipping_hfspec_auto_on_a_recurrent_target_reports_the_rollback(model_dir):
+    target, tok = tiny.load(model_dir("falcon_h1", vocab_size=64, seed=0))
+    draft, _ = tiny.load(model_dir("llama", vocab_size=64, seed=1))
+    prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}]
+    result = bench.run_bench(Bench(target, draft, tok, max_new_tokens=4, gamma=2), prompts,
+                             _tiny_settings(batch_size=0, gammas=(2,), skip=("hfspec-auto",)))
+    assert "hfspec-auto" not in result["modes"]["greedy"]["contenders"]
+    # The rollback rows use the fixed-γ contender's α when hfspec-auto did not run.
+    alpha = result["modes"]["greedy"]["contenders"]["hfspec"]["alpha"]
+    assert result["rollback"]["2"]["modes"]["greedy"]["alpha"] == alpha
+
+
+def test_plot_without_an_assisted_contender(tiny_pair, tmp_path):
+    target, draft, tok = tiny_pair("llama", sharpness=4.0)
+    prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}]
+    result = bench.run_bench(Bench(target, draft, tok, max_new_tokens=4, gamma=2), prompts,
+                             _tiny_settings(batch_size=0, skip=("assisted", "assisted-default")))
+    assert "assisted" not in result["modes"]["greedy"]["contenders"]
+    png = tmp_path / "no-assisted.png"
+    bench.plot(result, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+
+def test_drafters_are_built_once_each_from_the_main_draft(tiny_pair):
+    target, draft, _ = tiny_pair("llama", sharpness=4.0)
+    built = bench.load_drafters(["useless", "hybrid", "ngram"], target, draft, seed=3)
+    useless = built["useless"]
+    assert type(useless) is type(draft) and useless.config.to_dict() == draft.config.to_dict()
+    assert not torch.equal(useless.get_output_embeddings().weight, draft.get_output_embeddings().weight)
+    assert isinstance(built["hybrid"], HybridDrafter) and built["hybrid"].model is draft
+    assert isinstance(built["ngram"], NgramDrafter)
+    with pytest.raises(HfspecError, match="needs a draft model"):
+        bench.useless_copy(built["ngram"], 0)
+
+
+class _Spy(Bench):
+    """Notes, at every hfspec call, the outputs in the drafter's lookup store and then the call's own outputs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, str, tuple[int, ...], list[tuple[int, ...]], tuple[int, ...]]] = []
+
+    def _generate(self, contender, rows, mode, seed):
+        drafter = self.specs[contender.drafter].drafter
+        lookup = drafter.ngram if isinstance(drafter, HybridDrafter) else drafter
+        held = [tuple(o) for o in lookup.history.outputs] if isinstance(lookup, NgramDrafter) else []
+        tokens, stats = super()._generate(contender, rows, mode, seed)
+        if contender.kind == "hfspec" and isinstance(lookup, NgramDrafter):
+            for row, out in zip(rows, tokens):
+                self.calls.append((contender.drafter, mode.name, tuple(row), held, tuple(out)))
+        return tokens, stats
+
+
+def test_no_measured_prompt_finds_its_own_output_in_a_lookup_store(tiny_pair):
+    target, draft, tok = tiny_pair("llama", sharpness=4.0)
+    drafters = {"ngram": NgramDrafter(), "hybrid": with_ngram(make_drafter(draft))}
+    prompts = [{"id": str(i), "kind": "-", "prompt": p}
+               for i, p in enumerate(["w10 w11 w12", "w20 w21", "w30 w31 w32 w33"])]
+    spy = _Spy(target, draft, tok, max_new_tokens=8, gamma=2, drafters=drafters)
+    others = ("assisted", "assisted-default", "prompt-lookup", "hfspec", "hfspec-heuristic", "hfspec-cost")
+    bench.run_bench(spy, prompts, _tiny_settings(gammas=(2,), batch_size=0, warmup=2, modes=(GREEDY, SAMPLE),
+                                                 skip=others))
+    answers: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+    for _, _, prompt, _, out in spy.calls:  # every output of a prompt, in any mode, warm-up included
+        answers.setdefault(prompt, set()).add(out)
+    assert {d for d, *_ in spy.calls} == {"ngram", "hybrid"}
+    greedy = {prompt: out for d, m, prompt, _, out in spy.calls if d == "ngram" and m == "greedy"}
+    assert len(set(greedy.values())) == len(prompts), "the prompts must have distinct answers for this test"
+    for drafter, mode, prompt, held, _ in spy.calls:
+        leaked = answers[prompt].intersection(held)
+        assert not leaked, f"{drafter} ({mode}) started a prompt with its own output in the store"
+    # The stores are not simply empty: later prompts draft from other prompts' outputs.
+    assert any(held for *_, held, _ in spy.calls)
+    # Exactly: the outputs of the drafter's earlier calls in this mode (warm-up included), oldest first, of the
+    # other prompts (the store drops outputs too short to hold an n-gram with a continuation).
+    for k, (drafter, mode, prompt, held, _) in enumerate(spy.calls):
+        expected = [out for d, m, p, _, out in spy.calls[:k]
+                    if (d, m) == (drafter, mode) and p != prompt and len(out) > NgramDrafter().min_match]
+        assert held == expected, (k, drafter, mode)

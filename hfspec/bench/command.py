@@ -1,0 +1,267 @@
+"""``hfspec bench`` on the command line: its options, loading the pair and the drafters, and the outputs."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from hfspec.bench.field import HYBRID, MAIN, USELESS, Mode, Settings, load_prompts
+from hfspec.bench.measure import Bench
+from hfspec.bench.report import format_table, plot
+from hfspec.bench.runner import run_bench
+from hfspec.drafters import make_drafter
+from hfspec.drafters.hybrid import with_ngram
+from hfspec.errors import HfspecError
+from hfspec.loading import load_draft, load_pair, load_preset
+from hfspec.timing import cpu_model
+
+DESCRIPTION = """\
+Measure one target with its draft (and other drafters) in one process. Contenders, interleaved per prompt:
+  plain             the target's own generate()
+  assisted          transformers assisted generation, γ drafts per step, constant schedule
+  assisted-default  transformers assisted generation with its defaults (what users get)
+  prompt-lookup     transformers prompt lookup (prompt_lookup_num_tokens), with --drafters ngram
+  hfspec-auto       hfspec with its default settings (gamma="auto")
+  hfspec            hfspec, fixed γ
+  hfspec-heuristic  hfspec, γ +2 after a fully accepted step, -1 otherwise
+  hfspec-cost       hfspec, γ chosen by the cost model from the bench's measured c and v(γ)
+  auto:NAME         hfspec's defaults with another drafter (--drafters): 'useless' (random weights of the
+                    draft's own shape: the control), 'ngram', 'hybrid' (the draft plus n-gram lookup), or a
+                    path (an EAGLE-3 head or another draft model); assisted-default:useless for transformers
+Reported per contender and sampling mode: tokens/s (median and quartiles over
+prompts), speed-up vs plain, vs assisted at the same γ and vs assisted-default
+(medians of per-prompt ratios), acceptance (acc: drafts accepted ÷ drafted; α: the
+per-token rate of the cost model, fitted to tokens per target pass), tokens per
+target pass, γ per step, the predicted speed-up (1-α^(γ+1))/((1-α)(γc+1)), the same
+with v(γ) for the 1, and efficiency (measured ÷ predicted with v). For every hfspec
+contender with gamma="auto": the costs it measured and the γ it chose, step by step
+(a histogram). At greedy, every contender's tokens are checked against plain's.
+Then a fixed-γ sweep (--gammas) and a batch row (--batch-size). The machine (CPU
+model name, torch threads) is printed and saved with every result.
+
+Lookup stores: an 'ngram' or 'hybrid' drafter (or --draft ngram) also drafts from a
+store of earlier outputs. Before every call the bench rebuilds that store to hold
+exactly the outputs of the drafter's earlier calls in the same mode (warm-up calls
+included), oldest first, of every prompt other than the ones being generated: a
+prompt never finds its own answer there (not its warm-up output, nor its greedy
+output in the sample mode), and finds those of the prompts before it.
+"""
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("γ values must be integers >= 1")
+    return values
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if len(set(names)) != len(names) or MAIN in names:
+        raise argparse.ArgumentTypeError(f"drafter names must be distinct and not {MAIN!r}, got {text!r}")
+    return names
+
+
+def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``bench`` options to ``parser``."""
+    _pair_options(parser.add_argument_group("the pair"))
+    _workload_options(parser.add_argument_group("the workload"))
+    _output_options(parser.add_argument_group("timing"), parser.add_argument_group("output"))
+    return parser
+
+
+def _pair_options(pair: argparse._ArgumentGroup) -> None:
+    pair.add_argument("--target", default="offline",
+                      help="target model: a directory, a hub name, or 'offline' for the SmolLM2-135M-Instruct "
+                           "built by hfspec.assets (default: offline)")
+    pair.add_argument("--draft", default="shipped",
+                      help="draft model: a directory, a hub name, or 'shipped' for the draft committed in the "
+                           "package (default: shipped; 'shipped-eagle3' is the EAGLE-3 head committed beside it, "
+                           "which --drafters takes too)")
+    pair.add_argument("--drafters", type=_name_list, default=(), metavar="LIST",
+                      help="more drafters as contenders, each with hfspec's default settings, comma-separated: "
+                           "'useless' (random weights of the draft's own shape: the control), 'ngram' (model-free "
+                           "lookup; adds transformers' prompt lookup as a baseline), 'hybrid' (the draft plus n-gram "
+                           "lookup; for what their store of earlier outputs holds, see 'Lookup stores' above), or a "
+                           "directory (an EAGLE-3 head or another draft model)")
+    pair.add_argument("--config", metavar="NAME",
+                      help="a pair preset (a name from hfspec/configs or a JSON path): sets the target and the "
+                           "draft, and the dtype and γ unless --dtype/--gamma are given")
+    pair.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                      help="weights dtype for both models (default: the preset's with --config, else float32)")
+    pair.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+
+
+def _workload_options(work: argparse._ArgumentGroup) -> None:
+    work.add_argument("--prompts-file", type=Path, default=None,
+                      help="prompts: JSONL with a \"prompt\" field, or plain text with one prompt per line "
+                           "(default: the package's prompts/bench.jsonl); prompts go through the target's "
+                           "chat template when it has one")
+    work.add_argument("--num-prompts", type=int, default=12, help="use the first N prompts (default: 12)")
+    work.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default: 64)")
+    work.add_argument("--gamma", type=int, default=None,
+                      help="γ, drafts per step, for hfspec fixed and transformers assisted "
+                           "(default: the preset's with --config, else 4)")
+    work.add_argument("--gammas", type=_int_list, default=(1, 2, 3, 4, 6, 8),
+                      help="γ values of the hfspec fixed-γ sweep, comma-separated (default: 1,2,3,4,6,8)")
+    work.add_argument("--modes", default="greedy,sample",
+                      help="which of 'greedy' and 'sample' to run, comma-separated (default: both)")
+    work.add_argument("--temperature", type=float, default=0.7, help="temperature of the sample mode (default: 0.7)")
+    work.add_argument("--top-p", type=float, default=0.95, help="top-p of the sample mode (default: 0.95)")
+    work.add_argument("--top-k", type=int, default=0,
+                      help="top-k of the sample mode; 0 turns it off for every contender (default: 0)")
+    work.add_argument("--seed", type=int, default=0, help="base seed of the sample mode (default: 0)")
+    work.add_argument("--skip", type=_name_list, default=(), metavar="LIST",
+                      help="contenders of the main field to leave out, comma-separated (e.g. "
+                           "hfspec-heuristic,hfspec-cost); plain always runs")
+    work.add_argument("--lookup-tokens", type=int, default=10,
+                      help="prompt_lookup_num_tokens of transformers' prompt-lookup contender (default: 10)")
+    work.add_argument("--batch-size", type=int, default=8,
+                      help="prompts in the batch row (hfspec batched vs one at a time vs plain batched); "
+                           "0 skips it (default: 8)")
+    work.add_argument("--batch-repeats", type=int, default=2, help="measured repeats of the batch row (default: 2)")
+
+
+def _output_options(timing: argparse._ArgumentGroup, out: argparse._ArgumentGroup) -> None:
+    timing.add_argument("--warmup", type=int, default=2,
+                        help="warm-up passes over every contender before measuring, per mode (default: 2)")
+    timing.add_argument("--cost-repeats", type=int, default=20,
+                        help="timed forwards per measurement of c and v(γ) (default: 20)")
+    timing.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    out.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                     help="write the results as JSON to PATH, or to stdout with a bare --json "
+                          "(the table then goes to stderr)")
+    out.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                     help="write a PNG: speed-up vs γ and acceptance by draft position")
+    out.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``hfspec bench`` on the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "bench", help="measure hfspec against generate() and transformers assisted generation",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    configure(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def apply_preset(args: argparse.Namespace) -> None:
+    """Fill --target, --draft, --dtype and --gamma from --config, unless given on the command line."""
+    if not args.config:
+        return
+    preset = load_preset(args.config)
+    args.target, args.draft = preset.target, preset.draft
+    if args.dtype is None and preset.dtype != "auto":
+        args.dtype = preset.dtype
+    if args.gamma is None:
+        args.gamma = preset.gamma
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(target, draft, tokenizer) through hfspec.loading, which also resolves 'offline' and 'shipped'."""
+    dtype = getattr(torch, args.dtype or "float32")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return load_pair(args.target, args.draft, dtype=dtype, device=device)
+
+
+def load_drafters(names: Sequence[str], target: Any, draft: Any, seed: int = 0) -> dict[str, Any]:
+    """The --drafters, by name: the useless control and the hybrid are built from the main ``draft``."""
+    out: dict[str, Any] = {}
+    for name in names:
+        if name == USELESS:
+            out[name] = useless_copy(draft, seed)
+        elif name == HYBRID:
+            out[name] = with_ngram(make_drafter(draft, target=target))
+        else:  # "ngram", "shipped-eagle3" or a directory: whatever hfspec.loading makes of it
+            device = target.get_output_embeddings().weight.device
+            out[name] = load_draft(name, target, dtype=target.dtype, device=device)
+    return out
+
+
+def useless_copy(draft: Any, seed: int) -> PreTrainedModel:
+    """A draft of ``draft``'s own architecture and size with random weights: it costs the same and helps nothing."""
+    if not isinstance(draft, PreTrainedModel):
+        raise HfspecError(f"the {USELESS!r} control needs a draft model (it copies the draft's shape); "
+                          f"--draft is a {type(draft).__name__}: leave {USELESS!r} out of --drafters")
+    torch.manual_seed(seed + 12345)
+    model = AutoModelForCausalLM.from_config(draft.config).to(dtype=draft.dtype, device=draft.device)
+    model.generation_config = copy.deepcopy(draft.generation_config)
+    return model.eval()
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    modes = []
+    for name in (m.strip() for m in args.modes.split(",") if m.strip()):
+        if name == "greedy":
+            modes.append(Mode("greedy", False))
+        elif name == "sample":
+            modes.append(Mode("sample", True, args.temperature, args.top_p, args.top_k))
+        else:
+            raise SystemExit(f"unknown mode {name!r}; use greedy, sample or greedy,sample")
+    if args.gamma < 1 or args.max_new_tokens < 2 or args.num_prompts < 1:
+        raise SystemExit("--gamma must be >= 1, --max-new-tokens >= 2 and --num-prompts >= 1")
+    return Settings(gamma=args.gamma, gammas=tuple(args.gammas), modes=tuple(modes), warmup=args.warmup,
+                    batch_size=args.batch_size, batch_repeats=max(1, args.batch_repeats),
+                    cost_repeats=max(1, args.cost_repeats), progress=not args.no_progress,
+                    lookup_tokens=args.lookup_tokens, skip=tuple(args.skip))
+
+
+def environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
+    """The machine and the software, saved with every result: only ratios measured side by side compare."""
+    return {"command": " ".join(sys.argv), "cpu": cpu_model(), "threads": torch.get_num_threads(),
+            "device": str(bench.device), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "dtype": str(bench.target.dtype).replace("torch.", ""),
+            "target": str(args.target), "draft": str(args.draft), "drafters": list(getattr(args, "drafters", ())),
+            "max_new_tokens": args.max_new_tokens, "gamma": args.gamma}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``hfspec bench``; returns the exit status."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    apply_preset(args)
+    if args.gamma is None:
+        args.gamma = 4
+    settings = settings_from(args)
+    prompts = load_prompts(args.prompts_file)[: args.num_prompts]
+    target, draft, tokenizer = load(args)
+    bench = Bench(target, draft, tokenizer, max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed,
+                  drafters=load_drafters(args.drafters, target, draft, args.seed))
+    result = {"environment": environment(args, bench), **run_bench(bench, prompts, settings),
+              "prompts": [p["id"] for p in prompts]}
+    write_outputs(result, args.json, args.plot)
+    return 0
+
+
+def write_outputs(result: dict[str, Any], json_path: str | None, plot_path: Path | None) -> None:
+    table = format_table(result)
+    if json_path == "-":
+        print(table, file=sys.stderr)
+        json.dump(result, sys.stdout, indent=2)
+        print()
+        return
+    print(table)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if plot_path:
+        plot(result, Path(plot_path))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = configure(argparse.ArgumentParser(prog="hfspec bench", description=DESCRIPTION,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter))
+    return run(parser.parse_args(argv))
+
