@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hfspec.costs import cpu_model, forward_seconds, sync
+from hfspec.costs import forward_seconds, rollback_cost
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
@@ -41,8 +41,9 @@ from hfspec.loading import load_draft, load_pair, load_preset
 from hfspec.policy import (
     CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, alpha_from_tokens_per_pass, predicted_speedup,
 )
-from hfspec.recurrent import is_recurrent, rollback_cost
+from hfspec.recurrent import is_recurrent
 from hfspec.stats import Stats
+from hfspec.timing import cpu_model, sync
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,9 +43,9 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from hfspec.cache import KVState
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
-from hfspec.costs import sync
 from hfspec.errors import HfspecError
 from hfspec.models import decoder_layers, model_vocab_size
+from hfspec.timing import timed
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3Head", "head_kind", "is_eagle3_dir", "load_head", "save_head"]
 
@@ -704,16 +703,17 @@ class Eagle3Drafter(Drafter):
         hidden = torch.zeros(1, n, self.head.config.hidden_size, dtype=self.head.fc.weight.dtype, device=dev)
         self.head.step(self._embed(ids), hidden, torch.arange(n, device=dev)[None], kv, torch.ones_like(ids))
         start, times = kv.length, []
-        for i in range(repeats + 1):
-            sync(dev)
-            t0 = time.perf_counter()
+
+        def step() -> torch.Tensor:
             h = self.head.step(self._embed(ids[:, -1:]), hidden[:, :1], torch.tensor([[n]], device=dev), kv,
                                torch.ones(1, 1, dtype=torch.long, device=dev))
-            self.head.logits(h)
-            sync(dev)
+            return self.head.logits(h)
+
+        for i in range(repeats + 1):
+            _, seconds = timed(step, dev)
             if i:  # the first call warms up allocators and kernels
-                times.append(time.perf_counter() - t0)
-            kv.rollback(torch.zeros(1, dtype=torch.long, device=dev), start)
+                times.append(seconds)
+            kv.rollback(torch.zeros(1, dtype=torch.long, device=dev), start)  # not timed: the next step starts clean
         return statistics.median(times)
 
     def describe(self) -> dict[str, Any]:
