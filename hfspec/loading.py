@@ -24,7 +24,11 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec.drafters import NGRAM, Drafter
+from hfspec.drafters.eagle3 import Eagle3Drafter
+from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError
+from hfspec.heads.checkpoint import load_head
+from hfspec.heads.files import is_eagle3_dir
 from hfspec.models import load_model, same_tokenizer
 
 __all__ = ["Preset", "load_draft", "load_pair", "load_preset", "parse_dtype", "preset_names", "resolve_model"]
@@ -162,15 +166,11 @@ def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.
     otherwise; it never goes through ``AutoModelForCausalLM``. ``"ngram"`` is model-free
     lookup (a directory of that name is ``./ngram``).
     """
-    from hfspec.drafters import eagle3
-
     if draft_path == NGRAM:
-        from hfspec.drafters.ngram import NgramDrafter
-
         return NgramDrafter()
-    if eagle3.is_eagle3_dir(draft_path):
-        head = eagle3.load_head(draft_path, dtype=target_model.dtype if dtype == "auto" else dtype, device=device)
-        return eagle3.Eagle3Drafter(head, target_model)
+    if is_eagle3_dir(draft_path):
+        head = load_head(draft_path, dtype=target_model.dtype if dtype == "auto" else dtype, device=device)
+        return Eagle3Drafter(head, target_model)
     model = load_model(draft_path, "draft", dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device)
 

@@ -18,7 +18,7 @@ from hfspec import SpeculativeGenerator, cli
 from hfspec import distill as distill_mod
 from hfspec import distill_eagle3 as de
 from hfspec.distill_eagle3 import Eagle3Report, distill_eagle3, draft_vocabulary, parse_layer_ids
-from hfspec.drafters.eagle3 import load_head
+from hfspec.heads.checkpoint import load_head
 from hfspec.models import hidden_features
 
 SMALL = dict(draft_vocab=100, unroll=3, tokens=600, eval_tokens=150, seq_len=12, gen_batch=8, top_k=8, batch=8,

@@ -155,7 +155,8 @@ def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
 
     from transformers import PreTrainedModel
 
-    from hfspec.drafters.eagle3 import Eagle3Drafter, Eagle3Head
+    from hfspec.drafters.eagle3 import Eagle3Drafter
+    from hfspec.heads.eagle3 import Eagle3Head
     from hfspec.drafters.hybrid import with_ngram
     from hfspec.drafters.model import ModelDrafter
     from hfspec.drafters.ngram import NgramDrafter
