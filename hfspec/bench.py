@@ -34,10 +34,12 @@ from typing import Any
 import torch
 
 from hfspec.costs import forward_seconds, rollback_cost
+from hfspec.drafters.hybrid import HybridDrafter
+from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
-from hfspec.loading import load_draft, load_pair, load_preset
+from hfspec.loading import load_draft, load_pair, load_preset, make_drafter
 from hfspec.policy import (
     CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, alpha_from_tokens_per_pass, predicted_speedup,
 )
@@ -817,16 +819,11 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 def load_drafters(names: Sequence[str], target: Any, draft: Any) -> dict[str, Any]:
     """The --drafters: names to drafters (``useless`` is built by ``Bench`` from the draft itself)."""
-    from hfspec.drafters import make_drafter
-
     out: dict[str, Any] = {}
     for name in names:
         if name == USELESS:
             out[name] = None
         elif name == "hybrid":
-            from hfspec.drafters.hybrid import HybridDrafter
-            from hfspec.drafters.ngram import NgramDrafter
-
             out[name] = HybridDrafter(make_drafter(draft), NgramDrafter())
         else:
             device = target.get_output_embeddings().weight.device
