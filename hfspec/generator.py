@@ -94,8 +94,8 @@ class SpeculativeGenerator:
 
     @property
     def draft(self) -> PreTrainedModel | None:
-        """The draft model, for drafters that have one."""
-        return getattr(self.drafter, "model", None)
+        """The draft model, for drafters that have one (``Drafter.model``)."""
+        return self.drafter.model
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str, *, ngram: bool = False, **kwargs: Any) -> SpeculativeGenerator:

@@ -331,6 +331,10 @@ def test_hybrid_with_ngram_lookup_equals_target_greedy(target64, trained64):
         assert rows_of(out) == want, f"γ={gamma}"
     described = gen.drafter.describe()
     assert described["kind"] == "hybrid" and described["main"]["kind"] == "eagle3"
+    # A head is no draft model of its own: nothing for the generator to check as a draft; a step reads the head.
+    head_parameters = sum(p.numel() for p in trained64.parameters())
+    assert gen.draft is None and gen.drafter.main.model is None
+    assert gen.drafter.parameters == gen.drafter.main.parameters == described["parameters"] == head_parameters
 
 
 def test_heads_in_the_distribution_tests_really_disagree_with_the_target(target9, trained9):

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # stop(i, confidence): after i drafts, with (B,) the drafter's probability of each row's
 # last draft, True ends the step's drafting early.
@@ -101,8 +104,11 @@ class Drafter:
     feature_layers: tuple[int, ...] = ()
     # Logit rows the drafter can produce (padded embeddings included); None when it has no vocabulary.
     vocab_size: int | None = None
-    # A short name for stats and errors.
+    # A short name for stats and errors; the loop and the command line never branch on it.
     kind: str = "drafter"
+    # The draft model this drafter runs as its own, whose cache and state the generator checks; None
+    # for lookup and for an EAGLE-3 head (a head is no causal LM: it drafts from the target's features).
+    model: PreTrainedModel | None = None
 
     def start(self, batch: int, device: torch.device) -> None:
         """A new generation of ``batch`` rows begins: forget per-row state."""
@@ -130,6 +136,12 @@ class Drafter:
     def step_seconds(self, context: list[int], device: torch.device) -> float:
         """Seconds of one drafting step after ``context`` (measured here), for the cost model."""
         return 0.0
+
+    @property
+    def parameters(self) -> int | None:
+        """Parameters one drafting step reads: decoding is memory-bound, so this ÷ the target's is a first
+        guess at the cost ratio c. 0 for a drafter that runs no model; None when the drafter cannot tell."""
+        return None
 
     @property
     def recurrent(self) -> bool:

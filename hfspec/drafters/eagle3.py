@@ -225,7 +225,11 @@ class Eagle3Drafter(Drafter):
             kv.rollback(torch.zeros(1, dtype=torch.long, device=dev), start)  # not timed: the next step starts clean
         return statistics.median(times)
 
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.head.parameters())
+
     def describe(self) -> dict[str, Any]:
         c = self.head.config
         return {"kind": self.kind, "feature_layers": list(self.feature_layers), "draft_vocab": c.draft_vocab_size,
-                "parameters": sum(p.numel() for p in self.head.parameters())}
+                "parameters": self.parameters}

@@ -100,6 +100,9 @@ class ModelDrafter(Drafter):
         """Median seconds of one cached single-token forward after ``context``."""
         return forward_seconds(self.model, context, (1,), repeats, device, all_logits=False)[1]
 
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
     def describe(self) -> dict:
-        return {"kind": self.kind, "model": type(self.model).__name__,
-                "parameters": sum(p.numel() for p in self.model.parameters())}
+        return {"kind": self.kind, "model": type(self.model).__name__, "parameters": self.parameters}
