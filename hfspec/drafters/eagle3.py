@@ -4,6 +4,8 @@ The head (Li et al., arXiv 2503.01840) reads target features that the loop hands
 in ``observe`` from target forwards it runs anyway, so a drafting step costs one head
 layer and its small vocabulary, not a draft model. This module only runs a head: its
 modules live in ``hfspec.heads.eagle3`` and its checkpoints in ``hfspec.heads.checkpoint``.
+The head's cached forward (``cached_step``) is here, because the cache is the drafter's
+state: the head's modules take keys and values from whoever calls them.
 
 Exactness: draft logits go into a full-vocabulary row whose other entries are
 -1e30, so after the float32 softmax q is exactly 0 outside the draft vocabulary and
@@ -34,11 +36,30 @@ from hfspec.heads.eagle3 import Eagle3Head, default_layer_ids
 from hfspec.models import decoder_layers, model_vocab_size
 from hfspec.timing import timed
 
-__all__ = ["Eagle3Drafter"]
+__all__ = ["Eagle3Drafter", "cached_step"]
 
 # Logit of ids outside the draft vocabulary: finite, and so is a row's sum (the loop refuses
 # inf in raw logits), yet exp(OUTSIDE - max) underflows to exactly 0 in float32: q is 0 there.
 OUTSIDE = -1e30
+
+
+def cached_step(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                kv: KVState, valid: torch.Tensor) -> torch.Tensor:
+    """One head forward over k new columns (B, k) appended to ``kv``; returns their pre-norm outputs (B, k, H).
+
+    ``valid`` (B, k): columns that are not holes. A column sees the cache's valid
+    entries and the valid new columns up to itself, and always itself (so a hole
+    stays finite).
+    """
+    cos, sin = head.rope(hidden, positions)
+    q, k, v = head.layer.qkv(embeds, hidden, cos, sin)
+    old = kv.length
+    mask = kv.extend_mask(valid).bool()  # (B, S)
+    keys, values = kv.append(k, v)
+    cols = torch.arange(mask.shape[1], device=mask.device)
+    rows = old + torch.arange(k.shape[2], device=mask.device)
+    allowed = (mask[:, None, :] & (cols[None, :] <= rows[:, None])) | (cols[None, :] == rows[:, None])
+    return head.layer.finish(hidden, q, keys, values, allowed[:, None])  # allowed (B, 1, k, S)
 
 
 class Eagle3Drafter(Drafter):
@@ -159,7 +180,7 @@ class Eagle3Drafter(Drafter):
         embeds = self._embed(tokens)
         drafts, qs = [], []
         for i in range(gamma):
-            h = self.head.step(embeds, hidden, positions, self.kv, valid.long())[:, -1:]  # (B, 1, H)
+            h = cached_step(self.head, embeds, hidden, positions, self.kv, valid.long())[:, -1:]  # (B, 1, H)
             if i == 0:  # the context is fed: from here on, entries are built from the head's own outputs
                 self.fed = (ctx.lengths.to(self.device) - 1).clamp(min=0)
                 self.pending = torch.zeros_like(self.pending)
@@ -210,12 +231,12 @@ class Eagle3Drafter(Drafter):
         n = ids.shape[1]
         kv = KVState(1, dev)
         hidden = torch.zeros(1, n, self.head.config.hidden_size, dtype=self.head.fc.weight.dtype, device=dev)
-        self.head.step(self._embed(ids), hidden, torch.arange(n, device=dev)[None], kv, torch.ones_like(ids))
+        cached_step(self.head, self._embed(ids), hidden, torch.arange(n, device=dev)[None], kv, torch.ones_like(ids))
         start, times = kv.length, []
 
         def step() -> torch.Tensor:
-            h = self.head.step(self._embed(ids[:, -1:]), hidden[:, :1], torch.tensor([[n]], device=dev), kv,
-                               torch.ones(1, 1, dtype=torch.long, device=dev))
+            h = cached_step(self.head, self._embed(ids[:, -1:]), hidden[:, :1], torch.tensor([[n]], device=dev), kv,
+                            torch.ones(1, 1, dtype=torch.long, device=dev))
             return self.head.logits(h)
 
         for i in range(repeats + 1):

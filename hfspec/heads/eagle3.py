@@ -8,9 +8,11 @@ output predicts the token at j + 2. Later draft steps read the head's own pre-no
 output instead of target features, one position further each. Logits cover a draft
 vocabulary that ``d2t`` maps to target ids (target id = draft id + d2t[draft id]).
 
-The modules are shared by the drafter (``hfspec.drafters.eagle3``), which runs one
-cached ``step`` at a time, and by training, which unrolls draft steps with ``unroll``;
-reading and writing checkpoints is ``hfspec.heads.checkpoint``'s job.
+The modules are shared by the drafter (``hfspec.drafters.eagle3``), which runs them
+one cached step at a time over a cache of its own, and by training, which unrolls
+draft steps with ``unroll``; reading and writing checkpoints is
+``hfspec.heads.checkpoint``'s job. They know no cache, so this module imports nothing
+of hfspec and sits on the ground floor, with the checkpoint code just above it.
 """
 from __future__ import annotations
 
@@ -21,8 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
-
-from hfspec.cache import KVState
 
 __all__ = ["Eagle3Attention", "Eagle3Config", "Eagle3Head", "Eagle3Layer", "default_layer_ids"]
 
@@ -131,9 +131,9 @@ class Eagle3Head(nn.Module):
 
     The pieces are public so that training code can unroll draft steps itself:
     ``fuse`` (target features -> hidden), ``rope``, ``layer.qkv``/``layer.finish``
-    (with explicit keys and values), ``logits``; ``step`` runs one cached forward and
-    ``unroll`` the training-time test. ``embed_tokens`` is None when the head uses the
-    target's embedding (the usual case).
+    (with explicit keys and values), ``logits``; ``unroll`` runs the training-time test.
+    The drafter runs the same pieces over its own cache (``hfspec.drafters.eagle3.cached_step``).
+    ``embed_tokens`` is None when the head uses the target's embedding (the usual case).
     """
 
     def __init__(self, config: Eagle3Config, own_embedding: bool = False):
@@ -166,24 +166,6 @@ class Eagle3Head(nn.Module):
     def target_ids(self) -> torch.Tensor:
         """(Vd,) the target id of each draft id."""
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-
-    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kv: KVState,
-             valid: torch.Tensor) -> torch.Tensor:
-        """One forward over k new columns (B, k) appended to ``kv``; returns their pre-norm outputs (B, k, H).
-
-        ``valid`` (B, k): columns that are not holes. A column sees the cache's valid
-        entries and the valid new columns up to itself, and always itself (so a hole
-        stays finite).
-        """
-        cos, sin = self.rope(hidden, positions)
-        q, k, v = self.layer.qkv(embeds, hidden, cos, sin)
-        old = kv.length
-        mask = kv.extend_mask(valid).bool()  # (B, S)
-        keys, values = kv.append(k, v)
-        cols = torch.arange(mask.shape[1], device=mask.device)
-        rows = old + torch.arange(k.shape[2], device=mask.device)
-        allowed = (mask[:, None, :] & (cols[None, :] <= rows[:, None])) | (cols[None, :] == rows[:, None])
-        return self.layer.finish(hidden, q, keys, values, allowed[:, None])  # allowed (B, 1, k, S)
 
     def unroll(self, fused: torch.Tensor, embeds: torch.Tensor, steps: int,
                valid: torch.Tensor | None = None) -> list[torch.Tensor]:
