@@ -325,10 +325,10 @@ def _policy(args: argparse.Namespace, preset: Preset, gen) -> int | GammaPolicy 
     if cost is None:
         # Decoding is memory-bound, so parameter counts are a fair first guess at the step cost ratio;
         # lookup without a draft model costs next to nothing.
-        parameters = gen.drafter.describe().get("parameters")
-        if parameters is None and gen.drafter.kind != "ngram":
+        parameters = gen.drafter.parameters
+        if parameters is None:
             raise HfspecError(f"cannot estimate the cost of a {gen.drafter.kind} drafter; pass --draft-cost")
-        cost = parameters / gen.target.num_parameters() if parameters is not None else 0.0
+        cost = parameters / gen.target.num_parameters()
     return CostModelGamma(cost=cost, maximum=max(8, start))
 
 

@@ -8,22 +8,24 @@ and 1.3× on another). So nothing here is a constant: the target's forward over 
 new tokens and one drafting step are timed where hfspec runs, after a filled cache,
 and every real step then refines the table with what it actually took, sampling and
 bookkeeping included.
+
+A recurrent cache (Mamba, hybrids) adds its own cost to a verification: a snapshot
+before it and a replay after a rejection (``hfspec.recurrent``). ``rollback_cost``
+prices that in the same unit, one single-token target forward, so that it can be read
+as a change of v(γ). Every time here is taken with ``hfspec.timing``.
 """
 from __future__ import annotations
 
-import platform
 import statistics
-import subprocess
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from hfspec.cache import KVState
 from hfspec.models import forward
+from hfspec.timing import Stopwatch, now, timed
 
 # Weight of a new observation in the running averages of real step times.
 _EMA = 0.2
@@ -49,39 +51,12 @@ def forward_seconds(model: Any, context: Sequence[int], sizes: Sequence[int], re
         feed = ids[:, -k:] if ids.shape[1] >= k else ids[:, :1].repeat(1, k)
         positions = torch.arange(start, start + k, device=device)[None]
         kv.snapshot()
-        sync(device)
-        t0 = time.perf_counter()
-        forward(model, feed, kv.extend_mask(torch.ones_like(feed)), positions, kv.cache,
-                logits_to_keep=0 if all_logits else 1)
-        sync(device)
+        _, seconds = timed(lambda: forward(model, feed, kv.extend_mask(torch.ones_like(feed)), positions, kv.cache,
+                                           logits_to_keep=0 if all_logits else 1), device)
         if measured:
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(seconds)
         kv.rollback(torch.zeros(1, dtype=torch.long, device=device), start, feed)
     return {k: statistics.median(t) for k, t in times.items()}
-
-
-def cpu_model() -> str:
-    """The CPU's model name as ``lscpu`` prints it (else /proc/cpuinfo's, else the platform's)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device, so that wall time measures its work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -148,7 +123,90 @@ class Costs:
 def measure(target: Any, drafter: Any, context: Sequence[int], max_gamma: int, device: torch.device,
             repeats: int = 3) -> Costs:
     """Time the target over 1..max_gamma+1 new tokens and one drafting step after ``context``."""
-    t0 = time.perf_counter()
-    verify = forward_seconds(target, context, range(1, max_gamma + 2), repeats, device)
-    draft = drafter.step_seconds(list(context), device)
-    return Costs(verify, draft, seconds_measuring=time.perf_counter() - t0)
+    with Stopwatch(device) as watch:
+        verify = forward_seconds(target, context, range(1, max_gamma + 2), repeats, device)
+        draft = drafter.step_seconds(list(context), device)
+    return Costs(verify, draft, seconds_measuring=watch.seconds)
+
+
+# -- what a recurrent rollback costs --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RollbackCost:
+    """What rolling a recurrent cache back adds to v(γ), in units of one single-token target forward.
+
+    ``verify`` is v(γ) (a forward over γ+1 new tokens ÷ one over 1 token, with a filled cache);
+    ``snapshot`` is paid before every verification; ``replay[k - 1]`` is the rollback after a
+    rejection that keeps k of the γ+1 columns (k = 1..γ; keeping all γ+1 costs nothing).
+    """
+
+    gamma: int
+    mechanism: str  # "adapter", "generic" or "crop" (attention only: nothing to replay)
+    step_seconds: float
+    verify: float
+    snapshot: float
+    replay: tuple[float, ...]
+
+    @property
+    def worst(self) -> float:
+        """v(γ) of a step that rejects its last draft: snapshot, verification and the longest replay."""
+        return self.verify + self.snapshot + max(self.replay, default=0.0)
+
+    def expected(self, alpha: float) -> float:
+        """Mean v(γ) with the rollback, when each draft is accepted with probability α (Leviathan et al.,
+        arXiv 2211.17192): k - 1 = n drafts accepted with probability α^n (1 - α) for n < γ."""
+        mean_replay = sum(alpha ** n * (1 - alpha) * r for n, r in enumerate(self.replay))
+        return self.verify + self.snapshot + mean_replay
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gamma": self.gamma, "mechanism": self.mechanism, "step_ms": 1e3 * self.step_seconds,
+                "v": self.verify, "snapshot": self.snapshot, "replay": list(self.replay), "v_worst": self.worst}
+
+
+@torch.inference_mode()
+def rollback_cost(model: Any, context: Sequence[int], gamma: int, repeats: int = 10,
+                  device: torch.device | None = None, adapter: bool = True) -> RollbackCost:
+    """Measure v(γ) of ``model`` after a cached ``context``, and what snapshot and rollback add.
+
+    Each trial fills a fresh cache with ``context`` (not timed), then times a snapshot, one
+    forward over the new tokens (all logits, as a verification) and a rollback; medians over
+    ``repeats`` trials after one warm-up. With the adapter, recording the mixers' inputs is part
+    of the verification's time; ``adapter=False`` times the generic path instead. Pass
+    ``expected(α)`` to ``hfspec.policy.predicted_speedup`` as v to see the change in the
+    speed-up. For a model that can only be a draft (Mamba-1), only snapshot and replay apply.
+    """
+    if gamma < 1:
+        raise ValueError(f"gamma must be at least 1, got {gamma}")
+    if not context:
+        raise ValueError("the context must hold at least one token")
+    device = device or model.device
+    ids = torch.tensor([list(context)], device=device)
+    block = ids[:, -1:].repeat(1, gamma + 1)  # (1, γ+1): the cost does not depend on which tokens
+
+    def trial(n: int, keep: int) -> tuple[float, float, float]:
+        kv = KVState(1, device, model, adapter=adapter)
+        forward(model, ids, kv.extend_mask(torch.ones_like(ids)), torch.arange(ids.shape[1], device=device)[None],
+                kv.cache, logits_to_keep=1)
+        start = kv.length
+        feed = block[:, :n]
+        t0 = now(device)
+        kv.snapshot()
+        t1 = now(device)
+        forward(model, feed, kv.extend_mask(torch.ones_like(feed)),
+                torch.arange(start, start + n, device=device)[None], kv.cache)
+        t2 = now(device)
+        kv.rollback(torch.tensor([keep], device=device), start, feed)
+        t3 = now(device)
+        return t1 - t0, t2 - t1, t3 - t2
+
+    def median(n: int, keep: int) -> tuple[float, ...]:
+        runs = [trial(n, keep) for _ in range(repeats + 1)][1:]  # the first warms up allocators and kernels
+        return tuple(statistics.median(r[j] for r in runs) for j in range(3))
+
+    step = median(1, 1)[1]
+    snap, full, _ = median(gamma + 1, gamma + 1)
+    replay = tuple(median(gamma + 1, k)[2] / step for k in range(1, gamma + 1))
+    state = KVState(1, device, model, adapter=adapter).recurrent
+    mechanism = state.mechanism if state is not None else "crop"
+    return RollbackCost(gamma, mechanism, step, full / step, snap / step, replay)

@@ -27,9 +27,10 @@ from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, Pre
 from hfspec import config as cfg
 from hfspec import costs, recurrent, sampling
 from hfspec.cache import KVState
-from hfspec.drafters import Drafter, Features, Proposal, make_drafter
+from hfspec.drafters import Drafter, Features, Proposal
 from hfspec.errors import NumericalFault
 from hfspec.inputs import prepare_inputs
+from hfspec.loading import load_pair, make_drafter
 from hfspec.models import check_causal_lm, forward, forward_features, shared_vocab_size
 from hfspec.costs import Costs
 from hfspec.policy import GammaPolicy, Step, Tuning, as_policy
@@ -93,15 +94,13 @@ class SpeculativeGenerator:
 
     @property
     def draft(self) -> PreTrainedModel | None:
-        """The draft model, for drafters that have one."""
-        return getattr(self.drafter, "model", None)
+        """The draft model, for drafters that have one (``Drafter.model``)."""
+        return self.drafter.model
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str, *, ngram: bool = False, **kwargs: Any) -> SpeculativeGenerator:
         """Load both models and the target's tokenizer by hub name or local path (see ``hfspec.loading``);
         ``draft="ngram"`` needs no model."""
-        from hfspec.loading import load_pair
-
         return cls(*load_pair(target, draft, **kwargs), ngram=ngram)
 
     @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""Loading a target/draft pair and its tokenizer, and reading pair presets.
+"""Loading a target/draft pair and its tokenizer, turning a draft into a drafter, and reading pair presets.
 
 A *preset* is one JSON file naming a target, a draft and the settings that suit
 them (γ, dtype, chat, sampling defaults). Presets ship in ``hfspec/configs/``
@@ -10,6 +10,11 @@ built without a model hub (``hfspec.assets.offline_target_path``);
 (``hfspec.assets.shipped_draft_path``) and ``"shipped-eagle3"`` the EAGLE-3 head
 (``hfspec.assets.shipped_head_path``); ``"ngram"`` as the draft is model-free
 lookup (``hfspec.drafters.ngram``), with no model to load.
+
+``make_drafter`` turns whatever a user passes as the draft (a drafter, a loaded
+model, an EAGLE-3 head, a path or one of those names) into a drafter. It lives here,
+above every drafter and beside the loaders it needs for a path, so that
+``hfspec.drafters`` stays the interface and imports no drafter.
 """
 from __future__ import annotations
 
@@ -23,11 +28,20 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec.drafters import NGRAM, Drafter
+from hfspec import assets
+from hfspec.drafters import Drafter
+from hfspec.drafters.eagle3 import Eagle3Drafter
+from hfspec.drafters.hybrid import with_ngram
+from hfspec.drafters.model import ModelDrafter
+from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError
+from hfspec.heads.checkpoint import load_head
+from hfspec.heads.eagle3 import Eagle3Head
+from hfspec.heads.files import is_eagle3_dir
 from hfspec.models import load_model, same_tokenizer
 
-__all__ = ["Preset", "load_draft", "load_pair", "load_preset", "parse_dtype", "preset_names", "resolve_model"]
+__all__ = ["Preset", "load_draft", "load_pair", "load_preset", "make_drafter", "parse_dtype", "preset_names",
+           "resolve_model"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +49,7 @@ PRESET_DIR = Path(__file__).resolve().parent / "configs"
 OFFLINE_TARGET = "offline"
 SHIPPED_DRAFT = "shipped"
 SHIPPED_HEAD = "shipped-eagle3"
+NGRAM = "ngram"  # the draft name of model-free lookup
 
 DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",
@@ -84,8 +99,6 @@ def resolve_model(name: str | Path, role: str) -> str:
     name = str(name)
     if Path(name).expanduser().exists():
         return name
-    from hfspec import assets
-
     if role == "target" and name == OFFLINE_TARGET:
         return str(assets.offline_target_path())
     if role == "draft" and name in (SHIPPED_DRAFT, SHIPPED_HEAD):
@@ -162,15 +175,11 @@ def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.
     otherwise; it never goes through ``AutoModelForCausalLM``. ``"ngram"`` is model-free
     lookup (a directory of that name is ``./ngram``).
     """
-    from hfspec.drafters import eagle3
-
     if draft_path == NGRAM:
-        from hfspec.drafters.ngram import NgramDrafter
-
         return NgramDrafter()
-    if eagle3.is_eagle3_dir(draft_path):
-        head = eagle3.load_head(draft_path, dtype=target_model.dtype if dtype == "auto" else dtype, device=device)
-        return eagle3.Eagle3Drafter(head, target_model)
+    if is_eagle3_dir(draft_path):
+        head = load_head(draft_path, dtype=target_model.dtype if dtype == "auto" else dtype, device=device)
+        return Eagle3Drafter(head, target_model)
     model = load_model(draft_path, "draft", dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device)
 
@@ -184,6 +193,47 @@ def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str |
     dev = _check_device(device, "draft") or _input_device(target_model)
     return _load_draft(resolve_model(draft, "draft"), target_model, dtype=parse_dtype(dtype), device=dev,
                        trust_remote_code=trust_remote_code)
+
+
+def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
+                 target: PreTrainedModel | None = None, *, ngram: bool = False) -> Drafter:
+    """A drafter from what a user passes as the draft, for ``target``.
+
+    A ``Drafter``; a loaded causal LM; an ``Eagle3Head``; ``"ngram"`` (model-free lookup
+    in the context and earlier outputs, ``hfspec.drafters.ngram``); or a path that
+    ``load_draft`` recognises (an EAGLE-3 head's directory, any causal LM).
+    ``ngram=True`` adds n-gram lookup to any other drafter (``hfspec.drafters.hybrid``).
+    """
+    if isinstance(draft, Eagle3Drafter) and target is not None and draft.target is not target:
+        raise ValueError("this EAGLE-3 drafter was built for another target model; build it with the target "
+                         "you generate with, or pass the head's directory as the draft")
+    if isinstance(draft, Drafter):
+        drafter = draft
+    elif isinstance(draft, PreTrainedModel):
+        drafter = ModelDrafter(draft)
+    elif isinstance(draft, str) and draft == NGRAM:
+        drafter = NgramDrafter()
+    elif isinstance(draft, (Eagle3Head, str, Path)):
+        if target is None:
+            raise TypeError("an EAGLE-3 head or a draft path needs the target model: "
+                            "make_drafter(draft, tokenizer, target)")
+        if isinstance(draft, Eagle3Head):
+            drafter = Eagle3Drafter(draft, target)
+        else:
+            if not Path(resolve_model(draft, "draft")).expanduser().exists():  # "shipped" names resolve to paths
+                raise TypeError(
+                    f"the draft {str(draft)!r} is neither 'ngram' nor an existing directory; pass 'ngram', a local "
+                    "path or a loaded model, or load a hub model with SpeculativeGenerator.from_pretrained(target, "
+                    "draft)"
+                )
+            return make_drafter(load_draft(draft, target), tokenizer, target, ngram=ngram)
+    else:
+        raise TypeError(
+            f"the draft must be a transformers PreTrainedModel, an hfspec Drafter, 'ngram' or a path (got "
+            f"{type(draft).__name__}); load models with AutoModelForCausalLM.from_pretrained(...) or use "
+            "SpeculativeGenerator.from_pretrained"
+        )
+    return with_ngram(drafter) if ngram else drafter
 
 
 def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: str | None,

@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec.errors import HfspecError
+from hfspec.heads.files import head_kind
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +206,6 @@ def same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bo
 
 def _refuse_draft_head(path: Path, role: str) -> None:
     """A draft head's directory is not a causal LM: loaded as one, it would run with random weights."""
-    from hfspec.drafters.eagle3 import head_kind
-
     kind = head_kind(path)
     if kind == "eagle3":
         raise HfspecError(f"{role} directory {str(path)!r} holds an EAGLE-3 draft head, not a causal LM; "

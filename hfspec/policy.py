@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from hfspec.config import check_gamma
 from hfspec.costs import Costs
 
 
@@ -177,8 +178,6 @@ class CostModelGamma(GammaPolicy):
 
 def as_policy(gamma: int | str | GammaPolicy, tuning: Tuning | None = None) -> GammaPolicy:
     """A policy from what a caller passes as ``gamma``: a number, ``"auto"`` or a policy."""
-    from hfspec.config import check_gamma
-
     if isinstance(gamma, GammaPolicy):
         return gamma
     if isinstance(gamma, str) and gamma == "auto":

@@ -17,15 +17,12 @@ accepted or not. So, for one row at a time (a state cannot skip a masked hole):
 Attention key/value caches are cropped as for any model.
 
 What cannot be made exact is refused by ``check`` before any generation (see the README's
-"Architectures" table). ``rollback_cost`` measures what the rollback adds to v(γ).
+"Architectures" table). ``hfspec.costs.rollback_cost`` measures what the rollback adds to v(γ).
 """
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,7 +164,7 @@ class RecurrentState:
     """The recurrent layers of one model's cache (one row): snapshot, restore and replay.
 
     With ``adapter=False`` the generic path is used even where an adapter exists
-    (``rollback_cost`` compares the two).
+    (``hfspec.costs.rollback_cost`` compares the two).
     """
 
     def __init__(self, model: Any, adapter: bool = True):
@@ -300,94 +297,3 @@ def _remove_hooks(hooks: list[Any]) -> None:
     for h in hooks:
         h.remove()
     hooks.clear()
-
-
-# -- what the rollback costs --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RollbackCost:
-    """What rolling a recurrent cache back adds to v(γ), in units of one single-token target forward.
-
-    ``verify`` is v(γ) (a forward over γ+1 new tokens ÷ one over 1 token, with a filled cache);
-    ``snapshot`` is paid before every verification; ``replay[k - 1]`` is the rollback after a
-    rejection that keeps k of the γ+1 columns (k = 1..γ; keeping all γ+1 costs nothing).
-    """
-
-    gamma: int
-    mechanism: str  # "adapter", "generic" or "crop" (attention only: nothing to replay)
-    step_seconds: float
-    verify: float
-    snapshot: float
-    replay: tuple[float, ...]
-
-    @property
-    def worst(self) -> float:
-        """v(γ) of a step that rejects its last draft: snapshot, verification and the longest replay."""
-        return self.verify + self.snapshot + max(self.replay, default=0.0)
-
-    def expected(self, alpha: float) -> float:
-        """Mean v(γ) with the rollback, when each draft is accepted with probability α (Leviathan et al.,
-        arXiv 2211.17192): k - 1 = n drafts accepted with probability α^n (1 - α) for n < γ."""
-        mean_replay = sum(alpha ** n * (1 - alpha) * r for n, r in enumerate(self.replay))
-        return self.verify + self.snapshot + mean_replay
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"gamma": self.gamma, "mechanism": self.mechanism, "step_ms": 1e3 * self.step_seconds,
-                "v": self.verify, "snapshot": self.snapshot, "replay": list(self.replay), "v_worst": self.worst}
-
-
-@torch.inference_mode()
-def rollback_cost(model: Any, context: Sequence[int], gamma: int, repeats: int = 10,
-                  device: torch.device | None = None, adapter: bool = True) -> RollbackCost:
-    """Measure v(γ) of ``model`` after a cached ``context``, and what snapshot and rollback add.
-
-    Each trial fills a fresh cache with ``context`` (not timed), then times a snapshot, one
-    forward over the new tokens (all logits, as a verification) and a rollback; medians over
-    ``repeats`` trials after one warm-up. With the adapter, recording the mixers' inputs is part
-    of the verification's time; ``adapter=False`` times the generic path instead. Pass
-    ``expected(α)`` to ``hfspec.policy.predicted_speedup`` as v to see the change in the
-    speed-up. For a model that can only be a draft (Mamba-1), only snapshot and replay apply.
-    """
-    from hfspec.cache import KVState
-
-    if gamma < 1:
-        raise ValueError(f"gamma must be at least 1, got {gamma}")
-    if not context:
-        raise ValueError("the context must hold at least one token")
-    device = device or model.device
-    ids = torch.tensor([list(context)], device=device)
-    block = ids[:, -1:].repeat(1, gamma + 1)  # (1, γ+1): the cost does not depend on which tokens
-
-    def trial(n: int, keep: int) -> tuple[float, float, float]:
-        kv = KVState(1, device, model, adapter=adapter)
-        forward(model, ids, kv.extend_mask(torch.ones_like(ids)), torch.arange(ids.shape[1], device=device)[None],
-                kv.cache, logits_to_keep=1)
-        start = kv.length
-        feed = block[:, :n]
-        t0 = _now(device)
-        kv.snapshot()
-        t1 = _now(device)
-        forward(model, feed, kv.extend_mask(torch.ones_like(feed)),
-                torch.arange(start, start + n, device=device)[None], kv.cache)
-        t2 = _now(device)
-        kv.rollback(torch.tensor([keep], device=device), start, feed)
-        t3 = _now(device)
-        return t1 - t0, t2 - t1, t3 - t2
-
-    def median(n: int, keep: int) -> tuple[float, ...]:
-        runs = [trial(n, keep) for _ in range(repeats + 1)][1:]  # the first warms up allocators and kernels
-        return tuple(statistics.median(r[j] for r in runs) for j in range(3))
-
-    step = median(1, 1)[1]
-    snap, full, _ = median(gamma + 1, gamma + 1)
-    replay = tuple(median(gamma + 1, k)[2] / step for k in range(1, gamma + 1))
-    state = KVState(1, device, model, adapter=adapter).recurrent
-    mechanism = state.mechanism if state is not None else "crop"
-    return RollbackCost(gamma, mechanism, step, full / step, snap / step, replay)
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hfspec.drafters.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids
+from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids
 
 
 def config_for(target, draft_ids: list[int], layer_ids: tuple[int, ...] | None = None,

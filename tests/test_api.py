@@ -122,7 +122,7 @@ def test_default_pair_is_the_offline_preset_with_chat(pair, model_dir, monkeypat
     from eagle3_heads import random_head
     from transformers import AutoModelForCausalLM
 
-    from hfspec.drafters.eagle3 import save_head
+    from hfspec.heads.checkpoint import save_head
 
     # The preset's draft is a draft model or an EAGLE-3 head: both are stood in for, by tiny ones.
     target, draft = str(model_dir("llama", seed=0, layers=5)), pair[1]

@@ -9,7 +9,7 @@ import torch
 
 from hfspec import bench
 from hfspec.bench import Bench, Contender, Mode, Run, Settings
-from hfspec.drafters import make_drafter
+from hfspec.loading import make_drafter
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError

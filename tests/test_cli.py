@@ -1,6 +1,7 @@
 """The hfspec command line, in process through main() and once as a real subprocess."""
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -9,9 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiny
 
 import hfspec.generator
 from hfspec import api, cli
+from hfspec.drafters import Drafter
+from hfspec.errors import HfspecError
+from hfspec.loading import Preset
 
 PROMPT = "w10 w11 w12"
 GENERATE_FLAGS = [
@@ -134,6 +139,18 @@ def test_adaptive_gamma_keeps_greedy_output(capsys, pair):
     for policy in ("heuristic", "cost"):
         code, out, _ = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "12", "--adaptive", policy)
         assert code == 0 and out == fixed, policy
+
+
+def test_adaptive_cost_estimates_the_draft_cost_from_what_the_drafter_reads(model_dir):
+    target, tok = tiny.load(str(model_dir("llama", seed=0)))
+    draft, _ = tiny.load(str(model_dir("llama", seed=1, layers=1)))
+    args = argparse.Namespace(adaptive="cost", gamma=4, draft_cost=None)
+    preset = Preset(name="tiny", target="t", draft="d")  # only its γ could matter, and --gamma is given
+    model = cli._policy(args, preset, hfspec.SpeculativeGenerator(target, draft, tok))
+    assert model.cost == pytest.approx(draft.num_parameters() / target.num_parameters()) and 0 < model.cost < 1
+    assert cli._policy(args, preset, hfspec.SpeculativeGenerator(target, "ngram", tok)).cost == 0.0
+    with pytest.raises(HfspecError, match="cannot estimate the cost of a drafter drafter; pass --draft-cost"):
+        cli._policy(args, preset, hfspec.SpeculativeGenerator(target, Drafter(), tok))
 
 
 def test_seed_reproducible_between_runs_and_equal_to_python(capsys, pair, model_dir):

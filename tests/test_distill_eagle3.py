@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfspec import SpeculativeGenerator, cli
-from hfspec.drafters.eagle3 import load_head
+from hfspec.heads.checkpoint import load_head
 from hfspec.models import hidden_features
 from hfspec.training import eagle3 as de
 from hfspec.training import eagle3_data, optim

@@ -19,12 +19,12 @@ from stat_utils import ALPHA, chi_square_pvalue
 from transformers import AutoModelForCausalLM
 
 from hfspec import SpeculativeGenerator, api, cli
-from hfspec.drafters import make_drafter
-from hfspec.drafters.eagle3 import (
-    Eagle3Config, Eagle3Drafter, Eagle3Head, default_layer_ids, is_eagle3_dir, load_head, save_head,
-)
+from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
-from hfspec.loading import load_pair
+from hfspec.heads.checkpoint import load_head, save_head
+from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids
+from hfspec.heads.files import is_eagle3_dir
+from hfspec.loading import load_pair, make_drafter
 from hfspec.models import load_model
 
 TARGET = dict(vocab_size=64, layers=8, hidden=32, seed=0, sharpness=8.0)
@@ -331,6 +331,10 @@ def test_hybrid_with_ngram_lookup_equals_target_greedy(target64, trained64):
         assert rows_of(out) == want, f"γ={gamma}"
     described = gen.drafter.describe()
     assert described["kind"] == "hybrid" and described["main"]["kind"] == "eagle3"
+    # A head is no draft model of its own: nothing for the generator to check as a draft; a step reads the head.
+    head_parameters = sum(p.numel() for p in trained64.parameters())
+    assert gen.draft is None and gen.drafter.main.model is None
+    assert gen.drafter.parameters == gen.drafter.main.parameters == described["parameters"] == head_parameters
 
 
 def test_heads_in_the_distribution_tests_really_disagree_with_the_target(target9, trained9):

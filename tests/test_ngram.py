@@ -266,6 +266,16 @@ def test_the_hybrid_needs_a_model_drafter():
     assert with_ngram(ngram) is ngram
 
 
+def test_each_drafter_tells_its_own_model_and_the_parameters_a_step_reads(tiny_pair):
+    _, draft, _ = tiny_pair("llama", vocab_size=16)
+    model = ModelDrafter(draft)
+    assert model.model is draft and model.parameters == draft.num_parameters() > 0
+    hybrid = HybridDrafter(model)
+    assert hybrid.model is draft and hybrid.parameters == model.parameters, "the main drafter's"
+    assert NgramDrafter().model is None and NgramDrafter().parameters == 0
+    assert Drafter().model is None and Drafter().parameters is None, "a drafter that cannot tell"
+
+
 # -- exactness in distribution --------------------------------------------------------------------
 
 NGRAM_PROMPTS = [[6, 6, 6, 6, 6], [8]]  # a strong match, and none at first

@@ -54,7 +54,9 @@ def test_shipped_draft_shares_the_target_tokenizer(real_pair):
 
 def test_an_eagle3_head_for_the_real_target_is_exact(real_pair, tmp_path):
     # A random head with the shape a SmolLM2 head has (features from layers 2, 15, 27), stored as it would ship.
-    from hfspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, save_head
+    from hfspec.drafters.eagle3 import Eagle3Drafter
+    from hfspec.heads.checkpoint import save_head
+    from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head
 
     target, _, tok = real_pair
     torch.manual_seed(0)

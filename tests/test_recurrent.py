@@ -13,8 +13,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hfspec import HfspecError, SpeculativeGenerator
 from hfspec.cache import KVState
+from hfspec.costs import RollbackCost, rollback_cost
 from hfspec.models import forward
-from hfspec.recurrent import RecurrentState, RollbackCost, rollback_cost
+from hfspec.recurrent import RecurrentState
 
 V = 48
 MAMBA1 = ("mamba", "falcon_mamba", "jamba")  # exact as drafts; refused as targets

@@ -18,10 +18,9 @@ from hfspec.bench.field import HYBRID, MAIN, USELESS, Mode, Settings, load_promp
 from hfspec.bench.measure import Bench
 from hfspec.bench.report import format_table, plot
 from hfspec.bench.runner import run_bench
-from hfspec.drafters import make_drafter
 from hfspec.drafters.hybrid import with_ngram
 from hfspec.errors import HfspecError
-from hfspec.loading import load_draft, load_pair, load_preset
+from hfspec.loading import load_draft, load_pair, load_preset, make_drafter
 from hfspec.timing import cpu_model
 
 DESCRIPTION = """\

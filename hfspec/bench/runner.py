@@ -16,7 +16,8 @@ from hfspec.bench.field import MAIN, Contender, Mode, Settings, contenders, enco
 from hfspec.bench.measure import Bench, Run
 from hfspec.bench.summary import mismatches, summarize
 from hfspec.policy import predicted_speedup
-from hfspec.recurrent import is_recurrent, rollback_cost
+from hfspec.costs import rollback_cost
+from hfspec.recurrent import is_recurrent
 
 
 SWEEP_KEYS = ("speedup_vs_plain", "speedup_vs_assisted", "acceptance_rate", "alpha", "mean_accepted_length",

@@ -10,6 +10,10 @@ accepts a token x with probability p(x) and resamples from p without x.
 
 Rows of a batch are the active prompts of the run, in the loop's order; a drafter
 keeps per-row state in that order and drops rows in ``select_rows``.
+
+This module is the interface only: it imports no drafter. Turning what a user passes
+as the draft (a model, a head, a path, ``"ngram"``) into a drafter is
+``hfspec.loading.make_drafter``'s job, which sits above every drafter and the loaders.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel
 
 # stop(i, confidence): after i drafts, with (B,) the drafter's probability of each row's
 # last draft, True ends the step's drafting early.
@@ -100,8 +104,11 @@ class Drafter:
     feature_layers: tuple[int, ...] = ()
     # Logit rows the drafter can produce (padded embeddings included); None when it has no vocabulary.
     vocab_size: int | None = None
-    # A short name for stats and errors.
+    # A short name for stats and errors; the loop and the command line never branch on it.
     kind: str = "drafter"
+    # The draft model this drafter runs as its own, whose cache and state the generator checks; None
+    # for lookup and for an EAGLE-3 head (a head is no causal LM: it drafts from the target's features).
+    model: PreTrainedModel | None = None
 
     def start(self, batch: int, device: torch.device) -> None:
         """A new generation of ``batch`` rows begins: forget per-row state."""
@@ -131,64 +138,15 @@ class Drafter:
         return 0.0
 
     @property
+    def parameters(self) -> int | None:
+        """Parameters one drafting step reads: decoding is memory-bound, so this ÷ the target's is a first
+        guess at the cost ratio c. 0 for a drafter that runs no model; None when the drafter cannot tell."""
+        return None
+
+    @property
     def recurrent(self) -> bool:
         """True when the drafter's state cannot hold a masked hole, so rows must run one at a time."""
         return False
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind}
-
-
-NGRAM = "ngram"  # the draft name of model-free lookup
-
-
-def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
-                 target: PreTrainedModel | None = None, *, ngram: bool = False) -> Drafter:
-    """A drafter from what a user passes as the draft, for ``target``.
-
-    A ``Drafter``; a loaded causal LM; an ``Eagle3Head``; ``"ngram"`` (model-free lookup
-    in the context and earlier outputs, ``hfspec.drafters.ngram``); or a path that
-    ``hfspec.loading.load_draft`` recognises (an EAGLE-3 head's directory, any causal LM).
-    ``ngram=True`` adds n-gram lookup to any other drafter (``hfspec.drafters.hybrid``).
-    """
-    from pathlib import Path
-
-    from transformers import PreTrainedModel
-
-    from hfspec.drafters.eagle3 import Eagle3Drafter, Eagle3Head
-    from hfspec.drafters.hybrid import with_ngram
-    from hfspec.drafters.model import ModelDrafter
-    from hfspec.drafters.ngram import NgramDrafter
-
-    if isinstance(draft, Eagle3Drafter) and target is not None and draft.target is not target:
-        raise ValueError("this EAGLE-3 drafter was built for another target model; build it with the target "
-                         "you generate with, or pass the head's directory as the draft")
-    if isinstance(draft, Drafter):
-        drafter = draft
-    elif isinstance(draft, PreTrainedModel):
-        drafter = ModelDrafter(draft)
-    elif isinstance(draft, str) and draft == NGRAM:
-        drafter = NgramDrafter()
-    elif isinstance(draft, (Eagle3Head, str, Path)):
-        if target is None:
-            raise TypeError("an EAGLE-3 head or a draft path needs the target model: "
-                            "make_drafter(draft, tokenizer, target)")
-        if isinstance(draft, Eagle3Head):
-            drafter = Eagle3Drafter(draft, target)
-        else:
-            from hfspec.loading import load_draft, resolve_model
-
-            if not Path(resolve_model(draft, "draft")).expanduser().exists():  # "shipped" names resolve to paths
-                raise TypeError(
-                    f"the draft {str(draft)!r} is neither 'ngram' nor an existing directory; pass 'ngram', a local "
-                    "path or a loaded model, or load a hub model with SpeculativeGenerator.from_pretrained(target, "
-                    "draft)"
-                )
-            return make_drafter(load_draft(draft, target), tokenizer, target, ngram=ngram)
-    else:
-        raise TypeError(
-            f"the draft must be a transformers PreTrainedModel, an hfspec Drafter, 'ngram' or a path (got "
-            f"{type(draft).__name__}); load models with AutoModelForCausalLM.from_pretrained(...) or use "
-            "SpeculativeGenerator.from_pretrained"
-        )
-    return with_ngram(drafter) if ngram else drafter

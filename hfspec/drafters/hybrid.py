@@ -28,13 +28,16 @@ the committed tokens in its next forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hfspec import sampling
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 BUCKETS = 6  # match lengths 1, 2-3, 4-7, 8-15, 16-31, 32+
 
@@ -97,8 +100,14 @@ class HybridDrafter(Drafter):
         self._step: dict[str, Any] | None = None  # the last proposal, until it is committed
 
     @property
-    def model(self) -> Any:
-        return getattr(self.main, "model", None)
+    def model(self) -> PreTrainedModel | None:
+        """The main drafter's model (n-gram lookup has none)."""
+        return self.main.model
+
+    @property
+    def parameters(self) -> int | None:
+        """The main drafter's: lookup reads no parameters."""
+        return self.main.parameters
 
     @property
     def recurrent(self) -> bool:

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from hfspec import sampling
 from hfspec.cache import KVState
+from hfspec.costs import forward_seconds
 from hfspec.drafters import Context, Drafter, Proposal, Stop
 from hfspec.models import check_causal_lm, forward, model_vocab_size
 
@@ -97,10 +98,11 @@ class ModelDrafter(Drafter):
 
     def step_seconds(self, context: list[int], device: torch.device, repeats: int = 5) -> float:
         """Median seconds of one cached single-token forward after ``context``."""
-        from hfspec.costs import forward_seconds
-
         return forward_seconds(self.model, context, (1,), repeats, device, all_logits=False)[1]
 
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
     def describe(self) -> dict:
-        return {"kind": self.kind, "model": type(self.model).__name__,
-                "parameters": sum(p.numel() for p in self.model.parameters())}
+        return {"kind": self.kind, "model": type(self.model).__name__, "parameters": self.parameters}

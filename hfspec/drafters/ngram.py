@@ -261,6 +261,11 @@ class NgramDrafter(Drafter):
         if self.history is not None:
             self.history.clear()
 
+    @property
+    def parameters(self) -> int:
+        """Lookup runs no model: drafting costs next to nothing."""
+        return 0
+
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "min_match": self.min_match, "max_match": self.max_match,
                 "factor": self.factor, "min_prob": self.min_prob,

@@ -20,7 +20,7 @@ of the target's T=1 distribution p). Then:
    T=1 and greedy agreement (argmax q = argmax p), with p from a target forward
    and q the head's distribution (0 outside the draft vocabulary); the cost ratio c
    of one head step to one target decode step;
-5. the head is written with :func:`hfspec.drafters.eagle3.save_head` in bfloat16,
+5. the head is written with :func:`hfspec.heads.checkpoint.save_head` in bfloat16,
    in the speculators layout that vLLM serves (or SafeAILab's, ``format="eagle"``),
    without the target's embedding (engines use the target's).
 
@@ -39,7 +39,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from hfspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, default_layer_ids, save_head
+from hfspec.drafters.eagle3 import Eagle3Drafter
+from hfspec.heads.checkpoint import save_head
+from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids
 from hfspec.models import decoder_layers, model_vocab_size
 from hfspec.training.eagle3_data import (
     Batch, Labels, StagedSplit, draft_vocabulary, embed_tokens, make_batch, stage_features,
