@@ -293,3 +293,31 @@ def test_auto_gamma_measures_a_cross_tokenizer_step(pair):
     out = gen.generate([prompt], max_new_tokens=12, gamma="auto")
     assert rows_of(out)[0] == alone(gen.target, prompt, 12)
     assert gen.tuning.costs is not None and gen.tuning.costs.draft > 0
+
+
+def test_draft_context_window_full_of_its_own_smaller_tokens(pair, monkeypatch):
+    """A draft whose tokenizer spends many more tokens on the same text than the target's outgrows its context
+    window first: it then reads only the end of the text, and the output stays the target's."""
+    draft_tok = metaspace_bpe(corpus(2, WORDS), 110)  # hardly more than single characters
+    torch.manual_seed(2)
+    draft = AutoModelForCausalLM.from_config(tiny.make_config("gpt2", len(draft_tok), eos=1, window=64)).eval()
+    target, target_tok = loaded(pair["target"])
+    gen = SpeculativeGenerator(target, draft, target_tok, draft_tokenizer=draft_tok)
+    shortened = []
+    monkeypatch.setattr(gen.drafter, "_shorten", lambda *args: shortened.append(args[0].origin)
+                        or CrossTokenizerDrafter._shorten(gen.drafter, *args))
+    prompt = target_tok(TEXTS[2])["input_ids"]
+    assert len(draft_tok(TEXTS[2])["input_ids"]) > 2 * len(prompt)
+    for gamma in (1, 4):
+        out = gen.generate([prompt], max_new_tokens=64 - len(prompt), gamma=gamma)
+        assert rows_of(out)[0] == alone(target, prompt, 64 - len(prompt)), f"γ={gamma}"
+    assert len(shortened) >= 4  # it did start its context later, more than once per run
+
+
+def test_with_ngram_lookup_added(pair):
+    target, target_tok = loaded(pair["target"])
+    draft, draft_tok = loaded(pair["draft"])
+    gen = SpeculativeGenerator(target, draft, target_tok, draft_tokenizer=draft_tok, ngram=True)
+    prompts = [target_tok(t)["input_ids"] for t in TEXTS]
+    assert gen.drafter.kind == "hybrid"
+    assert rows_of(gen.generate(prompts, max_new_tokens=20, gamma=3)) == [alone(target, p, 20) for p in prompts]
