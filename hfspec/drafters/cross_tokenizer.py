@@ -12,6 +12,11 @@ target's: this is TLI of Timor et al. (ICML 2025, "lossless speculative decoding
 algorithms for heterogeneous vocabularies"). Greedy decoding takes the argmax of the same
 row and is verified exactly. A drafted token is fed back to the draft as its own id.
 
+``greedy="slem"`` drafts greedy decoding by text instead (their SLEM, string-level exact
+match): the draft generates greedily in its own tokens, over its whole vocabulary, and that
+text is spelled in target tokens after the committed text; the target verifies its own
+tokens, so the output is its greedy output whatever the draft proposes.
+
 The draft's context is the committed text, not the target's tokens. Per row the drafter
 keeps the decoded committed text (bytes, decoded incrementally as streamers do, so a
 character split over tokens waits for its last byte) and the draft tokens its cache holds.
@@ -29,7 +34,7 @@ committed text begins with them.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -52,6 +57,8 @@ IMPOSSIBLE = -1e30
 REWORK = 4  # draft tokens at the end of the text that are always re-tokenized: more text may merge them
 PRIME = 4  # draft tokens re-tokenized before those, whose tokens are thrown away (start-of-input effects)
 HOLD = 4  # committed target tokens a split character may wait for before its bytes are taken as they are
+PRIME_BYTES = 32  # committed text re-tokenized with a draft's text, for the target's tokens to line up
+GREEDY = ("tli", "slem")  # greedy decoding: by the shared tokens (TLI) or by the draft's text (SLEM)
 
 
 @dataclass
@@ -64,6 +71,7 @@ class _Row:
     origin: int = 0  # where in ``text`` the draft's context starts (after it outgrew the draft's window)
     seq: list[int] = field(default_factory=list)  # draft ids in the cache
     ends: list[int] = field(default_factory=list)  # end in ``text`` of each of the first len(ends) tokens
+    behind: bool = False  # the last committed tokens end inside a character: their text is still to come
 
 
 class CrossTokenizerDrafter(Drafter):
@@ -72,7 +80,9 @@ class CrossTokenizerDrafter(Drafter):
     kind = "cross-tokenizer"
 
     def __init__(self, model: PreTrainedModel, draft_tokenizer: PreTrainedTokenizerBase,
-                 target_tokenizer: PreTrainedTokenizerBase):
+                 target_tokenizer: PreTrainedTokenizerBase, greedy: str = "tli"):
+        if greedy not in GREEDY:
+            raise ValueError(f"greedy must be one of {', '.join(GREEDY)}, got {greedy!r}")
         check_causal_lm(model, "draft")
         if KVState.is_recurrent(model):
             raise HfspecError("a draft with a recurrent state (Mamba, hybrids) cannot follow text re-tokenized "
@@ -82,6 +92,10 @@ class CrossTokenizerDrafter(Drafter):
         self.vocab_size = len(target_tokenizer)  # the rows handed to the loop are over target ids
         self.map: VocabMap = vocab_map(target_tokenizer, draft_tokenizer, self.vocab_size, model_vocab_size(model))
         self.bytes = token_bytes(draft_tokenizer)
+        self.greedy = greedy
+        self.target_bytes = token_bytes(target_tokenizer)
+        self.target_encoder = target_tokenizer.backend_tokenizer
+        self.eos = (draft_tokenizer.eos_token_id, target_tokenizer.eos_token_id)
         self.encoder = draft_tokenizer.backend_tokenizer
         # What the draft's tokenizer puts before a text (its BOS), and a token to start from without one.
         self.lead = _leading_ids(draft_tokenizer)
@@ -92,6 +106,7 @@ class CrossTokenizerDrafter(Drafter):
         self.kv: KVState | None = None
         self.rows: list[_Row] = []
         self.drafts: torch.Tensor | None = None  # (B, k) the last proposal in target ids, until committed
+        self.spelled_step = False  # the last proposal came from the draft's text (greedy, SLEM)
 
     # -- the loop's interface ------------------------------------------------------------------
 
@@ -102,26 +117,41 @@ class CrossTokenizerDrafter(Drafter):
         self.device_map = self.map.to(device)
 
     def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
-        feed, valid, positions = self._catch_up(ctx, gamma)
-        fed = torch.tensor([len(r.seq) for r in self.rows], device=feed.device)
+        if not ctx.sample and self.greedy == "slem":
+            return self._propose_text(ctx, gamma, stop)
         tokens, qs = [], []
-        for i in range(gamma):
-            logits = self._forward(feed, valid, positions)  # (B, V_draft)
-            if i == 0:  # caught up: what follows are drafts, rolled back in commit
-                self.start_col = self.kv.length
+
+        def choose(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
             token, q, confidence = ctx.pick(self._target_row(logits.to(ctx.tokens.device)), i)
             tokens.append(token)
             qs.append(q)
             own = self.device_map.to_draft[token]
             # A token outside the shared vocabulary is drawn only when processing removed every shared one;
             # its q is still exact, but the draft has no id to read it with: the step ends there.
-            if i + 1 == gamma or bool((own < 0).any()) or (stop is not None and stop(i + 1, confidence)):
-                break
-            feed, valid, positions = own[:, None].to(feed.device), torch.ones_like(feed[:, :1]), (fed + i)[:, None]
+            return own, confidence, bool((own < 0).any())
+
+        self._draft(ctx, gamma, stop, choose)
         self.drafts = torch.stack(tokens, dim=1)
         return Proposal(self.drafts, torch.stack(qs, dim=1) if ctx.sample else None)
 
+    def _draft(self, ctx: Context, gamma: int, stop: Stop | None, choose: Any) -> None:
+        """Catch up, then up to γ draft forwards; ``choose(logits (B, V_draft), i)`` takes draft i and returns
+        (the draft's own ids to read next (B,), confidence (B,), whether drafting must end there)."""
+        feed, valid, positions = self._catch_up(ctx, gamma)
+        fed = torch.tensor([len(r.seq) for r in self.rows], device=feed.device)
+        for i in range(gamma):
+            logits = self._forward(feed, valid, positions)  # (B, V_draft)
+            if i == 0:  # caught up: what follows are drafts, rolled back in commit
+                self.start_col = self.kv.length
+            own, confidence, last = choose(logits, i)
+            if last or i + 1 == gamma or (stop is not None and stop(i + 1, confidence)):
+                return
+            feed, valid, positions = own[:, None].to(feed.device), torch.ones_like(feed[:, :1]), (fed + i)[:, None]
+
     def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+        if self.spelled_step:  # the draft's own tokens: the next catch-up re-reads what was accepted
+            self.kv.rollback(torch.zeros_like(self.kv.mask[:, 0]), self.start_col)
+            self.spelled_step = False
         if self.drafts is None:
             return
         # Keep the fed drafts (all but the last) that were accepted and that the committed text begins with
@@ -152,7 +182,7 @@ class CrossTokenizerDrafter(Drafter):
         row.seq, row.ends, _ = self._full(row)
 
         def retokenize() -> None:
-            probe = _Row(row.prefix, row.read, row.text, row.origin, list(row.seq), list(row.ends))
+            probe = replace(row, seq=list(row.seq), ends=list(row.ends))
             self._read(probe, context)
             self._retokenize(probe)
 
@@ -163,6 +193,52 @@ class CrossTokenizerDrafter(Drafter):
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "model": type(self.model).__name__,
                 "parameters": sum(p.numel() for p in self.model.parameters()), "shared_tokens": self.map.shared}
+
+    # -- greedy decoding by text (SLEM) --------------------------------------------------------
+
+    def _propose_text(self, ctx: Context, gamma: int, stop: Stop | None) -> Proposal:
+        """Greedy drafts in the draft's own tokens, spelled again in the target's after the committed text.
+
+        Each row proposes the target tokens that spell the draft's text exactly, up to γ; a row whose first
+        target token would straddle the committed text proposes none (SLEM: the target verifies its own
+        tokens, so any proposal is exact under greedy verification).
+        """
+        drafted = []
+
+        def choose(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+            token = logits[:, : len(self.bytes)].argmax(dim=-1)  # padded rows of the head spell nothing
+            drafted.append(token)
+            return token, torch.softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1), False
+
+        self._draft(ctx, gamma, stop, choose)
+        self.spelled_step = True
+        own = torch.stack(drafted, dim=1).tolist()
+        proposals = [self._spell(row, ids)[:gamma] for row, ids in zip(self.rows, own)]
+        width = max(len(p) for p in proposals)
+        tokens = torch.tensor([p + [0] * (width - len(p)) for p in proposals], dtype=torch.long,
+                              device=ctx.tokens.device).view(len(proposals), width)
+        counts = torch.tensor([len(p) for p in proposals], device=ctx.tokens.device)
+        return Proposal(tokens, None, counts, forwards=len(drafted))
+
+    def _spell(self, row: _Row, ids: list[int]) -> list[int]:
+        """Target tokens that spell the text of draft tokens ``ids`` after the row's committed text, the
+        draft's EOS as the target's; none where that text cannot be cut from the committed text."""
+        eos_draft, eos_target = self.eos
+        end = ids.index(eos_draft) if eos_draft in ids else len(ids)
+        new = b"".join(self.bytes[t] or b"" for t in ids[:end])
+        while new and not _complete(new):  # a character whose last bytes are still to be drafted
+            new = new[:-1]
+        start = max(len(row.text) - PRIME_BYTES, 0)
+        while start > 0 and not _char_start(row.text, start):
+            start -= 1
+        try:
+            context = (row.text[start:] + new).decode()
+        except UnicodeDecodeError:
+            return []
+        tail = _spelling(self.target_encoder.encode(context, add_special_tokens=False).ids, self.target_bytes, new)
+        if tail is None or row.behind:
+            return []
+        return tail + ([eos_target] if end < len(ids) and eos_target is not None else [])
 
     # -- the draft's context ---------------------------------------------------------------------
 
@@ -214,11 +290,13 @@ class CrossTokenizerDrafter(Drafter):
         ids = ids[row.prefix - start:]
         done = row.read - row.prefix
         if len(ids) <= done:
+            row.behind = False
             return
         decode = self.target_tokenizer.decode
         before = decode(ids[:done], skip_special_tokens=False, clean_up_tokenization_spaces=False) if done else ""
         after = decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if after.endswith("\ufffd") and len(ids) - done <= HOLD:
+        row.behind = after.endswith("\ufffd") and len(ids) - done <= HOLD
+        if row.behind:
             return
         # A decoder that rewrites earlier text (rare) gives its new text from where the two differ.
         row.text += after[len(os.path.commonprefix([before, after])):].encode()
@@ -236,13 +314,8 @@ class CrossTokenizerDrafter(Drafter):
             return self._full(row)
         begin, cut = ends[k - 1 - PRIME], ends[k - 1]
         window = self.encoder.encode(text[begin:].decode(), add_special_tokens=False).ids
-        # The window's tokens after ``cut`` must spell exactly the rest of the text.
-        j, spelled, rest = len(window), 0, len(text) - cut
-        while j > 0 and spelled < rest:
-            j -= 1
-            spelled += len(self.bytes[window[j]] or b"\0" * (rest + 1))
-        tail = window[j:]
-        if spelled != rest or b"".join(self.bytes[t] or b"" for t in tail) != text[cut:]:
+        tail = _spelling(window, self.bytes, text[cut:])  # the window's tokens after ``cut``
+        if tail is None:
             return self._full(row)
         return row.seq[:k] + tail, ends[:k] + _ends(tail, self.bytes, cut), k
 
@@ -310,9 +383,34 @@ def _leading_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return []
 
 
+def _complete(text: bytes) -> bool:
+    """True when UTF-8 ``text`` does not end inside a character."""
+    for back in range(1, min(4, len(text)) + 1):
+        lead = text[-back]
+        if lead & 0xC0 != 0x80:  # the first byte of the last character says how long it is
+            return back >= (4 if lead >= 0xF0 else 3 if lead >= 0xE0 else 2 if lead >= 0xC0 else 1)
+    return True
+
+
 def _char_start(text: bytes, at: int) -> bool:
     """True when byte ``at`` of UTF-8 ``text`` begins a character (or is its end)."""
     return at >= len(text) or (text[at] & 0xC0) != 0x80
+
+
+def _spelling(ids: list[int], spelled: list[bytes | None], rest: bytes) -> list[int] | None:
+    """The last tokens of ``ids`` when they spell exactly ``rest`` (the tokens before end where it begins),
+    else None (a token straddles that boundary, or a tokenizer rewrote the text)."""
+    j, length = len(ids), 0
+    while j > 0 and length < len(rest):
+        j -= 1
+        piece = spelled[ids[j]]
+        if piece is None:
+            return None
+        length += len(piece)
+    tail = ids[j:]
+    if length != len(rest) or b"".join(spelled[t] for t in tail) != rest:
+        return None
+    return tail
 
 
 def _ends(ids: list[int], spelled: list[bytes | None], start: int) -> list[int]:

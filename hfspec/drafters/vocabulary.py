@@ -152,7 +152,9 @@ def vocab_map(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, t
     smaller vocabulary's ordinary tokens: no draft worth verifying could come from it.
     """
     pairs = _pairs(target, draft, target_vocab, draft_vocab)
-    ordinary = min(target_vocab - len(_special_ids(target)), draft_vocab - len(_special_ids(draft)))
+    # Ordinary tokens of each side (padded rows of an output layer are no tokens).
+    ordinary = min(min(target_vocab, len(target)) - len(_special_ids(target)),
+                   min(draft_vocab, len(draft)) - len(_special_ids(draft)))
     shared = sum(1 for d in pairs if d not in _special_ids(draft))
     if shared < MIN_SHARED_FRACTION * max(ordinary, 1) or not shared:
         raise HfspecError(
