@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import hfspec
 from hfspec import SpeculativeGenerator, cli, sampling
+from hfspec.drafters import Proposal
 from hfspec.drafters.cross_tokenizer import PRIME, REWORK, CrossTokenizerDrafter
 from hfspec.drafters.vocabulary import byte_decoder, vocab_map
 from hfspec.errors import HfspecError
@@ -242,6 +243,27 @@ def test_negative_control_broken_residual_is_detected(pair, monkeypatch):
     monkeypatch.setattr(sampling, "residual", lambda p, q: p)
     prompt = gen.tokenizer("The cat")["input_ids"]
     counts, exact = _sample(gen, prompt, {"temperature": 0.7, "top_p": 0.9, "eos_token_id": []}, seed=4)
+    assert chi_square_pvalue(counts, exact) < ALPHA
+
+
+def test_negative_control_q_without_the_shared_processing_is_detected(pair, monkeypatch):
+    """Drafts drawn as usual, but reported with q = the draft's row before temperature and top-p: no longer
+    what they were drawn from, and the output leaves the target's distribution."""
+    gen = generator(pair)
+    raw: list[torch.Tensor] = []
+    target_row = CrossTokenizerDrafter._target_row
+    monkeypatch.setattr(CrossTokenizerDrafter, "_target_row",
+                        lambda self, logits: raw.append(target_row(self, logits)) or raw[-1])
+    propose = CrossTokenizerDrafter.propose
+
+    def unprocessed_q(self, ctx, gamma, stop=None):
+        raw.clear()
+        out = propose(self, ctx, gamma, stop)
+        return Proposal(out.tokens, torch.stack([torch.softmax(r, dim=-1) for r in raw], dim=1), out.counts)
+
+    monkeypatch.setattr(CrossTokenizerDrafter, "propose", unprocessed_q)
+    prompt = gen.tokenizer("The cat")["input_ids"]
+    counts, exact = _sample(gen, prompt, {"temperature": 0.7, "top_p": 0.9, "eos_token_id": []}, seed=5)
     assert chi_square_pvalue(counts, exact) < ALPHA
 
 
