@@ -356,3 +356,10 @@ def test_with_ngram_lookup_added(pair):
     slem = CrossTokenizerDrafter(draft, draft_tok, target_tok, greedy="slem")
     gen = SpeculativeGenerator(target, slem, target_tok, ngram=True)
     assert rows_of(gen.generate(prompts, max_new_tokens=20, gamma=3)) == [alone(target, p, 20) for p in prompts]
+
+
+def test_a_draft_with_another_vocabulary_but_no_draft_tokenizer_is_refused_naming_the_fix(pair):
+    target, target_tok = loaded(pair["target"])
+    draft, _ = loaded(pair["draft"])
+    with pytest.raises(ValueError, match="draft_tokenizer="):
+        SpeculativeGenerator(target, draft, target_tok)
