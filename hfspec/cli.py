@@ -110,8 +110,8 @@ def _add_generate(sub) -> None:
                    help="the prompt text, or '-' to read it from stdin (or --prompts-file for many prompts)")
     pair = p.add_argument_group("models (--target and --draft together, or --config)")
     pair.add_argument("--target", help="target model: hub name, local directory, or 'offline'")
-    pair.add_argument("--draft", help="draft model sharing the target's tokenizer: hub name, local directory "
-                      "(a causal LM or an EAGLE-3 head), 'shipped' (the draft model shipped for the offline target), "
+    pair.add_argument("--draft", help="draft model: hub name, local directory "
+                      "(a causal LM, with the target's tokenizer or its own, or an EAGLE-3 head), 'shipped' (the draft model shipped for the offline target), "
                       "'shipped-eagle3' (the EAGLE-3 head shipped for it), or 'ngram' to draft without a model, by lookup in the prompt, the text so far "
                       "and earlier outputs (a directory named ngram is ./ngram)")
     pair.add_argument("--config", metavar="NAME|PATH",

@@ -27,7 +27,7 @@ from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, Pre
 from hfspec import config as cfg
 from hfspec import costs, recurrent, sampling
 from hfspec.cache import KVState
-from hfspec.drafters import Drafter, Features, Proposal
+from hfspec.drafters import Drafter, Features, Proposal, cross_tokenizer
 from hfspec.errors import NumericalFault
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import load_pair, make_drafter
@@ -54,7 +54,9 @@ class SpeculativeGenerator:
     ``draft`` is a causal LM sharing the target's tokenizer, any ``hfspec.drafters.Drafter``, a
     path (an EAGLE-3 head's directory, a causal LM), or ``"ngram"`` (model-free lookup in the
     context and in earlier outputs). ``ngram=True`` adds that lookup to a model draft or head:
-    per row, whichever is expected to get more accepted.
+    per row, whichever is expected to get more accepted. A draft model with its own tokenizer
+    is passed with ``draft_tokenizer=``: where it differs from ``tokenizer``, the draft proposes
+    only the tokens both share (``hfspec.drafters.cross_tokenizer``), still losslessly.
     """
 
     def __init__(
@@ -64,9 +66,12 @@ class SpeculativeGenerator:
         tokenizer: PreTrainedTokenizerBase | None = None,
         *,
         ngram: bool = False,
+        draft_tokenizer: PreTrainedTokenizerBase | None = None,
     ):
         check_causal_lm(target, "target")
         self.target = target.eval()
+        if draft_tokenizer is not None:  # a draft model with its own tokenizer: drafts across them when they differ
+            draft = cross_tokenizer.adapt(draft, draft_tokenizer, tokenizer)
         self.drafter = make_drafter(draft, tokenizer, target, ngram=ngram)
         self.tokenizer = tokenizer
         self.vocab_size = shared_vocab_size(target, self.drafter.vocab_size, tokenizer)
@@ -100,7 +105,8 @@ class SpeculativeGenerator:
     @classmethod
     def from_pretrained(cls, target: str, draft: str, *, ngram: bool = False, **kwargs: Any) -> SpeculativeGenerator:
         """Load both models and the target's tokenizer by hub name or local path (see ``hfspec.loading``);
-        ``draft="ngram"`` needs no model."""
+        ``draft="ngram"`` needs no model. A draft whose own tokenizer differs from the target's drafts
+        through ``hfspec.drafters.cross_tokenizer`` without being asked."""
         return cls(*load_pair(target, draft, **kwargs), ngram=ngram)
 
     @torch.inference_mode()

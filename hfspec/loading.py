@@ -30,6 +30,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import assets
 from hfspec.drafters import Drafter
+from hfspec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.drafters.hybrid import with_ngram
 from hfspec.drafters.model import ModelDrafter
@@ -133,8 +134,9 @@ def load_pair(
     (e.g. ``"auto"``) spreads the target with accelerate; the draft then goes to
     ``draft_device``, else ``device``, else the device of the target's embeddings.
     ``revision`` and ``gguf_file`` apply to the target and its tokenizer. The
-    tokenizer is the target's unless ``tokenizer`` (an object or a path) is given;
-    a draft that ships its own tokenizer must map tokens to the same ids.
+    tokenizer is the target's unless ``tokenizer`` (an object or a path) is given.
+    A draft model that ships a tokenizer other than that one comes back as a
+    ``CrossTokenizerDrafter``, which drafts the tokens both tokenizers share.
     """
     if device is not None and device_map is not None:
         raise HfspecError("pass device or device_map, not both (device_map='auto' places the target itself)")
@@ -161,7 +163,9 @@ def load_pair(
 
     tok = _target_tokenizer(tokenizer, target, target_path, revision, gguf_file, trust_remote_code)
     if isinstance(draft_model, PreTrainedModel):
-        _check_draft_tokenizer(tok, target, draft, draft_path, trust_remote_code)
+        draft_tok = _draft_tokenizer(draft, draft_path, trust_remote_code)
+        if draft_tok is not None and not same_tokenizer(tok, draft_tok):
+            draft_model = _cross_tokenizer_drafter(draft_model, draft_tok, tok, target, draft)
     log.info("loaded target %s (%s, %s) and draft %s", target, target_model.dtype, _input_device(target_model), draft)
     return target_model, draft_model, tok
 
@@ -257,23 +261,29 @@ def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: s
                           "pass tokenizer= (a path or a loaded tokenizer)") from None
 
 
-def _check_draft_tokenizer(tok: PreTrainedTokenizerBase, target: Any, draft: Any, draft_path: str,
-                           trust_remote_code: bool) -> None:
-    """Refuse a draft whose own tokenizer gives tokens other ids than the target's."""
+def _draft_tokenizer(draft: Any, draft_path: str, trust_remote_code: bool) -> PreTrainedTokenizerBase | None:
+    """The draft's own tokenizer, or None where it ships none (it then uses the target's)."""
     local = Path(draft_path).expanduser()
     if local.is_dir() and not any((local / f).is_file() for f in _TOKENIZER_FILES):
-        return  # a bare draft directory: it can only be used with the target's tokenizer
+        return None  # a bare draft directory: it can only be used with the target's tokenizer
     try:
-        draft_tok = AutoTokenizer.from_pretrained(draft_path, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(draft_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as exc:
         log.debug("draft %s: no tokenizer to compare (%s)", draft, exc)
-        return
-    if not same_tokenizer(tok, draft_tok):
-        raise HfspecError(
-            f"the draft {str(draft)!r} and the target {str(target)!r} use different tokenizers "
-            f"({len(draft_tok)} vs {len(tok)} tokens, or the same tokens with other ids); "
-            "pick a draft trained with the target's tokenizer"
-        )
+        return None
+
+
+def _cross_tokenizer_drafter(model: PreTrainedModel, draft_tok: PreTrainedTokenizerBase,
+                             tok: PreTrainedTokenizerBase, target: Any, draft: Any) -> Drafter:
+    """A draft whose tokenizer differs from the target's drafts the tokens both share (lossless)."""
+    try:
+        drafter = CrossTokenizerDrafter(model, draft_tok, tok)
+    except HfspecError as exc:
+        raise HfspecError(f"the draft {str(draft)!r} and the target {str(target)!r} use different tokenizers: "
+                          f"{exc}") from None
+    log.info("draft %s and target %s use different tokenizers: drafting the %d tokens they share",
+             draft, target, drafter.map.shared)
+    return drafter
 
 
 # -- presets --------------------------------------------------------------------------------------

@@ -188,13 +188,15 @@ def shared_vocab_size(
             short = "target" if v_target < n else "draft"
             raise ValueError(
                 f"the {short} has {min(v_target, v_draft)} output rows but the tokenizer has {n} tokens; "
-                "the two models do not share this tokenizer, choose a draft trained with the target's tokenizer"
+                "the two models do not share this tokenizer, choose a draft trained with the target's tokenizer "
+                "or pass the draft's own tokenizer as draft_tokenizer="
             )
         return n
     if abs(v_target - v_draft) > MAX_VOCAB_PADDING:
         raise ValueError(
             f"target vocabulary ({v_target}) and draft vocabulary ({v_draft}) differ by more than padding; "
-            "choose a draft that uses the target's tokenizer"
+            "choose a draft that uses the target's tokenizer, or pass the target's tokenizer and the draft's own "
+            "as SpeculativeGenerator(target, draft, tokenizer, draft_tokenizer=...)"
         )
     return min(v_target, v_draft)
 

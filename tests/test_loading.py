@@ -19,7 +19,17 @@ def permuted_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """The tiny tokenizer's tokens with the word ids reversed: same size, other ids."""
     words = list(tiny.make_tokenizer(vocab_size).get_vocab())
     words.sort(key=tiny.make_tokenizer(vocab_size).get_vocab().get)
-    words = words[:7] + words[7:][::-1]
+    return word_tokenizer(words[:7] + words[7:][::-1])
+
+
+def foreign_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer's specials and role words, but none of its other words (v7 ... instead of w7 ...)."""
+    words = list(tiny.make_tokenizer(vocab_size).get_vocab())
+    words.sort(key=tiny.make_tokenizer(vocab_size).get_vocab().get)
+    return word_tokenizer(words[:7] + [f"v{i}" for i in range(7, vocab_size)])
+
+
+def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
@@ -58,15 +68,26 @@ def test_given_tokenizer_is_used(model_dir):
     assert loaded is tok
 
 
-def test_draft_with_other_token_ids_is_refused_naming_both(model_dir, tmp_path):
+def test_draft_sharing_almost_no_tokens_is_refused_naming_both(model_dir, tmp_path):
     draft_dir = tiny.build(tmp_path / "draft", "llama", seed=1)
-    tiny.save_tokenizer(permuted_tokenizer(64), draft_dir)
+    tiny.save_tokenizer(foreign_tokenizer(64), draft_dir)
     target_dir = model_dir("llama", seed=0)
     with pytest.raises(HfspecError) as err:
         load_pair(target_dir, draft_dir)
     message = str(err.value)
     assert str(target_dir) in message and str(draft_dir) in message
     assert "different tokenizers" in message and "trained with the target's tokenizer" in message
+
+
+def test_draft_with_other_token_ids_drafts_across_tokenizers(model_dir, tmp_path):
+    # The same tokens under other ids: a different tokenizer, drafted through the tokens both share.
+    draft_dir = tiny.build(tmp_path / "draft", "llama", seed=1)
+    tiny.save_tokenizer(permuted_tokenizer(64), draft_dir)
+    gen = SpeculativeGenerator.from_pretrained(str(model_dir("llama", seed=0)), str(draft_dir), dtype="float32")
+    assert gen.drafter.kind == "cross-tokenizer" and gen.drafter.describe()["shared_tokens"] == 64
+    ids = torch.tensor([[1, 10, 11, 12]])
+    reference = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+    assert torch.equal(gen.generate(ids, max_new_tokens=10, gamma=3).sequences, reference)
 
 
 def test_draft_without_a_tokenizer_uses_the_targets(model_dir, tmp_path):
