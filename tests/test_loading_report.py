@@ -2,10 +2,13 @@
 
 Every checkpoint here is a tiny model saved by hand: a classifier (no language-model
 head), a causal LM whose untied lm_head was cut out of its safetensors, a model with a
-tied lm_head (accepted: the head is the loaded embedding), and GGUF files.
+tied lm_head (accepted: the head is the loaded embedding), and GGUF files. Last, EAGLE-3
+heads whose layer config carries the attention fields speculators writes: a
+sliding-window layer is refused rather than run with full attention.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -18,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 import hfspec
 import tiny
 from hfspec import SpeculativeGenerator, cli
+from hfspec.drafters.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
 from hfspec.errors import HfspecError
 from hfspec.loading import load_pair
 
@@ -175,3 +179,29 @@ def test_gguf_missing_a_tensor_is_refused(tmp_path, model_dir):
     with pytest.raises(HfspecError) as err:
         load_pair(tmp_path, model_dir("llama", seed=1), gguf_file="tiny.gguf", tokenizer=tiny.make_tokenizer(64))
     assert "model.layers.1.mlp.down_proj.weight" in refusal(err, "target", tmp_path)
+
+
+# -- EAGLE-3 heads as speculators' training CLI writes them ----------------------------------------
+
+def speculators_layer_head(tmp_path: Path, layer_types: list[str], window: int | None) -> Path:
+    """A head saved by hfspec whose layer config then gets the attention fields speculators writes."""
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=64, draft_vocab_size=64))
+    path = save_head(head, tmp_path / "head", dtype=torch.float32)
+    conf = json.loads((path / "config.json").read_text())
+    conf["transformer_layer_config"] |= {"layer_types": layer_types, "sliding_window": window,
+                                         "use_sliding_window": window is not None}
+    (path / "config.json").write_text(json.dumps(conf))
+    return path
+
+
+def test_head_with_full_attention_layer_types_loads(tmp_path):
+    head = load_head(speculators_layer_head(tmp_path, ["full_attention"], None))
+    assert head.config.hidden_size == 32 and head.config.draft_vocab_size == 64
+
+
+def test_head_with_a_sliding_window_layer_is_refused(tmp_path):
+    path = speculators_layer_head(tmp_path, ["sliding_attention"], 4)
+    with pytest.raises(HfspecError, match=r"layer_types \['sliding_attention'\] asks for sliding-window attention"):
+        load_head(path)
