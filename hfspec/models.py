@@ -236,7 +236,8 @@ def load_model(
         )
     _refuse_draft_head(path, role)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path) if looks_local else str(name_or_path), **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path) if looks_local else str(name_or_path),
+                                                           output_loading_info=True, **kwargs)
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise HfspecError(
@@ -247,4 +248,32 @@ def load_model(
     except OSError as exc:
         raise HfspecError(f"could not load the {role} {str(name_or_path)!r}: {str(exc).splitlines()[0]}") from None
     check_causal_lm(model, role)
+    _refuse_new_weights(model, info, name_or_path, role)
     return model.eval()
+
+
+def _new_weights(info: dict[str, Any]) -> list[str]:
+    """The weights ``from_pretrained`` initialised anew, from its loading report (``output_loading_info=True``).
+
+    Missing from the checkpoint, or there in another shape; a weight tied to a loaded one
+    (a tied ``lm_head``) is not among them, as transformers drops it once tied.
+    """
+    mismatched = {entry[0] for entry in info.get("mismatched_keys", ())}
+    return sorted(set(info.get("missing_keys", ())) | mismatched)
+
+
+def _refuse_new_weights(model: PreTrainedModel, info: dict[str, Any], name_or_path: str | Path, role: str) -> None:
+    """Refuse a model that runs on random weights: its drafts or verdicts would be noise, with no error."""
+    keys = _new_weights(info)
+    if not keys:
+        return
+    shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+    saved = (getattr(model.config, "architectures", None) or [None])[0]
+    if saved and saved != type(model).__name__:
+        why = (f"this checkpoint has no language-model head: it was saved as {saved}, not as a causal LM "
+               f"({type(model).__name__}); pass a causal LM (a checkpoint of AutoModelForCausalLM)")
+    else:
+        why = ("the checkpoint is incomplete (saved without these weights); pass a complete causal-LM checkpoint, "
+               "saved with save_pretrained() from the whole model")
+    raise HfspecError(f"the {role} {str(name_or_path)!r} lacks {len(keys)} weight(s) that transformers would "
+                      f"initialise at random ({shown}); {why}")

@@ -66,6 +66,10 @@ def _parse_config(conf: dict[str, Any], where: str) -> Eagle3Config:
     if layer.get("num_hidden_layers", 1) != 1:
         raise HfspecError(f"{where}: the head has {layer['num_hidden_layers']} decoder layers; hfspec runs "
                           "EAGLE-3 heads with one")
+    if any(kind != "full_attention" for kind in layer.get("layer_types") or ()):
+        # speculators' training CLI writes layer_types and runs "sliding_attention" layers with a window.
+        raise HfspecError(f"{where}: layer_types {layer['layer_types']} asks for sliding-window attention, which "
+                          "hfspec's EAGLE-3 layer does not run; it supports full_attention only")
     if any(layer.get(k) for k in ("attention_bias", "mlp_bias")):
         raise HfspecError(f"{where}: attention or MLP biases are not supported in an EAGLE-3 head")
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in layer]
