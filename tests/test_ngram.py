@@ -26,7 +26,7 @@ from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.model import ModelDrafter
 from hfspec.drafters.ngram import History, NgramDrafter, TokenIndex
 from hfspec.errors import HfspecError
-from hfspec.generator import _Run
+from hfspec.generator import _Loop
 from hfspec.loading import load_preset
 
 
@@ -170,7 +170,7 @@ class Steps:
     def __init__(self, monkeypatch):
         self.counts: list[list[int]] = []
         self.mixed = 0
-        verify, merge = _Run.verify, HybridDrafter._merge
+        verify, merge = _Loop.verify, HybridDrafter._merge
 
         def counting_verify(run, proposal: Proposal):
             self.counts.append(proposal.drafted().tolist())
@@ -180,7 +180,7 @@ class Steps:
             self.mixed += 1
             return merge(drafter, *args)
 
-        monkeypatch.setattr(_Run, "verify", counting_verify)
+        monkeypatch.setattr(_Loop, "verify", counting_verify)
         monkeypatch.setattr(HybridDrafter, "_merge", counting_merge)
 
     def some_rows_without_drafts(self) -> bool:
