@@ -246,7 +246,7 @@ class _Loop:
                                     confidence, t1 - t0, t2 - t1))
             block = verdict.tokens()
             committed, has_eos = rows.commit(block, verdict.accepted + 1)  # 5. cut at budgets and EOS
-            self.stream(block[0, : int(committed[0])])
+            self.stream(block, committed)
             self.stats.record(rows.index, proposal.gamma, drafted, verdict.accepted, committed,
                               draft_forwards=proposal.draft_forwards(), seconds=(t1 - t0, t2 - t1))
             self.retire(has_eos | rows.exhausted(), has_eos)
@@ -280,7 +280,7 @@ class _Loop:
 
     def gamma(self) -> int:
         """The policy's γ, cut so that no row drafts past its budget."""
-        return max(0, min(self.policy.gamma(self.rows.index.cpu()), int(self.rows.remaining().max()) - 1))
+        return max(0, min(self.policy.gamma(self.rows.index.cpu()), int(self.rows.left.max()) - 1))
 
     def propose(self, gamma: int) -> tuple[Proposal, torch.Tensor | None]:
         """The drafter's proposal, with its probability of each pick (B, picks) for the policy, if it gave any."""
@@ -329,9 +329,10 @@ class _Loop:
         self.drafter.commit(self.context(), verdict.accepted)
         self.kv.rollback(verdict.accepted + 1, verdict.start, verdict.fed)
 
-    def stream(self, tokens: torch.Tensor) -> None:
+    def stream(self, block: torch.Tensor, count: torch.Tensor | None = None) -> None:
+        """Hand the streamer row 0's first ``count[0]`` tokens of ``block`` (B, k), or all of ``block``."""
         if self.streamer is not None:
-            self.streamer.put(tokens.cpu())
+            self.streamer.put((block if count is None else block[0, : int(count[0])]).cpu())
 
     def retire(self, finished: torch.Tensor, has_eos: torch.Tensor) -> None:
         """Store finished rows' outputs and drop them from the batch, so that they cost nothing more."""

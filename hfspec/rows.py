@@ -25,6 +25,7 @@ class Rows:
         self.limit = torch.full_like(self.prompt_lens, max_new_tokens)
         if window is not None:
             self.limit = torch.minimum(self.limit, window - self.prompt_lens)
+        self.left = self.limit.clone()  # new tokens each row may still commit
         # Room for drafts past a row's end: γ never exceeds max_new_tokens - 1.
         self.tokens = torch.zeros(batch, int(self.prompt_lens.max()) + 2 * max_new_tokens + 2, dtype=torch.long,
                                   device=device)
@@ -38,13 +39,9 @@ class Rows:
     def active(self) -> int:
         return self.index.numel()
 
-    def remaining(self) -> torch.Tensor:
-        """(B,) new tokens each row may still commit."""
-        return self.limit - (self.lengths - self.prompt_lens)
-
     def exhausted(self) -> torch.Tensor:
         """(B,) bool: the row has used its whole budget."""
-        return self.remaining() <= 0
+        return self.left <= 0
 
     def pending(self) -> torch.Tensor:
         """(B, 1) each row's last committed token, which the target has not read yet."""
@@ -52,13 +49,15 @@ class Rows:
 
     def write(self, block: torch.Tensor, offset: int = 0) -> None:
         """Write ``block`` (B, k) after each row's committed tokens (and ``offset`` more), uncommitted."""
-        cols = (self.lengths + offset)[:, None] + torch.arange(block.shape[1], device=block.device)
+        width = block.shape[1]  # one column (a draft being picked, once per draft) needs no arange
+        shift = offset if width == 1 else torch.arange(offset, offset + width, device=block.device)
+        cols = self.lengths[:, None] + shift
         self.tokens.scatter_(1, cols, block)
 
     def commit(self, block: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Commit row b's first ``count[b]`` tokens of ``block`` (B, k), cut at its budget and after its
         first EOS. Returns the tokens committed (B,) and whether the row reached EOS (B,)."""
-        count = torch.minimum(count, self.remaining())
+        count = torch.minimum(count, self.left)
         has_eos = torch.zeros_like(count, dtype=torch.bool)
         if self.eos.numel():
             in_block = torch.arange(block.shape[1], device=block.device)[None, :] < count[:, None]
@@ -67,6 +66,7 @@ class Rows:
             count = torch.where(has_eos, hit_eos.long().argmax(dim=1) + 1, count)
         self.write(block)
         self.lengths += count
+        self.left -= count
         return count, has_eos
 
     def finish(self, finished: torch.Tensor, has_eos: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -86,7 +86,7 @@ class Rows:
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows ``keep`` (1-D long), in that order."""
         self.index, self.lengths, self.prompt_lens = self.index[keep], self.lengths[keep], self.prompt_lens[keep]
-        self.limit, self.tokens = self.limit[keep], self.tokens[keep]
+        self.limit, self.left, self.tokens = self.limit[keep], self.left[keep], self.tokens[keep]
 
 
 def right_pad(rows: list[torch.Tensor], pad: int, device: torch.device) -> torch.Tensor:

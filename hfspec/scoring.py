@@ -78,21 +78,14 @@ class DraftContext:
     """What a drafter sees of the loop (``hfspec.drafters.Context``): the rows' committed tokens and ``pick``.
 
     The loop makes one per drafter call, so that the confidences of a proposal's picks go back
-    to the loop with that proposal (``confidence``) and nowhere else.
+    to the loop with that proposal (``confidence``) and nowhere else; within one call the
+    rows neither commit nor leave, so ``tokens`` and ``lengths`` are the rows' own tensors.
     """
 
     def __init__(self, rows: Rows, scoring: Scoring, vocab: int, generator: torch.Generator | None, step: int):
         self.rows, self.scoring, self.vocab, self.generator, self.step = rows, scoring, vocab, generator, step
-        self.sample = scoring.sample
+        self.tokens, self.lengths, self.sample = rows.tokens, rows.lengths, scoring.sample
         self.picked: list[torch.Tensor] = []  # (B,) the drafter's probability of each pick, in order
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        return self.rows.tokens
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.rows.lengths
 
     def pick(self, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Draft i of each row from raw draft logits (B, ≥vocab), processed like the target's scores will be
