@@ -1,12 +1,21 @@
-"""The speculative decoding loop: propose → verify → accept → roll back.
+"""The speculative decoding loop: propose → verify → roll back → accept.
 
-Each step (Leviathan et al., arXiv 2211.17192, Algorithm 1; Chen et al., arXiv 2302.01318):
+Each step (Leviathan et al., arXiv 2211.17192, Algorithm 1; Chen et al., arXiv 2302.01318);
+p is the target's distribution and q the draft's, as in the paper:
 1. the drafter proposes γ tokens per row, with the distributions q it drew them from;
 2. the target scores the last committed token plus the γ drafts in one forward, giving p;
 3. drafts are accepted with probability min(1, p/q); the next token comes from the residual
    max(0, p - q) at the first rejection, or is the bonus token from p when all are accepted;
 4. the target's cache is rolled back to the accepted prefix, and the drafter is told how
-   many of its drafts were kept so that it can roll back its own state.
+   many of its drafts were kept so that it can roll back its own state;
+5. each row commits its kept drafts and the next token, cut at its budget and at EOS;
+   finished rows leave the batch.
+
+``_Loop.run`` is that step, on one screen. State passes between the steps as values: a
+``Proposal`` (``hfspec.drafters``) goes into verification, which returns a ``Verdict``
+per row (the drafts kept and the next token) for the rollback and the commit. The rows'
+bookkeeping lives in ``hfspec.rows``, the processing of logits and what drafters see in
+``hfspec.scoring``, the counts in ``hfspec.stats``.
 
 Cache invariant (checked every step): the target's cache holds every committed token
 except the last one (the *pending* token, fed at the start of the next step). A drafter
@@ -15,7 +24,6 @@ states and checks its own (see ``hfspec.drafters``). No token is fed to a cache 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +35,16 @@ from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, Pre
 from hfspec import config as cfg
 from hfspec import costs, recurrent, sampling
 from hfspec.cache import KVState
+from hfspec.costs import Costs
 from hfspec.drafters import Drafter, Features, Proposal, cross_tokenizer
-from hfspec.errors import NumericalFault
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import load_pair, make_drafter
 from hfspec.models import check_causal_lm, forward, forward_features, shared_vocab_size
-from hfspec.costs import Costs
 from hfspec.policy import GammaPolicy, Step, Tuning, as_policy
-from hfspec.stats import RowStats, Stats
+from hfspec.rows import Rows, right_pad
+from hfspec.scoring import DraftContext, Scoring
+from hfspec.stats import Stats, StatsCollector
+from hfspec.timing import now, timed
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +186,8 @@ class SpeculativeGenerator:
         alone = KVState.is_recurrent(self.target) or self.drafter.recurrent
         rows = [(r[m.bool()][None], m[m.bool()][None]) for r, m in zip(ids, mask)] if alone else [(ids, mask)]
         try:
-            parts = [_Run(self, conf, processors, policy, generator, streamer, window)
-                     .execute(r.to(device), m.to(device)) for r, m in rows]
+            parts = [_Loop(self, conf, processors, policy, generator, streamer, window)
+                     .run(r.to(device), m.to(device)) for r, m in rows]
         finally:
             if streamer is not None:
                 streamer.end()
@@ -190,63 +200,80 @@ class SpeculativeGenerator:
         return min(windows) if windows else None
 
 
-class _Run:
-    """The state of one ``generate`` call. Rows are the active prompts; finished rows leave.
+@dataclass(frozen=True)
+class Verdict:
+    """What one verification decided, per row: the drafts kept (a prefix of the proposal) and the next token.
 
-    It is also the ``Context`` a drafter sees: ``tokens``, ``lengths``, ``pick``.
+    The loop reads only ``accepted`` (how many drafts a row keeps), ``tokens()`` (what it
+    commits) and hands the verdict to ``rollback``. So a proposal of another shape, a
+    tree of drafts verified in one forward, fits the same loop: its verdict adds the
+    kept path's nodes, for ``tokens()`` to read and ``rollback`` to gather the caches by.
     """
 
-    def __init__(self, gen: SpeculativeGenerator, conf: GenerationConfig, processors, policy: GammaPolicy,
-                 generator: torch.Generator | None, streamer: Any, window: int | None):
-        self.gen, self.conf, self.processors, self.policy = gen, conf, processors, policy
-        self.drafter = gen.drafter
-        self.generator, self.streamer, self.window = generator, streamer, window
+    proposal: Proposal
+    accepted: torch.Tensor  # (B,) long: drafts kept, the first accepted[b] of row b's
+    next_token: torch.Tensor  # (B,) long: from the residual at the first rejection, or the bonus token
+    start: int  # the target cache's length before the verification forward
+    fed: torch.Tensor  # (B, γ+1) the pending token and the drafts: what the target's new cache columns read
+
+    def tokens(self) -> torch.Tensor:
+        """(B, γ+1) whose first ``accepted[b] + 1`` columns are the tokens row b commits."""
+        block = torch.cat([self.proposal.tokens, self.next_token[:, None]], dim=1)
+        return block.scatter_(1, self.accepted[:, None], self.next_token[:, None])
+
+
+class _Loop:
+    """One ``generate`` call: the models, processing and policy it runs with; its rows, caches and counts."""
+
+    def __init__(self, gen: SpeculativeGenerator, conf: GenerationConfig, processors: Sequence[LogitsProcessor],
+                 policy: GammaPolicy, generator: torch.Generator | None, streamer: Any, window: int | None):
+        self.target, self.drafter, self.vocab = gen.target, gen.drafter, gen.vocab_size
+        self.checks = gen.check_invariants
+        self.conf, self.policy, self.generator, self.streamer, self.window = conf, policy, generator, streamer, window
+        self.device = gen.target.get_output_embeddings().weight.device  # where generate put the prompts
         self.sample = conf.do_sample
-        self.eos = cfg.eos_ids(conf)
-        self.vocab = gen.vocab_size
-        self.needs_context = sampling.needs_context(processors)
-        # Processors that run as transformers' own code, then the warpers that run once over all positions.
-        self.head, self.warpers = sampling.split_processors(processors) if self.sample else (processors, None)
+        self.scoring = Scoring(processors, self.sample)
 
-    # -- setup -----------------------------------------------------------------------------
+    def run(self, ids: torch.Tensor, mask: torch.Tensor) -> GenerateOutput:
+        """Prefill, then propose → verify → roll back → accept until every row has finished."""
+        device = self.device
+        start = now(device)
+        rows = self.start(ids, mask)
+        while rows.active:
+            t0 = now(device)
+            proposal, confidence = self.propose(self.gamma())  # 1. up to γ drafts per row, and their q
+            t1 = now(device)
+            verdict = self.verify(proposal)  # 2-3. one target forward: drafts kept and the next token, per row
+            self.rollback(verdict)  # 4. both caches forget what was not kept
+            t2 = now(device)
+            drafted = proposal.drafted()
+            self.policy.update(Step(rows.index.cpu(), proposal.gamma, drafted.cpu(), verdict.accepted.cpu(),
+                                    confidence, t1 - t0, t2 - t1))
+            block = verdict.tokens()
+            committed, has_eos = rows.commit(block, verdict.accepted + 1)  # 5. cut at budgets and EOS
+            self.stream(block, committed)
+            self.stats.record(rows.index, proposal.gamma, drafted, verdict.accepted, committed,
+                              draft_forwards=proposal.draft_forwards(), seconds=(t1 - t0, t2 - t1))
+            self.retire(has_eos | rows.exhausted(), has_eos)
+            self.check()
+        return self.output(ids, now(device) - start)
 
-    def execute(self, ids: torch.Tensor, mask: torch.Tensor) -> GenerateOutput:
-        start = time.perf_counter()
-        batch, width = ids.shape
-        device = ids.device
-        max_new = self.conf.max_new_tokens
-        self.prompt_lens = mask.sum(dim=1)
-        self.lengths = self.prompt_lens.clone()
-        # Per-row budget of new tokens: max_new_tokens, or less where the context window ends first.
-        self.limit = torch.full_like(self.prompt_lens, max_new)
-        if self.window is not None:
-            self.limit = torch.minimum(self.limit, self.window - self.prompt_lens)
-        # Row-major token buffer: row b's committed tokens are tokens[b, :lengths[b]], drafts follow.
-        # Room for drafts past a row's end: γ never exceeds max_new_tokens - 1.
-        self.tokens = torch.zeros(batch, int(self.prompt_lens.max()) + 2 * max_new + 2, dtype=torch.long,
-                                  device=device)
-        for b in range(batch):
-            self.tokens[b, : self.prompt_lens[b]] = ids[b, mask[b].bool()]
-        self.rows = torch.arange(batch, device=device)  # original index of each active row
-        self.results: dict[int, tuple[torch.Tensor, RowStats]] = {}
-        self.row_counts = torch.zeros(batch, 3, dtype=torch.long)  # accepted, passes, drafted, per row
-        self.t_draft = self.t_target = 0.0
-        self.target_passes = self.draft_passes = 0
-        self.by_pos_acc: list[int] = []
-        self.by_pos_drafted: list[int] = []
-        self.gamma_counts: list[int] = []  # steps by the width of their proposal
+    def start(self, ids: torch.Tensor, mask: torch.Tensor) -> Rows:
+        """Fresh rows, statistics and caches; the prompts prefilled; rows without a budget retired at once."""
+        batch = ids.shape[0]
+        self.rows = Rows(ids, mask, self.conf.max_new_tokens, self.window, cfg.eos_ids(self.conf))
+        self.stats = StatsCollector(batch)
+        self.kv = KVState(batch, self.device, self.target)
+        self.drafter.start(batch, self.device)
         self.policy.begin(batch)
-        self.eos_ids = torch.tensor(self.eos, dtype=torch.long, device=device)
+        self.stats.time_target += timed(lambda: self.prefill(ids, mask), self.device)[1]
+        self.stream(ids)
+        self.retire(self.rows.exhausted(), torch.zeros_like(self.rows.lengths, dtype=torch.bool))
+        return self.rows
 
-        self.kv_target = KVState(batch, device, self.gen.target)
-        self.drafter.start(batch, device)
-        self.prefill(ids, mask)
-        if self.streamer is not None:
-            self.streamer.put(ids.cpu())
-        self.finish(self.limit <= 0, torch.zeros_like(self.limit, dtype=torch.bool))
-        while self.rows.numel():
-            self.step()
-        return self.output(ids, start)
+    def context(self) -> DraftContext:
+        """What the drafter sees now; the step named in errors is the target pass in progress."""
+        return DraftContext(self.rows, self.scoring, self.vocab, self.generator, self.stats.target_passes + 1)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
         """Feed all prompt tokens but the last to the target (the last one is pending)."""
@@ -254,196 +281,87 @@ class _Run:
             return
         prefix, prefix_mask = ids[:, :-1], mask[:, :-1]
         positions = (prefix_mask.cumsum(dim=1) - 1).clamp(min=0)
-        t0 = time.perf_counter()
         self.target_forward(prefix, prefix_mask, positions, prefix_mask.bool(), verification=False, logits_to_keep=1)
-        self.t_target += time.perf_counter() - t0
+
+    def gamma(self) -> int:
+        """The policy's γ, cut so that no row drafts past its budget."""
+        return max(0, min(self.policy.gamma(self.rows.index.cpu()), int(self.rows.left.max()) - 1))
+
+    def propose(self, gamma: int) -> tuple[Proposal, torch.Tensor | None]:
+        """The drafter's proposal, with its probability of each pick (B, picks) for the policy, if it gave any."""
+        if not gamma:
+            return Proposal.empty(self.rows.active, self.device), None
+        ctx = self.context()
+        proposal = self.drafter.propose(ctx, gamma, self.policy.stop)
+        return proposal, ctx.confidence()
+
+    def verify(self, proposal: Proposal) -> Verdict:
+        """One target forward over the pending token and the drafts; accept per row (Leviathan et al., Alg. 1;
+        greedy: while the draft is the target's argmax)."""
+        rows, drafts, gamma = self.rows, proposal.tokens, proposal.gamma
+        start = self.kv.length
+        if gamma:  # the buffer holds the drafts: processors read them as context
+            rows.write(drafts)
+        fed = torch.cat([rows.pending(), drafts], dim=1)  # (B, γ+1)
+        columns = torch.arange(gamma + 1, device=drafts.device)
+        real = columns[None, :] <= proposal.drafted()[:, None]
+        self.kv.snapshot()
+        logits = self.target_forward(fed, torch.ones_like(fed), (rows.lengths - 1)[:, None] + columns, real,
+                                     verification=True)[..., : self.vocab]
+        p = self.scoring.checked(logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target",
+                                 self.stats.target_passes + 1)  # (B, γ+1, V); scores when greedy
+        if not self.sample:
+            accepted, next_token = sampling.verify_greedy(drafts, p.argmax(dim=-1), proposal.counts)
+        else:
+            q = proposal.q if proposal.q is not None else sampling.one_hot(drafts, p.shape[-1])
+            accepted, next_token = sampling.verify(drafts, q, p, self.generator, proposal.counts)
+        return Verdict(proposal, accepted, next_token, start, fed)
 
     def target_forward(self, feed: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
                        real: torch.Tensor, verification: bool, logits_to_keep: int = 0) -> torch.Tensor:
         """One target forward over (B, k) new tokens; hands the drafter the features it asked for."""
-        mask = self.kv_target.extend_mask(valid)
+        mask = self.kv.extend_mask(valid)
         layers = self.drafter.feature_layers
         if not layers:
-            return forward(self.gen.target, feed, mask, positions, self.kv_target.cache, logits_to_keep)
-        logits, values = forward_features(self.gen.target, feed, mask, positions, self.kv_target.cache, layers,
-                                          logits_to_keep)
-        self.drafter.observe(self, Features(values.to(feed.device), positions, real, verification))
+            return forward(self.target, feed, mask, positions, self.kv.cache, logits_to_keep)
+        logits, values = forward_features(self.target, feed, mask, positions, self.kv.cache, layers, logits_to_keep)
+        self.drafter.observe(self.context(), Features(values.to(feed.device), positions, real, verification))
         return logits
 
-    # -- one step ----------------------------------------------------------------------------
+    def rollback(self, verdict: Verdict) -> None:
+        """The drafter keeps what it needs of its drafts; the target keeps the pending token and the kept drafts.
+        Runs before the commit, while the verified drafts still follow the committed tokens (drafters read them)."""
+        self.drafter.commit(self.context(), verdict.accepted)
+        self.kv.rollback(verdict.accepted + 1, verdict.start, verdict.fed)
 
-    def step(self) -> None:
-        remaining = self.limit - (self.lengths - self.prompt_lens)
-        gamma = max(0, min(self.policy.gamma(self.rows.cpu()), int(remaining.max()) - 1))
-        t0 = time.perf_counter()
-        self.confidence: list[torch.Tensor] = []
-        proposal = (self.drafter.propose(self, gamma, self.policy.stop) if gamma
-                    else Proposal.empty(self.rows.numel(), self.tokens.device))
-        self.draft_passes += proposal.draft_forwards()
-        t1 = time.perf_counter()
-        num_accepted, next_token = self.verify(proposal)
-        self.drafter.commit(self, num_accepted)
-        self.kv_target.rollback(num_accepted + 1, self.target_start, self.fed)  # pending + accepted drafts
-        t2 = time.perf_counter()
-        self.t_draft += t1 - t0
-        self.t_target += t2 - t1
-        self.policy.update(Step(self.rows.cpu(), proposal.gamma, proposal.drafted().cpu(), num_accepted.cpu(),
-                                torch.stack(self.confidence, 1).cpu() if self.confidence else None, t1 - t0, t2 - t1))
-        self.accept(proposal, num_accepted, next_token, remaining)
-
-    def process(self, processors: Sequence[LogitsProcessor], logits: torch.Tensor, extra: int) -> torch.Tensor:
-        """Apply ``processors`` (all or the head of ``self.processors``) to ``logits`` (B, k, V), whose
-        position i follows each row's first ``lengths + extra + i`` tokens; all positions in one call
-        when no processor reads the context."""
-        batch, k, vocab = logits.shape
-        if not processors:
-            return logits
-        if not self.needs_context:  # the warpers a head leaves out never read the context
-            ids = self.tokens[:, :1].repeat_interleave(k, dim=0)
-            flat = sampling.process(processors, logits.reshape(batch * k, vocab), ids)
-            return flat.view(batch, k, vocab)
-        return torch.stack([sampling.process(processors, logits[:, i], self.prefixes(extra + i)) for i in range(k)],
-                           dim=1)
-
-    def prefixes(self, extra: int) -> torch.Tensor | list[torch.Tensor]:
-        """Each row's tokens up to ``lengths + extra`` (the context a processor sees)."""
-        ends = self.lengths + extra
-        if bool((ends == ends[0]).all()):
-            return self.tokens[:, : int(ends[0])]
-        return [self.tokens[b, : int(e)] for b, e in enumerate(ends.tolist())]
-
-    def pick(self, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Draft i of each row from raw draft logits, processed like the target's (see ``Context.pick``)."""
-        out = self.checked(logits[:, None, : self.vocab], "draft", i)[:, 0]  # (B, V)
-        q = out if self.sample else sampling.probs_from_logits(out)
-        token = sampling.sample(q, self.generator) if self.sample else out.argmax(dim=-1)
-        self.tokens.scatter_(1, (self.lengths + i)[:, None], token[:, None])
-        confidence = q.gather(1, token[:, None]).squeeze(1)
-        self.confidence.append(confidence)
-        return token, (q if self.sample else None), confidence
-
-    def verify(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
-        """One target forward over the pending token and the drafts; accept per row."""
-        drafts, gamma = proposal.tokens, proposal.gamma
-        self.target_start = self.kv_target.length
-        if gamma:  # the buffer holds the drafts: processors read them as context
-            self.tokens.scatter_(1, self.lengths[:, None] + torch.arange(gamma, device=drafts.device), drafts)
-        pending = self.tokens.gather(1, (self.lengths - 1)[:, None])
-        self.fed = torch.cat([pending, drafts], dim=1)  # (B, γ+1)
-        positions = (self.lengths - 1)[:, None] + torch.arange(gamma + 1, device=drafts.device)
-        ones = torch.ones_like(self.fed)
-        self.kv_target.snapshot()
-        real = torch.arange(gamma + 1, device=drafts.device)[None, :] <= proposal.drafted()[:, None]
-        logits = self.target_forward(self.fed, ones, positions, real, verification=True)[..., : self.vocab]
-        self.target_passes += 1
-        p = self.checked(logits.to(self.tokens.device), "target", 0)  # (B, γ+1, V); scores when greedy
-        if not self.sample:
-            return sampling.verify_greedy(drafts, p.argmax(dim=-1), proposal.counts)
-        q = proposal.q if proposal.q is not None else sampling.one_hot(drafts, p.shape[-1])
-        return sampling.verify(drafts, q, p, self.generator, proposal.counts)
-
-    def checked(self, logits: torch.Tensor, role: str, extra: int) -> torch.Tensor:
-        """Process raw ``logits`` (B, k, V): probabilities when sampling, else scores, for argmax.
-
-        Refuses values that would silently become arbitrary tokens: one reduction finds any
-        NaN or inf in the raw logits (their sum is then not finite). When sampling, the
-        warpers at the end of the pipeline run once over all B·k positions
-        (``sampling.warped_probs``: the same probabilities as transformers' warpers).
-        """
-        if not bool(torch.isfinite(logits.sum())):
-            step = self.target_passes + (0 if role == "target" else 1)
-            raise NumericalFault(
-                f"the {role} model produced NaN or infinite logits at step {step}; "
-                "check its weights and dtype (fp16 overflows are common: try dtype=bfloat16 or float32)"
-            )
-        scores = self.process(self.head, logits, extra)
-        if self.head and bool((scores.amax(dim=-1) == float("-inf")).any()):
-            raise NumericalFault(f"the {role} logits leave no token possible after processing "
-                                 "(every token was filtered out); relax bad_words_ids/suppress_tokens")
-        if self.warpers is None:
-            return scores
-        batch, k, vocab = scores.shape
-        return sampling.warped_probs(scores.reshape(batch * k, vocab), self.warpers).view(batch, k, vocab)
-
-    def accept(self, proposal: Proposal, num_accepted: torch.Tensor, next_token: torch.Tensor,
-               remaining: torch.Tensor) -> None:
-        """Commit accepted drafts plus the next token, roll the target back, retire finished rows."""
-        gamma, drafted = proposal.gamma, proposal.drafted()
-        self.tokens.scatter_(1, (self.lengths + num_accepted)[:, None], next_token[:, None])
-        # Tokens this step commits per row: accepted drafts + 1, cut at max_new_tokens and at EOS.
-        commit = torch.minimum(num_accepted + 1, remaining)
-        new = self.tokens.gather(1, (self.lengths[:, None] + torch.arange(gamma + 1, device=self.tokens.device))
-                                 .clamp(max=self.tokens.shape[1] - 1))
-        in_block = torch.arange(gamma + 1, device=new.device)[None, :] < commit[:, None]
-        hit_eos = torch.zeros_like(in_block)
-        if self.eos:
-            hit_eos = torch.isin(new, self.eos_ids) & in_block
-        has_eos = hit_eos.any(dim=1)
-        commit = torch.where(has_eos, hit_eos.long().argmax(dim=1) + 1, commit)
+    def stream(self, block: torch.Tensor, count: torch.Tensor | None = None) -> None:
+        """Hand the streamer row 0's first ``count[0]`` tokens of ``block`` (B, k), or all of ``block``."""
         if self.streamer is not None:
-            self.streamer.put(new[0, : int(commit[0])].cpu())
-        self.lengths += commit
+            self.streamer.put((block if count is None else block[0, : int(count[0])]).cpu())
 
-        while len(self.gamma_counts) <= gamma:
-            self.gamma_counts.append(0)
-        self.gamma_counts[gamma] += 1
-        counts = torch.stack([commit - 1, torch.ones_like(commit), drafted], dim=1)
-        self.row_counts[self.rows.cpu()] += counts.cpu()
-        positions = torch.arange(gamma, device=num_accepted.device)
-        accepted_at = (num_accepted[:, None] > positions).sum(0).tolist()
-        drafted_at = (drafted[:, None] > positions).sum(0).tolist()
-        while len(self.by_pos_drafted) < gamma:
-            self.by_pos_drafted.append(0)
-            self.by_pos_acc.append(0)
-        for i in range(gamma):
-            self.by_pos_drafted[i] += drafted_at[i]
-            self.by_pos_acc[i] += accepted_at[i]
-
-        self.finish(has_eos | (self.lengths - self.prompt_lens >= self.limit), has_eos)
-        if self.gen.check_invariants and self.rows.numel():
-            self.kv_target.check(self.lengths - 1, "target")
-            self.drafter.check(self)
-
-    def finish(self, finished: torch.Tensor, has_eos: torch.Tensor) -> None:
-        """Store finished rows' outputs and drop them from the batch so they cost nothing more."""
+    def retire(self, finished: torch.Tensor, has_eos: torch.Tensor) -> None:
+        """Store finished rows' outputs and drop them from the batch, so that they cost nothing more."""
         if not bool(finished.any()):
             return
-        for b in finished.nonzero().flatten().tolist():
-            row = int(self.rows[b])
-            if bool(has_eos[b]):
-                why = "eos"
-            else:
-                why = "length" if int(self.limit[b]) == self.conf.max_new_tokens else "context"
-            accepted, passes, drafted = self.row_counts[row].tolist()
-            new_tokens = self.tokens[b, self.prompt_lens[b] : self.lengths[b]].clone()
-            self.results[row] = (new_tokens, RowStats(int(new_tokens.numel()), accepted, passes, drafted, why))
+        for b, new_tokens in self.rows.finish(finished, has_eos):
             self.drafter.finished(b, new_tokens)
         keep = (~finished).nonzero().flatten()
-        if keep.numel() == self.rows.numel():
-            return
-        for name in ("rows", "lengths", "prompt_lens", "limit", "tokens"):
-            setattr(self, name, getattr(self, name)[keep])
-        self.kv_target.select_rows(keep)
+        self.rows.select(keep)
+        self.kv.select_rows(keep)
         self.drafter.select_rows(keep)
 
-    def output(self, ids: torch.Tensor, start: float) -> GenerateOutput:
-        batch = ids.shape[0]
-        pad = _pad_id(self.conf)
-        longest = max(t.numel() for t, _ in self.results.values())
-        gen = torch.full((batch, longest), int(pad), dtype=torch.long, device=ids.device)
-        for row, (new_tokens, _) in self.results.items():
-            gen[row, : new_tokens.numel()] = new_tokens
-        rows = tuple(self.results[r][1] for r in range(batch))
-        stats = Stats(
-            target_passes=self.target_passes, draft_passes=self.draft_passes,
-            drafted=sum(r.drafted for r in rows), accepted=sum(r.accepted for r in rows),
-            committed=sum(r.committed for r in rows),
-            accepted_by_position=tuple(self.by_pos_acc), drafted_by_position=tuple(self.by_pos_drafted),
-            gamma_histogram=tuple(self.gamma_counts),
-            time_draft=self.t_draft, time_target=self.t_target, time_total=time.perf_counter() - start,
-            rows=rows,
-        )
-        return GenerateOutput(torch.cat([ids, gen], dim=1), stats, ids.shape[1])
+    def check(self) -> None:
+        """The cache invariant (module docstring), for the target and the drafter's own state."""
+        if self.checks and self.rows.active:
+            self.kv.check(self.rows.lengths - 1, "target")
+            self.drafter.check(self.context())
+
+    def output(self, ids: torch.Tensor, seconds: float) -> GenerateOutput:
+        """The prompts with their right-padded new tokens, and the call's statistics, in the prompts' order."""
+        outputs = [self.rows.outputs[b] for b in range(ids.shape[0])]
+        new = right_pad([tokens for tokens, _ in outputs], _pad_id(self.conf), ids.device)
+        stats = self.stats.result([(tokens.numel(), why) for tokens, why in outputs], seconds)
+        return GenerateOutput(torch.cat([ids, new], dim=1), stats, ids.shape[1])
 
 
 def _pad_id(conf: GenerationConfig) -> int:
@@ -456,8 +374,5 @@ def _pad_id(conf: GenerationConfig) -> int:
 
 def _stack(ids: torch.Tensor, parts: list[GenerateOutput], pad: int) -> GenerateOutput:
     """One output for prompts ``ids`` (B, T) that ran one at a time, as if they had run as a batch."""
-    new = [p.sequences[0, p.prompt_length :] for p in parts]
-    gen = torch.full((len(parts), max(t.numel() for t in new)), pad, dtype=torch.long, device=ids.device)
-    for b, tokens in enumerate(new):
-        gen[b, : tokens.numel()] = tokens
-    return GenerateOutput(torch.cat([ids, gen], dim=1), Stats.combine([p.stats for p in parts]), ids.shape[1])
+    new = right_pad([p.sequences[0, p.prompt_length :] for p in parts], pad, ids.device)
+    return GenerateOutput(torch.cat([ids, new], dim=1), Stats.combine([p.stats for p in parts]), ids.shape[1])

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from hfspec.acceptance import Acceptance
 from hfspec.config import check_gamma
 from hfspec.costs import Costs
 
@@ -121,31 +122,11 @@ class HeuristicGamma(GammaPolicy):
         return "heuristic"
 
 
-class Evidence:
-    """Exponentially decayed Bernoulli counts of draft acceptance, with a prior worth ``weight`` trials.
-
-    A run of n accepts then a rejection is n successes in n+1 trials; n == drafted
-    is drafted successes and no failure.
-    """
-
-    def __init__(self, prior: float, weight: float, decay: float):
-        self.accepted, self.trials, self.decay = prior * weight, weight, decay
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.trials if self.trials > 0 else 0.0
-
-    def add(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.accepted = self.decay * self.accepted + accepted
-            self.trials = self.decay * self.trials + accepted + (1 if accepted < drafted else 0)
-
-
 @dataclass
 class CostModelGamma(GammaPolicy):
     """Pick the γ that maximises the predicted speedup from running estimates.
 
-    α is estimated per drafted token from decayed counts (``Evidence``); c and v(γ)
+    α is estimated per drafted token from decayed counts (``Acceptance``); c and v(γ)
     are given (measured by the caller, e.g. ``hfspec bench``). The prior α, worth
     ``prior_weight`` trials, keeps the first steps sensible before evidence accrues.
     ``gamma="auto"`` (``AutoGamma``) measures c and v(γ) itself and may choose γ = 0.
@@ -159,7 +140,7 @@ class CostModelGamma(GammaPolicy):
     decay: float = 0.98
 
     def __post_init__(self) -> None:
-        self.evidence = Evidence(self.prior_alpha, self.prior_weight, self.decay)
+        self.evidence = Acceptance(self.prior_alpha, self.prior_weight, self.decay)
 
     @property
     def alpha(self) -> float:
@@ -170,7 +151,7 @@ class CostModelGamma(GammaPolicy):
 
     def update(self, step: Step) -> None:
         for d, n in zip(step.drafted.tolist(), step.accepted.tolist()):
-            self.evidence.add(d, n)
+            self.evidence.add_step(d, n)
 
     def __str__(self) -> str:
         return "cost-model"
@@ -237,14 +218,14 @@ class Tuning:
     """
 
     costs: Costs | None = None
-    memory: dict[Any, Evidence] = field(default_factory=dict)
+    memory: dict[Any, Acceptance] = field(default_factory=dict)
     calibration: dict[Any, Calibration] = field(default_factory=dict)
     probes: dict[Any, list[int]] = field(default_factory=dict)  # [plain steps since the last probe, interval]
     setting: Any = None  # the current call's sampling setting, the key of memory and calibration
     maximum: int = 8  # largest γ considered; costs are measured for 1..maximum+1 new tokens
 
-    def evidence(self) -> Evidence:
-        return self.memory.setdefault(self.setting, Evidence(prior=0.5, weight=2.0, decay=0.995))
+    def evidence(self) -> Acceptance:
+        return self.memory.setdefault(self.setting, Acceptance(prior=0.5, weight=2.0, decay=0.995))
 
     def calibrated(self) -> Calibration:
         return self.calibration.setdefault(self.setting, Calibration())
@@ -286,12 +267,12 @@ class AutoGamma(GammaPolicy):
         self.after_plain = True  # the next drafting step also catches up on every token since
 
     def begin(self, batch: int) -> None:
+        # Each prompt accepts at its own rate: it starts from the generator's memory and learns apart.
         memory = self.tuning.evidence()
-        self.accepted = [memory.alpha * self.row_weight] * batch
-        self.trials = [self.row_weight] * batch
+        self.by_row = [Acceptance(memory.alpha, self.row_weight, self.row_decay) for _ in range(batch)]
 
     def alphas(self, rows: torch.Tensor) -> list[float]:
-        return [min(0.99, self.accepted[r] / self.trials[r]) for r in rows.tolist()]
+        return [min(0.99, self.by_row[r].alpha) for r in rows.tolist()]
 
     def gamma(self, rows: torch.Tensor) -> int:
         self.batch, self.alpha = rows.numel(), self.alphas(rows)
@@ -338,10 +319,8 @@ class AutoGamma(GammaPolicy):
         if self.probing and any(d and n == d for d, n in zip(drafted, accepted)):
             self.probe[1] = self.probe_every  # a probe that paid: look again soon
         for row, d, n in zip(step.rows.tolist(), drafted, accepted):
-            if d:
-                self.accepted[row] = self.row_decay * self.accepted[row] + n
-                self.trials[row] = self.row_decay * self.trials[row] + n + (1 if n < d else 0)
-                memory.add(d, n)
+            self.by_row[row].add_step(d, n)
+            memory.add_step(d, n)
         if step.confidence is not None and step.confidence.numel():
             # Draft j of a row was decided if the drafts before it were accepted; it was kept if j < accepted.
             reached = [min(n + 1, d) for d, n in zip(drafted, accepted)]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 
 @dataclass(frozen=True)
 class RowStats:
@@ -92,3 +94,57 @@ class Stats:
                      "time_overhead", "tokens_per_second"):
             d[name] = getattr(self, name)
         return d
+
+
+class StatsCollector:
+    """Counts and times of one generate call while it runs; ``result`` freezes them into ``Stats``.
+
+    Per-row counts are kept by prompt (the call's batch order), so rows leaving the batch keep theirs.
+    """
+
+    def __init__(self, batch: int):
+        self.per_row = torch.zeros(batch, 3, dtype=torch.long)  # accepted, target passes, drafted
+        self.accepted_by_position: list[int] = []
+        self.drafted_by_position: list[int] = []
+        self.gamma_histogram: list[int] = []  # steps by the width of their proposal
+        self.target_passes = self.draft_passes = 0
+        self.time_draft = self.time_target = 0.0
+
+    def record(self, rows: torch.Tensor, gamma: int, drafted: torch.Tensor, accepted: torch.Tensor,
+               committed: torch.Tensor, draft_forwards: int, seconds: tuple[float, float]) -> None:
+        """One step over the active ``rows`` (B,), the prompts they are: a proposal ``gamma`` wide with
+        ``drafted`` (B,) drafts per row, ``accepted`` (B,) of them verified, ``committed`` (B,) tokens kept
+        (cut at budgets and EOS); ``seconds`` of drafting and of verification."""
+        self.target_passes += 1
+        self.draft_passes += draft_forwards
+        self.time_draft += seconds[0]
+        self.time_target += seconds[1]
+        _grow(self.gamma_histogram, gamma + 1)
+        self.gamma_histogram[gamma] += 1
+        self.per_row[rows.cpu()] += torch.stack([committed - 1, torch.ones_like(committed), drafted], dim=1).cpu()
+        positions = torch.arange(gamma, device=accepted.device)
+        accepted_at = (accepted[:, None] > positions).sum(0).tolist()
+        drafted_at = (drafted[:, None] > positions).sum(0).tolist()
+        _grow(self.accepted_by_position, gamma)
+        _grow(self.drafted_by_position, gamma)
+        for i in range(gamma):
+            self.accepted_by_position[i] += accepted_at[i]
+            self.drafted_by_position[i] += drafted_at[i]
+
+    def result(self, outputs: list[tuple[int, str]], time_total: float) -> Stats:
+        """``Stats`` of the call whose prompt b committed ``outputs[b][0]`` new tokens and stopped for
+        ``outputs[b][1]``."""
+        rows = tuple(RowStats(committed, *self.per_row[b].tolist(), why) for b, (committed, why) in enumerate(outputs))
+        return Stats(
+            target_passes=self.target_passes, draft_passes=self.draft_passes,
+            drafted=sum(r.drafted for r in rows), accepted=sum(r.accepted for r in rows),
+            committed=sum(r.committed for r in rows),
+            accepted_by_position=tuple(self.accepted_by_position), drafted_by_position=tuple(self.drafted_by_position),
+            gamma_histogram=tuple(self.gamma_histogram), time_draft=self.time_draft, time_target=self.time_target,
+            time_total=time_total, rows=rows,
+        )
+
+
+def _grow(counts: list[int], size: int) -> None:
+    """Extend ``counts`` with zeros to at least ``size`` entries."""
+    counts.extend([0] * (size - len(counts)))

@@ -5,7 +5,7 @@ Cases (median of --repeats calls, old and new alternating, after a warm-up):
   verify      one verify of γ=4 (5 positions of one row): the old loop processed each position
               on its own, then one softmax over all, then one token drawn (the residual or bonus);
               the new path warps the 5 positions in one call;
-  pick        the draft-side call: ``_Run.pick`` (new) against the same steps done the old way.
+  pick        the draft-side call: ``DraftContext.pick`` (new) against the same steps done the old way.
 Both paths give identical probabilities (tests/test_warpers.py); only the cost differs.
 Timings on a machine shared with other jobs are noisy: compare old and new from the same run.
 """
@@ -24,7 +24,8 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hfspec import sampling  # noqa: E402
-from hfspec.generator import _Run  # noqa: E402
+from hfspec.rows import Rows  # noqa: E402
+from hfspec.scoring import DraftContext, Scoring  # noqa: E402
 from hfspec.timing import cpu_model  # noqa: E402
 
 
@@ -54,15 +55,10 @@ def old_pick(processors, logits: torch.Tensor, tokens: torch.Tensor, g: torch.Ge
     return q.gather(1, token[:, None])
 
 
-def new_run(processors, vocab: int, g: torch.Generator) -> _Run:
-    """A bare ``_Run`` holding just what ``pick`` reads: one row with one committed token."""
-    run = object.__new__(_Run)
-    run.processors, run.sample, run.generator, run.vocab = processors, True, g, vocab
-    run.needs_context = sampling.needs_context(processors)
-    run.tokens = torch.zeros(1, 8, dtype=torch.long)
-    run.lengths = torch.ones(1, dtype=torch.long)
-    run.target_passes = 0
-    return run
+def new_context(processors, vocab: int, g: torch.Generator) -> DraftContext:
+    """What ``pick`` reads: one row with one committed token."""
+    rows = Rows(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long), 3, None, [])
+    return DraftContext(rows, Scoring(processors, sample=True), vocab, g, step=1)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -93,9 +89,9 @@ def measure(args: argparse.Namespace) -> dict:
         sampling.sample(p[:1], g)
 
     tokens = torch.zeros(1, 8, dtype=torch.long)
-    run = new_run(processors, args.vocab, g)
+    ctx = new_context(processors, args.vocab, g)
     cases = [("rows=1", 1, old_rows, new_rows), ("verify γ=4", 5, old_verify, new_verify),
-             ("pick", 1, lambda: old_pick(processors, logits[:1], tokens, g), lambda: run.pick(logits[:1], 0))]
+             ("pick", 1, lambda: old_pick(processors, logits[:1], tokens, g), lambda: ctx.pick(logits[:1], 0))]
     rows = []
     for name, n, old, new in cases:
         (old_median, old_best), (new_median, new_best) = timed([old, new], args.repeats)

@@ -6,6 +6,9 @@ import tiny
 import torch
 
 from hfspec import SpeculativeGenerator
+from hfspec.drafters import Proposal
+from hfspec.generator import Verdict
+from hfspec.rows import Rows
 
 LENGTHS = (1, 3, 17, 6, 29, 2)
 
@@ -80,16 +83,16 @@ def test_finished_rows_are_padded_and_reasons_reported(tiny_pair):
 
 
 def test_rows_leave_the_batch_when_they_finish(tiny_pair, monkeypatch):
-    from hfspec.generator import _Run
+    from hfspec.generator import _Loop
 
     sizes = []
-    original = _Run.verify
+    original = _Loop.verify
 
     def verify(self, proposal):
         sizes.append(proposal.tokens.shape[0])
         return original(self, proposal)
 
-    monkeypatch.setattr(_Run, "verify", verify)
+    monkeypatch.setattr(_Loop, "verify", verify)
     target, draft, tok = tiny_pair("llama", vocab_size=16)
     prompts = batch_prompts(16, seed=1)
     out = SpeculativeGenerator(target, draft, tok).generate(prompts, max_new_tokens=30, gamma=3,
@@ -109,3 +112,22 @@ def test_batched_sampling_is_reproducible_and_rows_differ(tiny_pair):
     b = gen.generate(prompts, max_new_tokens=12, gamma=3, do_sample=True, seed=3, eos_token_id=[])
     assert torch.equal(a.sequences, b.sequences)
     assert len({tuple(r) for r in a.sequences.tolist()}) > 1
+
+
+def test_a_verdict_commits_the_kept_drafts_then_the_next_token():
+    proposal = Proposal(torch.tensor([[3, 4, 5], [6, 7, 8]]))
+    verdict = Verdict(proposal, torch.tensor([1, 3]), torch.tensor([9, 10]), start=0, fed=torch.zeros(2, 4))
+    block = verdict.tokens()
+    assert block[0, :2].tolist() == [3, 9] and block[1].tolist() == [6, 7, 8, 10]
+
+
+def test_rows_commit_up_to_the_budget_and_the_first_eos():
+    ids, mask = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+    rows = Rows(ids, mask, max_new_tokens=3, window=None, eos=[2])
+    committed, has_eos = rows.commit(torch.tensor([[10, 11, 12, 2], [2, 14, 2, 15]]), torch.tensor([4, 3]))
+    assert committed.tolist() == [3, 1] and has_eos.tolist() == [False, True]  # row 0's EOS lies past its budget
+    assert rows.tokens[0, :5].tolist() == [5, 6, 10, 11, 12] and rows.tokens[1, :4].tolist() == [7, 8, 9, 2]
+    assert rows.exhausted().tolist() == [True, False]
+    done = rows.finish(torch.tensor([True, True]), has_eos)
+    assert [(b, t.tolist()) for b, t in done] == [(0, [10, 11, 12]), (1, [2])]
+    assert rows.outputs[0][1] == "length" and rows.outputs[1][1] == "eos"

@@ -7,7 +7,7 @@ import torch
 
 from hfspec import SpeculativeGenerator
 from hfspec.cache import KVState
-from hfspec.generator import _Run
+from hfspec.generator import _Loop
 from hfspec.models import forward
 
 
@@ -22,17 +22,22 @@ def pair(model_dir):
 def spy_steps(monkeypatch):
     """Record, after every step, (γ, accepted per row, target cache length, draft cache length, committed,
     committed tokens the draft has not been fed)."""
-    log = []
-    original = _Run.accept
+    log, verdicts = [], []
+    verify, retire = _Loop.verify, _Loop.retire
 
-    def accept(self, proposal, num_accepted, next_token, remaining):
-        original(self, proposal, num_accepted, next_token, remaining)
-        if self.rows.numel():
-            drafter = self.drafter
-            log.append((proposal.gamma, num_accepted.tolist(), self.kv_target.length, drafter.kv.length,
-                        self.lengths.tolist(), (self.lengths - drafter.fed).tolist()))
+    def spy_verify(self, proposal):
+        verdicts.append(verify(self, proposal))
+        return verdicts[-1]
 
-    monkeypatch.setattr(_Run, "accept", accept)
+    def spy_retire(self, finished, has_eos):  # the end of every step (and once before the first)
+        retire(self, finished, has_eos)
+        if verdicts and self.rows.active:
+            drafter, lengths, verdict = self.drafter, self.rows.lengths, verdicts[-1]
+            log.append((verdict.proposal.gamma, verdict.accepted.tolist(), self.kv.length, drafter.kv.length,
+                        lengths.tolist(), (lengths - drafter.fed).tolist()))
+
+    monkeypatch.setattr(_Loop, "verify", spy_verify)
+    monkeypatch.setattr(_Loop, "retire", spy_retire)
     return log
 
 

@@ -20,12 +20,13 @@ from test_distribution import NEW, SETTINGS, exact_joint, pair, sample_counts  #
 
 import hfspec
 from hfspec import SpeculativeGenerator, api, cli, sampling
+from hfspec.acceptance import Acceptance
 from hfspec.drafters import Drafter, Proposal
-from hfspec.drafters.hybrid import HybridDrafter, Rate, with_ngram
+from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.model import ModelDrafter
 from hfspec.drafters.ngram import History, NgramDrafter, TokenIndex
 from hfspec.errors import HfspecError
-from hfspec.generator import _Run
+from hfspec.generator import _Loop
 from hfspec.loading import load_preset
 
 
@@ -169,7 +170,7 @@ class Steps:
     def __init__(self, monkeypatch):
         self.counts: list[list[int]] = []
         self.mixed = 0
-        verify, merge = _Run.verify, HybridDrafter._merge
+        verify, merge = _Loop.verify, HybridDrafter._merge
 
         def counting_verify(run, proposal: Proposal):
             self.counts.append(proposal.drafted().tolist())
@@ -179,7 +180,7 @@ class Steps:
             self.mixed += 1
             return merge(drafter, *args)
 
-        monkeypatch.setattr(_Run, "verify", counting_verify)
+        monkeypatch.setattr(_Loop, "verify", counting_verify)
         monkeypatch.setattr(HybridDrafter, "_merge", counting_merge)
 
     def some_rows_without_drafts(self) -> bool:
@@ -248,11 +249,11 @@ def test_earlier_outputs_are_learned_when_rows_finish(tiny_pair, monkeypatch):
 # -- the hybrid's rule ----------------------------------------------------------------------------
 
 def test_rates_follow_the_evidence():
-    rate = Rate(prior=0.5, weight=2.0, decay=1.0)
+    rate = Acceptance(prior=0.5, weight=2.0, decay=1.0)
     assert rate.expected(2) == pytest.approx(0.75)
     rate.add(3, failed=True)  # 3 accepts then a rejection: 3 of 4 trials
     assert rate.alpha == pytest.approx(4 / 6)
-    assert Rate(prior=0.9).expected(8) > Rate(prior=0.5).expected(8)
+    assert Acceptance(prior=0.9).expected(8) > Acceptance(prior=0.5).expected(8)
 
 
 def test_the_hybrid_needs_a_model_drafter():

@@ -1,8 +1,10 @@
 """γ policies on scripted costs and acceptances: what they choose, and when they stop drafting."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from hfspec.acceptance import Acceptance
 from hfspec.costs import Costs
 from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, Tuning
 
@@ -138,3 +140,15 @@ def test_rows_keep_their_own_acceptance():
     assert alpha[0] > 0.9 and alpha[1] < 0.1
     # The good row alone is worth drafting for; the bad row alone is not.
     assert policy.gamma(torch.tensor([0])) > policy.gamma(torch.tensor([1]))
+
+
+def test_acceptance_counts_runs_and_steps_without_drafts_teach_nothing():
+    rate = Acceptance(prior=0.5, weight=2.0, decay=0.5)
+    rate.add_step(0, 0)  # no drafts: no trial, and no decay either
+    assert (rate.accepted, rate.trials) == (1.0, 2.0)
+    rate.add_step(4, 4)  # all accepted: 4 successes, no failure
+    assert (rate.accepted, rate.trials) == (4.5, 5.0)
+    rate.add_step(4, 1)  # one accepted, then a rejection
+    assert (rate.accepted, rate.trials) == (3.25, 4.5)
+    rate.add(0, failed=False)  # an empty run only fades the evidence: α stays
+    assert (rate.accepted, rate.trials) == (1.625, 2.25) and rate.alpha == pytest.approx(3.25 / 4.5)

@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from hfspec import sampling
-from hfspec.generator import _Run
+from hfspec.scoring import Scoring
 
 INF = float("inf")
 
@@ -226,17 +226,7 @@ def test_user_warper_before_the_sampling_warpers():
     assert len(head) == 1 and warpers == sampling.Warpers(temperature=0.7, top_p=0.9)
 
 
-# -- through the loop: _Run.checked ---------------------------------------------------------------
-
-
-def bare_run(processors: LogitsProcessorList, tokens: torch.Tensor, lengths: list[int]) -> _Run:
-    """A ``_Run`` holding just what ``checked`` and ``process`` read."""
-    run = object.__new__(_Run)
-    run.processors, run.sample, run.generator, run.vocab = processors, True, None, tokens.shape[1]
-    run.needs_context = sampling.needs_context(processors)
-    run.head, run.warpers = sampling.split_processors(processors)
-    run.tokens, run.lengths, run.target_passes = tokens, torch.tensor(lengths), 0
-    return run
+# -- through the loop: Scoring.checked --------------------------------------------------------------
 
 
 @pytest.mark.parametrize("penalty", [None, 1.5])
@@ -248,7 +238,7 @@ def test_checked_equals_per_position_reference(penalty, lengths):
     logits = torch.randn(3, k, vocab, generator=g) * 3
     processors = sampling.build_processors(GenerationConfig(do_sample=True, repetition_penalty=penalty,
                                                             temperature=0.7, top_p=0.9))
-    probs = bare_run(processors, tokens, lengths).checked(logits, "target", 0)
+    probs = Scoring(processors, sample=True).checked(logits, tokens, torch.tensor(lengths), 0, "target", 1)
     for b, length in enumerate(lengths):
         for i in range(k):
             ids = tokens[b : b + 1, : length + i]

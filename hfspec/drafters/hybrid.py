@@ -27,12 +27,12 @@ the committed tokens in its next forward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hfspec import sampling
+from hfspec.acceptance import Acceptance
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
 
@@ -40,33 +40,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 BUCKETS = 6  # match lengths 1, 2-3, 4-7, 8-15, 16-31, 32+
-
-
-@dataclass
-class Rate:
-    """A per-token acceptance estimate from exponentially decayed Bernoulli counts, with a prior."""
-
-    prior: float = 0.5
-    weight: float = 2.0  # the prior is worth this many trials
-    decay: float = 0.98
-
-    def __post_init__(self) -> None:
-        self.successes = self.prior * self.weight
-        self.trials = self.weight
-
-    @property
-    def alpha(self) -> float:
-        return self.successes / self.trials
-
-    def add(self, accepted: int, failed: bool) -> None:
-        """A run of ``accepted`` successes, then one failure if ``failed``; older evidence decays."""
-        self.successes = self.decay * self.successes + accepted
-        self.trials = self.decay * self.trials + accepted + failed
-
-    def expected(self, drafts: int) -> float:
-        """Expected accepted drafts of ``drafts`` proposed: α + α² + … + α^drafts."""
-        a = min(self.alpha, 0.999)
-        return a * (1 - a ** drafts) / (1 - a)
 
 
 def bucket(match_length: int) -> int:
@@ -95,8 +68,8 @@ class HybridDrafter(Drafter):
         self.feature_layers = main.feature_layers
         self.ngram = ngram if ngram is not None else NgramDrafter()
         self.vocab_size = main.vocab_size
-        self.ngram_rates = [Rate() for _ in range(BUCKETS)]
-        self.main_rate = Rate()
+        self.ngram_rates = [Acceptance() for _ in range(BUCKETS)]
+        self.main_rate = Acceptance()
         self._step: dict[str, Any] | None = None  # the last proposal, until it is committed
 
     @property

@@ -1,0 +1,104 @@
+"""From raw logits to what acceptance compares, the same way for the target and the draft.
+
+The acceptance rule min(1, p/q) (Leviathan et al., arXiv 2211.17192) is lossless only
+if p and q are the distributions the target and the draft would really sample from:
+both go through the user's logits processors and the sampling warpers, each position
+seeing its own row's text so far (the drafts before it included). ``Scoring`` does
+that once for both; ``DraftContext`` is what a drafter sees of the loop
+(``hfspec.drafters.Context``), its ``pick`` the draft side of it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import LogitsProcessor
+
+from hfspec import sampling
+from hfspec.errors import NumericalFault
+from hfspec.rows import Rows
+
+
+class Scoring:
+    """The processors of one generate call, split into the part transformers runs and the warpers
+    hfspec runs once over all positions (``sampling.split_processors``)."""
+
+    def __init__(self, processors: Sequence[LogitsProcessor], sample: bool):
+        self.sample = sample
+        self.needs_context = sampling.needs_context(processors)
+        self.head, self.warpers = sampling.split_processors(processors) if sample else (processors, None)
+
+    def checked(self, logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, extra: int, role: str,
+                step: int) -> torch.Tensor:
+        """Process raw ``logits`` (B, k, V): probabilities when sampling, else scores, for argmax.
+
+        Position i follows row b's first ``lengths[b] + extra + i`` of ``tokens``. Refuses
+        values that would silently become arbitrary tokens: one reduction finds any NaN or
+        inf in the raw logits (their sum is then not finite); ``role`` and ``step`` (the
+        target pass in progress) name where. When sampling, the warpers at the end of the
+        pipeline run once over all B·k positions (``sampling.warped_probs``: the same
+        probabilities as transformers' warpers).
+        """
+        if not bool(torch.isfinite(logits.sum())):
+            raise NumericalFault(
+                f"the {role} model produced NaN or infinite logits at step {step}; "
+                "check its weights and dtype (fp16 overflows are common: try dtype=bfloat16 or float32)"
+            )
+        scores = self.process(logits, tokens, lengths, extra)
+        if self.head and bool((scores.amax(dim=-1) == float("-inf")).any()):
+            raise NumericalFault(f"the {role} logits leave no token possible after processing "
+                                 "(every token was filtered out); relax bad_words_ids/suppress_tokens")
+        if self.warpers is None:
+            return scores
+        batch, k, vocab = scores.shape
+        return sampling.warped_probs(scores.reshape(batch * k, vocab), self.warpers).view(batch, k, vocab)
+
+    def process(self, logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, extra: int) -> torch.Tensor:
+        """Apply the head processors to ``logits`` (B, k, V) as ``checked`` places them; all positions in one
+        call when no processor reads the context."""
+        batch, k, vocab = logits.shape
+        if not self.head:
+            return logits
+        if not self.needs_context:  # the warpers a head leaves out never read the context
+            ids = tokens[:, :1].repeat_interleave(k, dim=0)
+            flat = sampling.process(self.head, logits.reshape(batch * k, vocab), ids)
+            return flat.view(batch, k, vocab)
+        return torch.stack([sampling.process(self.head, logits[:, i], prefixes(tokens, lengths + extra + i))
+                            for i in range(k)], dim=1)
+
+
+def prefixes(tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+    """Row b's ``tokens`` up to ``ends[b]`` (the context a processor sees): one tensor when rows agree."""
+    if bool((ends == ends[0]).all()):
+        return tokens[:, : int(ends[0])]
+    return [tokens[b, : int(e)] for b, e in enumerate(ends.tolist())]
+
+
+class DraftContext:
+    """What a drafter sees of the loop (``hfspec.drafters.Context``): the rows' committed tokens and ``pick``.
+
+    The loop makes one per drafter call, so that the confidences of a proposal's picks go back
+    to the loop with that proposal (``confidence``) and nowhere else; within one call the
+    rows neither commit nor leave, so ``tokens`` and ``lengths`` are the rows' own tensors.
+    """
+
+    def __init__(self, rows: Rows, scoring: Scoring, vocab: int, generator: torch.Generator | None, step: int):
+        self.rows, self.scoring, self.vocab, self.generator, self.step = rows, scoring, vocab, generator, step
+        self.tokens, self.lengths, self.sample = rows.tokens, rows.lengths, scoring.sample
+        self.picked: list[torch.Tensor] = []  # (B,) the drafter's probability of each pick, in order
+
+    def pick(self, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Draft i of each row from raw draft logits (B, ≥vocab), processed like the target's scores will be
+        and written after the committed tokens, where later positions' processors read it."""
+        out = self.scoring.checked(logits[:, None, : self.vocab], self.tokens, self.lengths, i, "draft",
+                                   self.step)[:, 0]  # (B, V)
+        q = out if self.sample else sampling.probs_from_logits(out)
+        token = sampling.sample(q, self.generator) if self.sample else out.argmax(dim=-1)
+        self.rows.write(token[:, None], offset=i)
+        confidence = q.gather(1, token[:, None]).squeeze(1)
+        self.picked.append(confidence)
+        return token, (q if self.sample else None), confidence
+
+    def confidence(self) -> torch.Tensor | None:
+        """(B, picks) on the CPU, what the γ policy calibrates; None when the drafter picked nothing here."""
+        return torch.stack(self.picked, 1).cpu() if self.picked else None
