@@ -17,7 +17,7 @@
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int VW = 16, MB = 4, NB = 4;  // 16 accumulators + 4 weight + 4 input registers of 32
+constexpr int VW = 16, MB = 8, NB = 3;  // 24 accumulators + 3 weight + 1 input of 32 registers
 typedef __m512 vec;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -34,7 +34,7 @@ inline vec vload_bf16_tail(const uint16_t* p, int n) {
 }
 const char* ISA = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int VW = 8, MB = 2, NB = 4;  // 8 accumulators + 4 weight + 2 input registers of 16
+constexpr int VW = 8, MB = 2, NB = 4;  // 8 accumulators + 4 weight + 1 input of 16 registers
 typedef __m256 vec;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
@@ -76,54 +76,47 @@ inline vec wload_tail(const float* p, int n) { return vload_tail(p, n); }
 inline vec wload_tail(const uint16_t* p, int n) { return vload_bf16_tail(p, n); }
 
 // sums[i * NB + j] = dot(x row i, w row j) over K, for R <= MB input rows and C <= NB weight rows.
+// With ``next`` set, the next block's weight rows are prefetched as this one streams in, so that memory
+// keeps streaming while the other passes of input rows run over this block from L1. (Spreading the
+// prefetches over all passes measured slower.)
 template <int R, int C, typename W>
-void block(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* sums) {
+void block(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* sums, const W* next) {
     vec acc[R][C];
     for (int i = 0; i < R; ++i)
         for (int j = 0; j < C; ++j) acc[i][j] = vzero();
     int64_t k = 0;
     for (; k + VW <= K; k += VW) {
-        vec xv[R];
-        for (int i = 0; i < R; ++i) xv[i] = vload(x + i * ldx + k);
-        for (int j = 0; j < C; ++j) {
-            vec wv = wload(w + j * ldw + k);
-            for (int i = 0; i < R; ++i) acc[i][j] = vfma(xv[i], wv, acc[i][j]);
+        if (next && (k * sizeof(W)) % 64 == 0)
+            for (int j = 0; j < NB; ++j) __builtin_prefetch(next + j * ldw + k);
+        vec wv[C];  // C weight registers held, one input register at a time: R * C + C + 1 in all
+        for (int j = 0; j < C; ++j) wv[j] = wload(w + j * ldw + k);
+        for (int i = 0; i < R; ++i) {
+            vec xv = vload(x + i * ldx + k);
+            for (int j = 0; j < C; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
         }
     }
     if (k < K) {  // the last K % VW columns, loaded masked so that no bytes past a row are read
         int n = (int)(K - k);
-        vec xv[R];
-        for (int i = 0; i < R; ++i) xv[i] = vload_tail(x + i * ldx + k, n);
-        for (int j = 0; j < C; ++j) {
-            vec wv = wload_tail(w + j * ldw + k, n);
-            for (int i = 0; i < R; ++i) acc[i][j] = vfma(xv[i], wv, acc[i][j]);
+        vec wv[C];
+        for (int j = 0; j < C; ++j) wv[j] = wload_tail(w + j * ldw + k, n);
+        for (int i = 0; i < R; ++i) {
+            vec xv = vload_tail(x + i * ldx + k, n);
+            for (int j = 0; j < C; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
         }
     }
     for (int i = 0; i < R; ++i)
         for (int j = 0; j < C; ++j) sums[i * NB + j] = vsum(acc[i][j]);
 }
 
-// Dispatch to the block shape of the edges of M and N, so that neither needs padding.
-template <int R, typename W>
-void block_cols(int C, const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* sums) {
-    static_assert(NB == 4, "block_cols covers 1..4 columns");
-    switch (C) {
-        case 1: block<R, 1>(x, ldx, w, ldw, K, sums); break;
-        case 2: block<R, 2>(x, ldx, w, ldw, K, sums); break;
-        case 3: block<R, 3>(x, ldx, w, ldw, K, sums); break;
-        default: block<R, 4>(x, ldx, w, ldw, K, sums);
-    }
-}
-
-template <typename W>
-void block_any(int R, int C, const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* sums) {
-    static_assert(MB <= 4, "block_any covers 1..4 rows");
-    switch (R) {
-        case 1: block_cols<1>(C, x, ldx, w, ldw, K, sums); break;
-        case 2: block_cols<(MB < 2 ? MB : 2)>(C, x, ldx, w, ldw, K, sums); break;
-        case 3: block_cols<(MB < 3 ? MB : 3)>(C, x, ldx, w, ldw, K, sums); break;
-        default: block_cols<MB>(C, x, ldx, w, ldw, K, sums);
-    }
+// The block shape for the edges of M and N (R <= MB rows, C <= NB columns), so that neither needs padding.
+template <typename W, int R = MB, int C = NB>
+void block_any(int r, int c, const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* sums,
+               const W* next) {
+    if constexpr (R > 1)
+        if (r < R) return block_any<W, R - 1, C>(r, c, x, ldx, w, ldw, K, sums, next);
+    if constexpr (C > 1)
+        if (c < C) return block_any<W, R, C - 1>(r, c, x, ldx, w, ldw, K, sums, next);
+    block<R, C>(x, ldx, w, ldw, K, sums, next);
 }
 
 template <typename W>
@@ -138,7 +131,8 @@ void linear(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b
         float sums[MB * NB];
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             const int R = (int)(M - m0 < MB ? M - m0 : MB);
-            block_any(R, C, x + m0 * ldx, ldx, w + n0 * ldw, ldw, K, sums);
+            const W* next = (m0 == 0 && n0 + 2 * NB <= N) ? w + (n0 + NB) * ldw : nullptr;
+            block_any(R, C, x + m0 * ldx, ldx, w + n0 * ldw, ldw, K, sums, next);
             for (int i = 0; i < R; ++i)
                 for (int j = 0; j < C; ++j)
                     y[(m0 + i) * ldy + n0 + j] = sums[i * NB + j] + (b ? b[n0 + j] : 0.0f);
