@@ -1,4 +1,4 @@
-"""Eager torch against hfspec's CPU linear kernel (hfspec.fast) on the offline target, SmolLM2-135M in fp32.
+"""Eager torch against hfspec's CPU linear kernel (hfspec.fast) on the offline target, SmolLM2-135M (fp32 or bf16).
 
 Sections (each eager/kernel pair alternates within every round, so load from other jobs hits both alike;
 on a shared machine compare the two from the same run, and read ratios rather than absolute times):
@@ -145,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=8, help="tokens per forward for the logit difference")
     parser.add_argument("--prompts", type=int, default=10, help="prompts for greedy agreement")
     parser.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per prompt")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the target's dtype")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["build", "linear", "model", "numerics"])
     return parser.parse_args(argv)
@@ -156,11 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)  # the kernel runs torch.get_num_threads() threads as well
     path = offline_target_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = (prompts * args.prompts)[:args.prompts]
-    result = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "load_before": os.getloadavg()}
+    result = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": args.dtype,
+              "load_before": os.getloadavg()}
     if "build" not in args.skip:
         result["build"] = build_costs()
     if "linear" not in args.skip:
