@@ -1,0 +1,160 @@
+// Linear layers for a handful of rows: y[M, N] = x[M, K] @ w[N, K]^T (+ b[N]), fp32 and bf16 weights.
+//
+// A decoding step (M = 1) or the verification of k drafts (M = k + 1) is bound by streaming the weights
+// from memory once.  The weights stay in nn.Linear's own [N, K] layout; each thread takes a contiguous
+// range of output features and, for each block of NB weight rows, runs every block of MB input rows over
+// it while it is still in L1, so M rows cost about what one row costs (the ggml micro-GEMM shape).
+// The vector width is chosen when this file is compiled (-march=native): AVX-512, AVX2+FMA or scalar.
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VW = 16, MB = 8, NB = 3;  // 24 accumulators + 3 weight + 1 input of 32 registers
+typedef __m512 vec;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload_tail(const float* p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+// bf16 holds the high half of an fp32: widen 16 of them by a shift into the upper 16 bits.
+inline vec vload_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline vec vload_bf16_tail(const uint16_t* p, int n) {
+    __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+const char* ISA = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int VW = 8, MB = 2, NB = 4;  // 8 accumulators + 4 weight + 1 input of 16 registers
+typedef __m256 vec;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256i tail_mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vec vload_tail(const float* p, int n) { return _mm256_maskload_ps(p, tail_mask(n)); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline vec vload_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline vec vload_bf16_tail(const uint16_t* p, int n) {
+    uint16_t buf[8] = {0};
+    memcpy(buf, p, n * sizeof(uint16_t));
+    return vload_bf16(buf);
+}
+const char* ISA = "avx2";
+#else
+constexpr int VW = 1, MB = 2, NB = 4;
+typedef float vec;
+inline vec vzero() { return 0.0f; }
+inline vec vload(const float* p) { return *p; }
+inline vec vload_tail(const float* p, int) { return *p; }
+inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
+inline float vsum(vec v) { return v; }
+inline vec vload_bf16(const uint16_t* p) { uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f; }
+inline vec vload_bf16_tail(const uint16_t* p, int) { return vload_bf16(p); }
+const char* ISA = "scalar";
+#endif
+
+inline vec wload(const float* p) { return vload(p); }
+inline vec wload(const uint16_t* p) { return vload_bf16(p); }
+inline vec wload_tail(const float* p, int n) { return vload_tail(p, n); }
+inline vec wload_tail(const uint16_t* p, int n) { return vload_bf16_tail(p, n); }
+
+// sums[i * NB + j] = dot(x row i, w row j) over K, for R <= MB input rows and C <= NB weight rows.
+// With ``next`` set, the next block's weight rows are prefetched as this one streams in, so that memory
+// keeps streaming while the other passes of input rows run over this block from L1. (Spreading the
+// prefetches over all passes measured slower.)
+template <int R, int C, typename W>
+void block(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* sums, const W* next) {
+    vec acc[R][C];
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < C; ++j) acc[i][j] = vzero();
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) {
+        if (next && (k * sizeof(W)) % 64 == 0)
+            for (int j = 0; j < NB; ++j) __builtin_prefetch(next + j * ldw + k);
+        vec wv[C];  // C weight registers held, one input register at a time: R * C + C + 1 in all
+        for (int j = 0; j < C; ++j) wv[j] = wload(w + j * ldw + k);
+        for (int i = 0; i < R; ++i) {
+            vec xv = vload(x + i * ldx + k);
+            for (int j = 0; j < C; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (k < K) {  // the last K % VW columns, loaded masked so that no bytes past a row are read
+        int n = (int)(K - k);
+        vec wv[C];
+        for (int j = 0; j < C; ++j) wv[j] = wload_tail(w + j * ldw + k, n);
+        for (int i = 0; i < R; ++i) {
+            vec xv = vload_tail(x + i * ldx + k, n);
+            for (int j = 0; j < C; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < C; ++j) sums[i * NB + j] = vsum(acc[i][j]);
+}
+
+// The block shape for the edges of M and N (R <= MB rows, C <= NB columns), so that neither needs padding.
+template <typename W, int R = MB, int C = NB>
+void block_any(int r, int c, const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* sums,
+               const W* next) {
+    if constexpr (R > 1)
+        if (r < R) return block_any<W, R - 1, C>(r, c, x, ldx, w, ldw, K, sums, next);
+    if constexpr (C > 1)
+        if (c < C) return block_any<W, R, C - 1>(r, c, x, ldx, w, ldw, K, sums, next);
+    block<R, C>(x, ldx, w, ldw, K, sums, next);
+}
+
+template <typename W>
+void linear(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b, float* y, int64_t ldy,
+            int64_t M, int64_t N, int64_t K, int threads) {
+    const int64_t blocks = (N + NB - 1) / NB;
+    // Static scheduling gives each thread one contiguous stretch of weight rows to stream.
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t nb = 0; nb < blocks; ++nb) {
+        const int64_t n0 = nb * NB;
+        const int C = (int)(N - n0 < NB ? N - n0 : NB);
+        float sums[MB * NB];
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            const int R = (int)(M - m0 < MB ? M - m0 : MB);
+            const W* next = (m0 == 0 && n0 + 2 * NB <= N) ? w + (n0 + NB) * ldw : nullptr;
+            block_any(R, C, x + m0 * ldx, ldx, w + n0 * ldw, ldw, K, sums, next);
+            for (int i = 0; i < R; ++i)
+                for (int j = 0; j < C; ++j)
+                    y[(m0 + i) * ldy + n0 + j] = sums[i * NB + j] + (b ? b[n0 + j] : 0.0f);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* hfspec_isa() { return ISA; }
+
+void hfspec_linear_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b, float* y,
+                       int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    linear<float>(x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
+}
+
+// bf16 weights (as raw uint16 bits) with fp32 inputs, bias and output.
+void hfspec_linear_bf16w(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, const float* b, float* y,
+                         int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    linear<uint16_t>(x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
+}
+
+}

@@ -1,0 +1,141 @@
+"""Opt-in fast CPU forwards: a model's ``nn.Linear`` layers run hfspec's kernel for a handful of rows.
+
+Verification feeds k + 1 tokens through the target in one forward; on CPU that should cost about one
+decoding step, since both stream the same weights once, but torch's small-M GEMMs are far from that.
+:func:`accelerate` turns every plain ``nn.Linear`` of a model the caller passes (attention, MLP, output
+head) into a :class:`FastLinear`, which runs :mod:`hfspec.kernels` for inputs of at most ``max_rows``
+rows on CPU with fp32 or bf16 weights and torch's ``F.linear`` for anything else (prefill, other
+devices and dtypes, autograd). Weights keep their tensors and layout: nothing is copied, and a head
+tied to the embedding stays tied. :func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off.
+
+The kernel sums in a different order than torch's GEMMs, so logits differ in the last bits of fp32
+(see ``scripts/kernel_speed.py``); a patched model is consistent with itself, e.g. its own
+``generate()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hfspec import kernels
+
+__all__ = ["AccelerationReport", "FastLinear", "accelerate", "accelerated", "is_accelerated", "restore"]
+
+MAX_ROWS = 16  # beyond this torch's blocked GEMM (the prefill) is as fast or faster
+_DTYPES = (torch.float32, torch.bfloat16)
+# The kernel :func:`accelerate` loaded, read on every forward (finding it again would hash the source);
+# a FastLinear unpickled in a process that never called accelerate() runs torch's linear.
+_KERNEL: kernels.KernelLibrary | None = None
+
+
+class FastLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward uses hfspec's kernel for few rows on CPU (same parameters, same state).
+
+    Made only by :func:`accelerate` (which swaps the class of an existing layer); ``max_rows`` is set there.
+    """
+
+    max_rows: int = MAX_ROWS
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        library = _KERNEL
+        if (library is None or input.device.type != "cpu" or w.device.type != "cpu" or input.dtype != w.dtype
+                or w.dtype not in _DTYPES or input.shape[-1] != self.in_features or not w.is_contiguous()
+                or input.numel() > self.max_rows * self.in_features
+                or (torch.is_grad_enabled() and (w.requires_grad or input.requires_grad))):
+            return F.linear(input, w, b)
+        x = input.reshape(-1, self.in_features)
+        if x.dtype != torch.float32 or x.stride(-1) != 1:  # bf16 activations are summed in fp32
+            x = x.float().contiguous()
+        bias = None if b is None else b.float().contiguous()
+        out = kernels.linear(library, x, w, bias)
+        return out.to(input.dtype).reshape(*input.shape[:-1], self.out_features)
+
+
+@dataclass(frozen=True)
+class AccelerationReport:
+    """What :func:`accelerate` did: converted layer names, skipped ones with the reason, memory added."""
+
+    layers: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]
+    bytes_added: int                 # always 0: weights keep their tensors and layout
+    isa: str | None                  # the kernel's vector ISA, None when it is not in use
+    library: Path | None
+    build_seconds: float             # compile time paid by this call (0.0 from the cache)
+    reason: str | None = None        # why nothing was converted, if so
+
+
+def _skip_reason(module: nn.Linear) -> str | None:
+    """Why a layer stays torch's, or None if it can take the kernel."""
+    if module.weight.device.type != "cpu":
+        return f"weight on {module.weight.device}"
+    if module.weight.dtype not in _DTYPES:
+        return f"weight dtype {module.weight.dtype}"
+    if not module.weight.is_contiguous():
+        return "weight not contiguous"
+    return None
+
+
+def accelerate(model: nn.Module, *, max_rows: int = MAX_ROWS) -> AccelerationReport:
+    """Make ``model``'s plain ``nn.Linear`` layers run hfspec's kernel for inputs of at most ``max_rows`` rows.
+
+    Builds the kernel on first use (seconds, cached afterwards). The model is changed in place; nothing
+    else is touched, and :func:`restore` undoes it. Where the kernel cannot be built or ``HFSPEC_KERNELS=0``
+    is set, the model is left as it is and the report says why.
+    """
+    if not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"max_rows must be a positive int (rows per call to run on the kernel), got {max_rows!r}")
+    if os.environ.get("HFSPEC_KERNELS", "1") == "0":
+        return AccelerationReport((), (), 0, None, None, 0.0, reason="HFSPEC_KERNELS=0")
+    global _KERNEL
+    library = kernels.load()
+    if library is None:
+        return AccelerationReport((), (), 0, None, None, 0.0, reason=kernels.build_failure())
+    _KERNEL = library
+    layers, skipped = [], []
+    for name, module in model.named_modules():
+        if type(module) not in (nn.Linear, FastLinear):  # subclasses (quantised, LoRA...) have their own forward
+            continue
+        why = _skip_reason(module)
+        if why is not None:
+            skipped.append((name, why))
+            continue
+        module.__class__ = FastLinear
+        module.max_rows = max_rows
+        layers.append(name)
+    return AccelerationReport(tuple(layers), tuple(skipped), 0, library.isa, library.path, library.build_seconds)
+
+
+def restore(model: nn.Module) -> int:
+    """Turn ``model``'s :class:`FastLinear` layers back into ``nn.Linear``; the number restored."""
+    count = 0
+    for module in model.modules():
+        if type(module) is FastLinear:
+            module.__class__ = nn.Linear
+            module.__dict__.pop("max_rows", None)
+            count += 1
+    return count
+
+
+def is_accelerated(model: nn.Module) -> bool:
+    """Whether any layer of ``model`` runs the kernel."""
+    return any(type(m) is FastLinear for m in model.modules())
+
+
+@contextlib.contextmanager
+def accelerated(model: nn.Module, *, max_rows: int = MAX_ROWS) -> Iterator[AccelerationReport]:
+    """``with accelerated(model) as report:`` runs the kernel inside the block and restores the model after."""
+    was_accelerated = is_accelerated(model)
+    report = accelerate(model, max_rows=max_rows)
+    try:
+        yield report
+    finally:
+        if not was_accelerated:
+            restore(model)

@@ -1,0 +1,159 @@
+"""hfspec's CPU linear kernel: built from ``hfspec/csrc/linear.cpp`` at first use and loaded with ctypes.
+
+A decoding step (one row) or the verification of k drafts (k + 1 rows) on CPU is bound by streaming the
+weights from memory once, but torch's small-M GEMMs run far below that bound. The kernel streams each
+block of weight rows once and uses it for every input row (see the C++ file), so k + 1 rows cost about
+what one costs. It is compiled with the system C++ compiler (``$HFSPEC_CXX``, default ``g++``) for this
+CPU into ``$HFSPEC_CACHE/kernels`` (default ``~/.cache/hfspec``), keyed by a hash of the source, the
+compiler, its flags and the CPU's flags, under a file lock so that concurrent processes build it once.
+Where no compiler exists or the build fails, :func:`load` logs one warning and returns ``None``, and
+callers keep torch's own ``F.linear``.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hfspec.assets import cache_dir
+
+try:  # POSIX file locks; elsewhere concurrent first builds are not serialised
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
+__all__ = ["KernelLibrary", "build", "build_failure", "compiler", "library_path", "linear", "load"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "linear.cpp"
+# -march=native picks AVX-512 or AVX2+FMA for this CPU (the cache key holds the CPU's flags);
+# no -ffast-math, so every sum is IEEE fp32 (FMA contraction aside).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+BUILD_TIMEOUT_S = 120
+
+# Weight dtypes the kernel reads; inputs, bias and output are fp32 (bf16 activations are widened).
+_ENTRY = {torch.float32: "hfspec_linear_f32", torch.bfloat16: "hfspec_linear_bf16w"}
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """The loaded kernel: where it lives, the vector ISA it was compiled for, and what building it cost."""
+
+    path: Path
+    isa: str                     # "avx512", "avx2" or "scalar"
+    build_seconds: float         # 0.0 when it came from the cache
+    entries: dict = field(repr=False, compare=False)  # weight dtype -> ctypes function
+
+    def __deepcopy__(self, memo: dict) -> KernelLibrary:
+        return self  # a loaded shared library is process state, not data
+
+
+# Per process and per library path: the loaded library, or the reason it could not be built.
+_LOADED: dict[Path, KernelLibrary | str] = {}
+
+
+def compiler() -> str:
+    """The C++ compiler to build with: ``$HFSPEC_CXX`` if set, else ``g++``."""
+    return os.environ.get("HFSPEC_CXX") or "g++"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), else the platform's name: part of the cache key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def library_path(cxx: str | None = None) -> Path:
+    """Where the library for this source, compiler, flags and CPU is cached."""
+    cxx = cxx or compiler()
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cxx.encode(), " ".join(FLAGS).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"linear-{key}.so"
+
+
+def build(path: Path, cxx: str) -> float:
+    """Compile the source to ``path`` (atomically, under a lock) unless it exists; the seconds it took."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same library
+        if path.is_file():
+            return 0.0
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run([cxx, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cxx} exited with {proc.returncode}: {proc.stderr.strip()[-500:]}")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return time.perf_counter() - t0
+
+
+def _open(path: Path, seconds: float) -> KernelLibrary:
+    lib = ctypes.CDLL(str(path))  # torch is imported first, so its OpenMP runtime is the one shared
+    lib.hfspec_isa.restype = ctypes.c_char_p
+    entries = {}
+    for dtype, name in _ENTRY.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, _ARGTYPES
+        entries[dtype] = fn
+    return KernelLibrary(path=path, isa=lib.hfspec_isa().decode(), build_seconds=seconds, entries=entries)
+
+
+def load() -> KernelLibrary | None:
+    """The kernel library, built on first use; ``None`` (with one warning) where it cannot be built."""
+    cxx = compiler()
+    path = library_path(cxx)
+    if path not in _LOADED:
+        try:
+            _LOADED[path] = _open(path, build(path, cxx))
+            log.info("hfspec kernel %s (%s) ready", path, _LOADED[path].isa)
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
+            _LOADED[path] = f"cannot build the CPU kernel with {cxx!r} ({err}); using torch's linear"
+            log.warning("%s; set HFSPEC_CXX to a working C++ compiler to use it", _LOADED[path])
+    found = _LOADED[path]
+    return found if isinstance(found, KernelLibrary) else None
+
+
+def build_failure() -> str | None:
+    """Why the kernel for the current compiler could not be built, or ``None`` if it could (or was not tried)."""
+    found = _LOADED.get(library_path())
+    return found if isinstance(found, str) else None
+
+
+def linear(library: KernelLibrary, x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for 2-D fp32 ``x`` (M, K) on CPU, with an fp32 or bf16 ``weight`` (N, K).
+
+    ``x`` and ``weight`` need unit stride along K; ``bias`` is fp32 and contiguous. The caller checks the
+    device and dtypes (see :mod:`hfspec.fast`); the output is a new contiguous fp32 (M, N) tensor.
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"linear needs x (M, K) and weight (N, K) with unit stride along K; got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}: pass .contiguous() tensors")
+    out = torch.empty((m, n), dtype=torch.float32)
+    library.entries[weight.dtype](x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                                  None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
+                                  torch.get_num_threads())
+    return out
