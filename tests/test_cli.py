@@ -316,7 +316,8 @@ def test_optional_commands_are_registered_when_present(capsys, name):
 
 def test_subprocess_stream_chat_and_json(pair, preset, tmp_path):
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "HFSPEC_CACHE": str(tmp_path / "cache")}
+    # One thread each: the three processes run side by side on what may be two cores.
+    env = {**os.environ, "HFSPEC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
     def hfspec_cmd(*argv: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "hfspec.cli", "generate", PROMPT, *argv], cwd=root, env=env,
