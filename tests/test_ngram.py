@@ -281,7 +281,7 @@ def test_each_drafter_tells_its_own_model_and_the_parameters_a_step_reads(tiny_p
 
 NGRAM_PROMPTS = [[6, 6, 6, 6, 6], [8]]  # a strong match, and none at first
 HYBRID_PROMPTS = [[8, 6, 6, 6], [8]]  # the lookup wins the first row, the draft model the second
-SAMPLES = 6_000  # per prompt: two calls of 6000 rows, half of them each prompt's
+SAMPLES = 3_000  # per prompt: one call of 6000 rows, half of them each prompt's
 
 
 def generators(pair):
@@ -319,7 +319,7 @@ def test_negative_controls_are_detected(pair, kind, control, monkeypatch):
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)
     else:
         monkeypatch.setattr(sampling, "verify", accept_always(sampling.verify))
-    counts = sample_counts(gen, prompts, {}, seed=3, samples=SAMPLES // 2)  # p-values near 1e-200: ample power
+    counts = sample_counts(gen, prompts, {}, seed=3, samples=SAMPLES)  # p-values near 1e-200: ample power
     assert chi_square_pvalue(counts[0], exact_joint(pair[0], prompts[0], {})) < ALPHA
 
 

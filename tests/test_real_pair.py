@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfspec import SpeculativeGenerator
-from hfspec.assets import offline_target_path, shipped_draft_path, shipped_head_path
+from hfspec.assets import cache_dir, offline_target_path, shipped_draft_path, shipped_head_path
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -19,8 +19,12 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def real_pair():
-    target_dir = offline_target_path(progress=False)
+def real_pair(request):
+    # The user's built copy when there is one, else the session's fresh build (which test_assets makes anyway).
+    with pytest.MonkeyPatch.context() as mp:
+        if not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():
+            mp.setenv("HFSPEC_CACHE", str(request.getfixturevalue("offline_target")[0]))
+        target_dir = offline_target_path(progress=False)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)
     draft = AutoModelForCausalLM.from_pretrained(shipped_draft_path(), dtype=torch.float32).eval()
@@ -33,12 +37,28 @@ def chat_ids(tok, text):
     return enc["input_ids"]
 
 
+@pytest.fixture(scope="module")
+def reference(real_pair):
+    """``reference(prompt, new)``: the target's own greedy output (prompt included) for a chat prompt, generated
+    once for the longest length asked (greedy without EOS: a shorter run is its prefix)."""
+    target, _, tok = real_pair
+    done: dict[str, torch.Tensor] = {}
+
+    def make(prompt: str, new: int) -> torch.Tensor:
+        ids = chat_ids(tok, prompt)
+        if prompt not in done or done[prompt].shape[1] - ids.shape[1] < new:
+            done[prompt] = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                           do_sample=False, eos_token_id=None)
+        return done[prompt][:, : ids.shape[1] + new]
+
+    return make
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_equals_the_target_on_real_prompts(real_pair, prompt):
+def test_greedy_equals_the_target_on_real_prompts(real_pair, reference, prompt):
     target, draft, tok = real_pair
     ids = chat_ids(tok, prompt)
-    want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
-                           eos_token_id=None)
+    want = reference(prompt, 40)
     out = SpeculativeGenerator(target, draft, tok).generate(ids, max_new_tokens=40, gamma=3, eos_token_id=[])
     assert out.sequences.shape[1] - ids.shape[1] == 40
     assert torch.equal(out.sequences, want), tok.decode(out.sequences[0, ids.shape[1]:])
@@ -52,7 +72,7 @@ def test_shipped_draft_shares_the_target_tokenizer(real_pair):
     assert draft.config.vocab_size == target.config.vocab_size
 
 
-def test_an_eagle3_head_for_the_real_target_is_exact(real_pair, tmp_path):
+def test_an_eagle3_head_for_the_real_target_is_exact(real_pair, reference, tmp_path):
     # A random head with the shape a SmolLM2 head has (features from layers 2, 15, 27), stored as it would ship.
     from hfspec.drafters.eagle3 import Eagle3Drafter
     from hfspec.heads.checkpoint import save_head
@@ -68,12 +88,11 @@ def test_an_eagle3_head_for_the_real_target_is_exact(real_pair, tmp_path):
     gen = SpeculativeGenerator(target, str(path), tok)
     assert isinstance(gen.drafter, Eagle3Drafter) and gen.drafter.feature_layers == (2, 15, 27)
     ids = chat_ids(tok, PROMPTS[0])
-    want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                           eos_token_id=None)
+    want = reference(PROMPTS[0], 20)
     assert torch.equal(gen.generate(ids, max_new_tokens=20, gamma=3, eos_token_id=[]).sequences, want)
 
 
-def test_the_shipped_eagle3_head_is_exact_and_drafts_well(real_pair):
+def test_the_shipped_eagle3_head_is_exact_and_drafts_well(real_pair, reference):
     from hfspec.drafters.eagle3 import Eagle3Drafter
 
     target, _, tok = real_pair
@@ -83,8 +102,7 @@ def test_the_shipped_eagle3_head_is_exact_and_drafts_well(real_pair):
     accepted = []
     for prompt in PROMPTS:
         ids = chat_ids(tok, prompt)
-        want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
-                               eos_token_id=None)
+        want = reference(prompt, 40)
         out = gen.generate(ids, max_new_tokens=40, gamma=3, eos_token_id=[])
         assert torch.equal(out.sequences, want), tok.decode(out.sequences[0, ids.shape[1]:])
         accepted.append(out.stats.mean_accepted_length)

@@ -48,17 +48,27 @@ def reference(model, ids: torch.Tensor, n: int = NEW, **kwargs) -> torch.Tensor:
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **kwargs)
 
 
+# Three tokens allowed (the same processing on both sides): unrelated random models then agree
+# often enough that steps keep every number of drafts, so replays of every length happen.
+SUPPRESS = [t for t in range(V) if t not in (10, 11, 12)]
+_GREEDY: dict[tuple, torch.Tensor] = {}  # (target, prompt length) -> its output: a target serves several tests
+
+
+def greedy_reference(target, n: int) -> torch.Tensor:
+    """The target's own greedy output for ``prompt(n)`` with SUPPRESS, generated once per target."""
+    if (target, n) not in _GREEDY:
+        _GREEDY[(target, n)] = reference(target, prompt(n), suppress_tokens=SUPPRESS)
+    return _GREEDY[(target, n)]
+
+
 def assert_greedy_equal(target, draft, tok, label: str, full: bool = True) -> None:
-    # Three tokens allowed (the same processing on both sides): unrelated random models then agree
-    # often enough that steps keep every number of drafts, so replays of every length happen.
-    suppress = [t for t in range(V) if t not in (10, 11, 12)]
     gen = SpeculativeGenerator(target, draft, tok)
     accepted = drafted = 0
     for n in (1, 6, 13) if full else (6,):
         ids = prompt(n)
-        want = reference(target, ids, suppress_tokens=suppress)
+        want = greedy_reference(target, n)
         for gamma in (1, 4) if full else (4,):
-            got = gen.generate(ids, max_new_tokens=NEW, gamma=gamma, eos_token_id=[], suppress_tokens=suppress)
+            got = gen.generate(ids, max_new_tokens=NEW, gamma=gamma, eos_token_id=[], suppress_tokens=SUPPRESS)
             assert torch.equal(got.sequences, want), f"{label}, prompt of {n}, γ={gamma}"
             accepted, drafted = accepted + got.stats.accepted, drafted + got.stats.drafted
     if full:  # (one prompt may happen to agree always or never; the cache-level tests cover every keep)
