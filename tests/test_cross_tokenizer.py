@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import hfspec
 from hfspec import SpeculativeGenerator, cli, sampling
+from hfspec.bench import Bench, Contender, Mode
 from hfspec.drafters import Proposal
 from hfspec.drafters.cross_tokenizer import PRIME, REWORK, CrossTokenizerDrafter
 from hfspec.drafters.vocabulary import byte_decoder, vocab_map
@@ -363,3 +364,19 @@ def test_a_draft_with_another_vocabulary_but_no_draft_tokenizer_is_refused_namin
     draft, _ = loaded(pair["draft"])
     with pytest.raises(ValueError, match="draft_tokenizer="):
         SpeculativeGenerator(target, draft, target_tok)
+
+
+def test_bench_runs_a_pair_with_other_tokenizers_and_keeps_the_draft_whole(pair):
+    """transformers' universal assisted sampling prunes its assistant's LM head in place: the bench hands it a
+    copy, so hfspec's draft keeps its full vocabulary and stays exact after the assisted contender ran."""
+    target, target_tok = loaded(pair["target"])
+    draft, draft_tok = loaded(pair["draft"])
+    head = draft.get_output_embeddings().weight.shape
+    bench = Bench(target, CrossTokenizerDrafter(draft, draft_tok, target_tok), target_tok, max_new_tokens=6, gamma=2)
+    prompt = target_tok("the cat sat on")["input_ids"]
+    sample = Mode("sample", True, 0.7, 0.95, 0)
+    for mode in (Mode("greedy", False), sample):
+        bench.run(Contender("assisted", "assisted", 2, "constant"), [prompt], mode, seed=0)
+    assert draft.get_output_embeddings().weight.shape == head
+    run = bench.run(Contender("hfspec", "hfspec", 2, "fixed"), [prompt], Mode("greedy", False), seed=0)
+    assert run.tokens[0] == alone(target, prompt, 6)[: len(run.tokens[0])]

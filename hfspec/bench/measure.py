@@ -130,6 +130,20 @@ class Bench:
         self.device = target.get_output_embeddings().weight.device
         self.cost: float = 1.0
         self.verify_cost: dict[int, float] = {}
+        self._assistants: dict[str, Any] = {}
+
+    def assistant(self, name: str) -> Any:
+        """The draft model that transformers' assisted generation runs for drafter ``name``.
+
+        With another tokenizer, transformers' universal assisted sampling prunes the assistant's LM head and
+        maps its embeddings in place, for good: it gets a copy of its own, so hfspec's draft stays whole.
+        """
+        spec = self.specs[name]
+        if spec.drafter.draft_tokenizer is None or spec.draft is None:
+            return spec.draft
+        if name not in self._assistants:
+            self._assistants[name] = copy.deepcopy(spec.draft)
+        return self._assistants[name]
 
     def batch(self, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ids and mask, as transformers expects for decoder-only batches."""
@@ -186,9 +200,12 @@ class Bench:
         # transformers samples from torch's global generator.
         torch.manual_seed(seed)
         extra: dict[str, Any] = {}
-        assistant = self.specs[contender.drafter].draft if contender.kind == "assisted" else None
+        assistant = self.assistant(contender.drafter) if contender.kind == "assisted" else None
         if contender.kind == "assisted":
             extra["assistant_model"] = assistant
+            draft_tokenizer = self.specs[contender.drafter].drafter.draft_tokenizer
+            if draft_tokenizer is not None:  # transformers pairs other tokenizers by text (universal assisted)
+                extra.update(tokenizer=self.tokenizer, assistant_tokenizer=draft_tokenizer)
         elif contender.kind == "lookup":
             extra["prompt_lookup_num_tokens"] = contender.gamma
         with assistant_settings(assistant, contender.gamma):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # stop(i, confidence): after i drafts, with (B,) the drafter's probability of each row's
 # last draft, True ends the step's drafting early.
@@ -109,6 +109,9 @@ class Drafter:
     # The draft model this drafter runs as its own, whose cache and state the generator checks; None
     # for lookup and for an EAGLE-3 head (a head is no causal LM: it drafts from the target's features).
     model: PreTrainedModel | None = None
+    # The draft model's own tokenizer where it differs from the target's (``cross_tokenizer``); None when
+    # the drafter proposes target ids directly. transformers' assisted generation needs it to pair them.
+    draft_tokenizer: PreTrainedTokenizerBase | None = None
 
     def start(self, batch: int, device: torch.device) -> None:
         """A new generation of ``batch`` rows begins: forget per-row state."""

@@ -37,7 +37,7 @@ from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 BUCKETS = 6  # match lengths 1, 2-3, 4-7, 8-15, 16-31, 32+
 
@@ -76,6 +76,11 @@ class HybridDrafter(Drafter):
     def model(self) -> PreTrainedModel | None:
         """The main drafter's model (n-gram lookup has none)."""
         return self.main.model
+
+    @property
+    def draft_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The main drafter's own tokenizer, where it has one."""
+        return self.main.draft_tokenizer
 
     @property
     def parameters(self) -> int | None:
