@@ -142,3 +142,12 @@ def test_a_preset_turns_the_kernel_off(model_dir, tmp_path):
     path.write_text(json.dumps({"name": "p", "target": "t", "draft": "d", "fast_kernels": "off"}))
     with pytest.raises(HfspecError, match="fast_kernels must be bool"):
         load_preset(path)
+
+
+@pytest.mark.parametrize("setting", [("HFSPEC_KERNELS", "0"), ("HFSPEC_CXX", "/nonexistent/g++")])
+def test_without_the_kernel_load_pair_keeps_torch_and_says_why(model_dir, monkeypatch, setting):
+    monkeypatch.setenv(*setting)
+    target, draft, tok = load_pair(model_dir("llama", seed=0), model_dir("llama", seed=1), dtype="float32")
+    assert not fast.is_accelerated(target) and not fast.is_accelerated(draft)
+    reason = SpeculativeGenerator(target, draft, tok).describe()["fast_kernels"]["target"]["reason"]
+    assert ("HFSPEC_KERNELS=0" in reason) if setting[0] == "HFSPEC_KERNELS" else ("cannot build" in reason), reason
