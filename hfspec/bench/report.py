@@ -36,7 +36,7 @@ def _cost_lines(result: dict[str, Any]) -> list[str]:
     lines += [_kernel_line(costs.get("fast_kernels"))] if costs.get("fast_kernels") else []
     lines += _step_lines(costs, "with the kernel" if eager else "")
     if eager:
-        lines += _step_lines(eager, "eager (torch's linears)")
+        lines += _step_lines(eager, "eager: torch's linears")
         lines.append(f"the kernel's one-token target step: {costs['step_speedup']:.2f}× the eager one")
     for name, auto in result.get("auto_costs", {}).items():
         lines.append(f"gamma=auto, {name}: measured in {auto['seconds_measuring']:.2f} s: target step "
