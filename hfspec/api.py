@@ -74,7 +74,8 @@ def _hashable(value: Any) -> Any:
 
 def load(preset: Preset, **load_kwargs: Any) -> SpeculativeGenerator:
     """The generator for ``preset``, loaded on first use and cached for the process."""
-    kwargs = {**preset.load_kwargs(), **load_kwargs}
+    # fast_kernels is spelled out so that leaving it unset and passing its default share one pair.
+    kwargs = {"fast_kernels": True, **preset.load_kwargs(), **load_kwargs}
     key = (preset.target, preset.draft, preset.ngram, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
     if key not in _PAIRS:
         log.info("loading target %s and draft %s", preset.target, preset.draft)
@@ -139,7 +140,7 @@ def complete(
         "do_sample": bool(_pick(do_sample, _pick(preset.do_sample, False))),
         "temperature": _pick(temperature, preset.temperature), "top_k": _pick(top_k, preset.top_k),
         "top_p": _pick(top_p, preset.top_p), "repetition_penalty": _pick(repetition_penalty, preset.repetition_penalty),
-        "seed": seed, "chat": chat, "system": system,
+        "seed": seed, "chat": chat, "system": system, "fast_kernels": gen.describe()["fast_kernels"],
     }
     ids = encode(gen.tokenizer, prompts, chat=chat, system=system)
     out = gen.generate(
@@ -188,7 +189,8 @@ def generate(
     to greedy and ``chat`` to off (on for the default pair). ``gamma`` is γ, the drafts
     per step, ``"auto"`` (the default of every shipped preset: chosen at every step, see
     ``AutoGamma``) or a ``GammaPolicy``. ``seed`` makes sampling reproducible. ``load_kwargs``
-    go to ``hfspec.loading.load_pair`` (``dtype``, ``device``, ``device_map``, ...).
+    go to ``hfspec.loading.load_pair`` (``dtype``, ``device``, ``device_map``, ``fast_kernels=False`` to keep
+    torch's own linears on CPU, ...).
     With ``return_stats`` the result is ``(text, stats)``.
     """
     if isinstance(prompt, str):

@@ -121,6 +121,9 @@ def _add_generate(sub) -> None:
     pair.add_argument("--dtype", type=str.lower, choices=list(DTYPES), metavar="DTYPE",
                       help="weight dtype of both models: auto (as saved), float32, float16 or bfloat16 "
                       "(default: the preset's, else auto)")
+    pair.add_argument("--fast-kernels", action=argparse.BooleanOptionalAction, default=None,
+                      help="run both models on hfspec's CPU linear kernel where they sit on CPU in float32 or "
+                      "bfloat16 (default: on; --no-fast-kernels keeps torch's own linears)")
 
     spec = p.add_argument_group("speculation")
     spec.add_argument("--gamma", type=gamma_value, metavar="N|auto", help="γ: draft tokens per verification step, >= 1, "
@@ -306,6 +309,8 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if args.dtype is not None:
         kwargs["dtype"] = args.dtype
+    if args.fast_kernels is not None:
+        kwargs["fast_kernels"] = args.fast_kernels
     if args.device == "auto":
         kwargs["device_map"] = "auto"
     elif args.device is not None:
@@ -332,12 +337,14 @@ def _policy(args: argparse.Namespace, preset: Preset, gen) -> int | GammaPolicy 
     return CostModelGamma(cost=cost, maximum=max(8, start))
 
 
-def _stats_line(stats) -> str:
+def _stats_line(stats, gen) -> str:
     histogram = " ".join(f"{g}:{n}" for g, n in enumerate(stats.gamma_histogram) if n)
+    kernels = ", ".join(f"{role} {k['isa']} ({k['layers']} layers)" if k["on"] else f"{role} {k['reason']}"
+                        for role, k in gen.describe()["fast_kernels"].items())
     return (f"hfspec: acceptance rate {stats.acceptance_rate:.1%} | mean accepted length "
             f"{stats.mean_accepted_length:.2f} tokens/pass | γ per step {stats.mean_gamma:.2f} "
             f"(steps by γ {histogram or '-'}) | {stats.tokens_per_second:.1f} tokens/s | "
-            f"{stats.committed} tokens in {stats.time_total:.2f} s")
+            f"{stats.committed} tokens in {stats.time_total:.2f} s | fast kernels: {kernels}")
 
 
 def _complete(args: argparse.Namespace, preset: Preset, gen, prompts: list[str], *, gamma: int | GammaPolicy | None,
@@ -376,7 +383,7 @@ def run_generate(args: argparse.Namespace) -> int:
     elif not args.stream:
         print(result.texts[0])
     if args.stats:
-        sys.stderr.write(_stats_line(result.stats) + "\n")
+        sys.stderr.write(_stats_line(result.stats, gen) + "\n")
     return 0
 
 
@@ -404,7 +411,7 @@ def _generate_many(args: argparse.Namespace, preset: Preset, gen, items: list[tu
             sys.stdout.flush()
             bar.update(1)
     if args.stats:
-        sys.stderr.write(_stats_line(Stats.combine(parts)) + f" | {len(items)} prompts\n")
+        sys.stderr.write(_stats_line(Stats.combine(parts), gen) + f" | {len(items)} prompts\n")
     return 0
 
 

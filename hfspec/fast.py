@@ -8,6 +8,10 @@ rows on CPU with fp32 or bf16 weights and torch's ``F.linear`` for anything else
 devices and dtypes, autograd). Weights keep their tensors and layout: nothing is copied, and a head
 tied to the embedding stays tied. :func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off.
 
+:func:`accelerate_loaded` is the policy ``hfspec.loading.load_pair`` applies to the models it loads
+itself (CPU, fp32 or bf16, a vectorised kernel); :func:`describe` says what a model runs, for reports;
+:func:`suspended` runs a block with torch's own linears (a benchmark's eager baseline).
+
 The kernel sums in a different order than torch's GEMMs, so logits differ in the last bits of fp32
 (see ``scripts/kernel_speed.py``); a patched model is consistent with itself, e.g. its own
 ``generate()``.
@@ -26,7 +30,8 @@ from torch import nn
 
 from hfspec import kernels
 
-__all__ = ["AccelerationReport", "FastLinear", "accelerate", "accelerated", "is_accelerated", "restore"]
+__all__ = ["AccelerationReport", "FastLinear", "accelerate", "accelerate_loaded", "accelerated", "describe",
+           "is_accelerated", "restore", "suspended"]
 
 MAX_ROWS = 16  # beyond this torch's blocked GEMM (the prefill) is as fast or faster
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -139,3 +144,63 @@ def accelerated(model: nn.Module, *, max_rows: int = MAX_ROWS) -> Iterator[Accel
     finally:
         if not was_accelerated:
             restore(model)
+
+
+NOT_CPU = "off: not a CPU model"
+
+
+def _off_reason(model: nn.Module) -> str | None:
+    """Why the kernel cannot serve ``model`` at all (device, dtype), or None if it can."""
+    weight = next(model.parameters(), None)
+    if weight is None:
+        return "off: no weights"
+    if weight.device.type != "cpu":
+        return NOT_CPU
+    if weight.dtype not in _DTYPES:
+        return f"off: {str(weight.dtype).replace('torch.', '')} weights (the kernel reads float32 and bfloat16)"
+    return None
+
+
+def accelerate_loaded(model: nn.Module) -> AccelerationReport:
+    """:func:`accelerate` a model hfspec loaded itself, where the kernel pays: on CPU, fp32 or bf16 weights,
+    and a vectorised build (AVX2 or AVX-512; the scalar fallback would lose to torch's own GEMMs)."""
+    why = _off_reason(model)
+    if why is not None:
+        return AccelerationReport((), (), 0, None, None, 0.0, reason=why)
+    report = accelerate(model)
+    if report.isa == "scalar":
+        restore(model)
+        return AccelerationReport((), (), 0, report.isa, report.library, report.build_seconds,
+                                  reason="off: the kernel has no vector instructions on this CPU")
+    return report
+
+
+def describe(model: nn.Module | None) -> dict[str, object]:
+    """Whether ``model`` runs the kernel: ``on``, ``isa``, ``layers`` converted, ``bytes_added`` (0) and,
+    when off, the ``reason`` (e.g. ``"off: not a CPU model"``)."""
+    if model is None:
+        return {"on": False, "isa": None, "layers": 0, "bytes_added": 0, "reason": "off: no draft model"}
+    layers = sum(type(m) is FastLinear for m in model.modules())
+    if layers and _KERNEL is not None:
+        return {"on": True, "isa": _KERNEL.isa, "layers": layers, "bytes_added": 0, "reason": None}
+    why = _off_reason(model)
+    if why is None and os.environ.get("HFSPEC_KERNELS", "1") == "0":
+        why = "off: HFSPEC_KERNELS=0"
+    if why is None and kernels.build_failure() is not None:
+        why = f"off: {kernels.build_failure()}"
+    return {"on": False, "isa": None, "layers": 0, "bytes_added": 0,
+            "reason": why or "off: not accelerated (hfspec.fast.accelerate(model) turns it on)"}
+
+
+@contextlib.contextmanager
+def suspended(*models: nn.Module | None) -> Iterator[None]:
+    """``with suspended(target, draft):`` runs torch's own linears inside the block; the same layers run
+    the kernel again afterwards (a benchmark's eager baseline on an accelerated model)."""
+    layers = [m for model in models if model is not None for m in model.modules() if type(m) is FastLinear]
+    for layer in layers:
+        layer.__class__ = nn.Linear
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__class__ = FastLinear

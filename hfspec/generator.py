@@ -33,12 +33,12 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import config as cfg
-from hfspec import costs, recurrent, sampling
+from hfspec import costs, fast, recurrent, sampling
 from hfspec.cache import KVState
 from hfspec.costs import Costs
 from hfspec.drafters import Drafter, Features, Proposal, cross_tokenizer
 from hfspec.inputs import prepare_inputs
-from hfspec.loading import load_pair, make_drafter
+from hfspec.loading import draft_module, load_pair, make_drafter
 from hfspec.models import check_causal_lm, forward, forward_features, shared_vocab_size
 from hfspec.policy import GammaPolicy, Step, Tuning, as_policy
 from hfspec.rows import Rows, right_pad
@@ -112,11 +112,18 @@ class SpeculativeGenerator:
         """The draft model, for drafters that have one (``Drafter.model``)."""
         return self.drafter.model
 
+    def describe(self) -> dict[str, Any]:
+        """The drafter, and whether the target and the draft run hfspec's CPU kernel (``hfspec.fast.describe``)."""
+        kernels = {"target": fast.describe(self.target), "draft": fast.describe(draft_module(self.drafter))}
+        return {"drafter": self.drafter.describe(), "fast_kernels": kernels}
+
     @classmethod
     def from_pretrained(cls, target: str, draft: str, *, ngram: bool = False, **kwargs: Any) -> SpeculativeGenerator:
         """Load both models and the target's tokenizer by hub name or local path (see ``hfspec.loading``);
         ``draft="ngram"`` needs no model. A draft whose own tokenizer differs from the target's drafts
-        through ``hfspec.drafters.cross_tokenizer`` without being asked."""
+        through ``hfspec.drafters.cross_tokenizer`` without being asked. Both models run hfspec's CPU
+        kernel where they sit on CPU in fp32 or bf16 (``fast_kernels=False`` keeps torch's linears); the
+        constructor, given models, leaves them as they are (``hfspec.fast.accelerate(model)`` opts in)."""
         return cls(*load_pair(target, draft, **kwargs), ngram=ngram)
 
     @torch.inference_mode()

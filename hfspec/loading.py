@@ -15,6 +15,10 @@ lookup (``hfspec.drafters.ngram``), with no model to load.
 model, an EAGLE-3 head, a path or one of those names) into a drafter. It lives here,
 above every drafter and beside the loaders it needs for a path, so that
 ``hfspec.drafters`` stays the interface and imports no drafter.
+
+The models loaded here run hfspec's CPU kernel (``hfspec.fast.accelerate_loaded``: on CPU with
+fp32 or bf16 weights) unless ``fast_kernels=False``; a model a caller built and passed in is
+never changed (``make_drafter`` loads a draft path as it is).
 """
 from __future__ import annotations
 
@@ -28,11 +32,11 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec import assets
+from hfspec import assets, fast
 from hfspec.drafters import Drafter
 from hfspec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from hfspec.drafters.eagle3 import Eagle3Drafter
-from hfspec.drafters.hybrid import with_ngram
+from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.model import ModelDrafter
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError
@@ -41,8 +45,8 @@ from hfspec.heads.eagle3 import Eagle3Head
 from hfspec.heads.files import is_eagle3_dir
 from hfspec.models import load_model, same_tokenizer
 
-__all__ = ["Preset", "load_draft", "load_pair", "load_preset", "make_drafter", "parse_dtype", "preset_names",
-           "resolve_model"]
+__all__ = ["Preset", "draft_module", "load_draft", "load_pair", "load_preset", "make_drafter", "parse_dtype",
+           "preset_names", "resolve_model"]
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +131,7 @@ def load_pair(
     trust_remote_code: bool = False,
     gguf_file: str | None = None,
     tokenizer: PreTrainedTokenizerBase | str | Path | None = None,
+    fast_kernels: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
     """Load ``(target, draft, tokenizer)`` by hub name or local path; the draft may be a ``Drafter``.
 
@@ -137,7 +142,11 @@ def load_pair(
     tokenizer is the target's unless ``tokenizer`` (an object or a path) is given.
     A draft model that ships a tokenizer other than that one comes back as a
     ``CrossTokenizerDrafter``, which drafts the tokens both tokenizers share.
+    ``fast_kernels`` (default on) makes the target and the draft (model or EAGLE-3
+    head) run hfspec's CPU kernel where they sit on CPU in fp32 or bf16
+    (``hfspec.fast``); ``False`` keeps torch's own linears.
     """
+    _check_fast_kernels(fast_kernels)
     if device is not None and device_map is not None:
         raise HfspecError("pass device or device_map, not both (device_map='auto' places the target itself)")
     target_dev = _check_device(device, "target")
@@ -166,8 +175,38 @@ def load_pair(
         draft_tok = _draft_tokenizer(draft, draft_path, trust_remote_code)
         if draft_tok is not None and not same_tokenizer(tok, draft_tok):
             draft_model = _cross_tokenizer_drafter(draft_model, draft_tok, tok, target, draft)
+    if fast_kernels:
+        _accelerate(target_model, "target")
+        _accelerate(draft_module(draft_model), "draft")
     log.info("loaded target %s (%s, %s) and draft %s", target, target_model.dtype, _input_device(target_model), draft)
     return target_model, draft_model, tok
+
+
+def _check_fast_kernels(value: Any) -> None:
+    if not isinstance(value, bool):
+        raise HfspecError(f"fast_kernels must be True or False (False keeps torch's own linears), got {value!r}")
+
+
+def _accelerate(model: torch.nn.Module | None, role: str) -> None:
+    """Run ``model`` on hfspec's CPU kernel where it pays (``hfspec.fast.accelerate_loaded``); log what happened."""
+    if model is None:
+        return
+    report = fast.accelerate_loaded(model)
+    if report.layers:
+        log.info("%s: %d linear layers on the %s kernel", role, len(report.layers), report.isa)
+    else:
+        log.info("%s: fast kernels %s", role, report.reason)
+
+
+def draft_module(draft: PreTrainedModel | Drafter | None) -> torch.nn.Module | None:
+    """The module a draft runs: the model itself, a drafter's model, an EAGLE-3 head; None for lookup."""
+    if isinstance(draft, HybridDrafter):
+        return draft_module(draft.main)
+    if isinstance(draft, Eagle3Drafter):
+        return draft.head
+    if isinstance(draft, Drafter):
+        return draft.model
+    return draft
 
 
 def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.dtype | str, device: torch.device,
@@ -189,14 +228,19 @@ def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.
 
 
 def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str | torch.dtype = "auto",
-               device: str | torch.device | None = None, trust_remote_code: bool = False) -> PreTrainedModel | Drafter:
+               device: str | torch.device | None = None, trust_remote_code: bool = False,
+               fast_kernels: bool = True) -> PreTrainedModel | Drafter:
     """Load the draft named ``draft`` (hub name, path, ``"shipped"``, ``"shipped-eagle3"``) for an already loaded target.
 
-    It goes to ``device``, else to the device of the target's embeddings.
+    It goes to ``device``, else to the device of the target's embeddings; ``fast_kernels`` as in ``load_pair``.
     """
+    _check_fast_kernels(fast_kernels)
     dev = _check_device(device, "draft") or _input_device(target_model)
-    return _load_draft(resolve_model(draft, "draft"), target_model, dtype=parse_dtype(dtype), device=dev,
-                       trust_remote_code=trust_remote_code)
+    loaded = _load_draft(resolve_model(draft, "draft"), target_model, dtype=parse_dtype(dtype), device=dev,
+                         trust_remote_code=trust_remote_code)
+    if fast_kernels:
+        _accelerate(draft_module(loaded), "draft")
+    return loaded
 
 
 def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
@@ -230,7 +274,8 @@ def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
                     "path or a loaded model, or load a hub model with SpeculativeGenerator.from_pretrained(target, "
                     "draft)"
                 )
-            return make_drafter(load_draft(draft, target), tokenizer, target, ngram=ngram)
+            # Loaded as it is: a generator built from the caller's objects changes no model behind their back.
+            return make_drafter(load_draft(draft, target, fast_kernels=False), tokenizer, target, ngram=ngram)
     else:
         raise TypeError(
             f"the draft must be a transformers PreTrainedModel, an hfspec Drafter, 'ngram' or a path (got "
@@ -310,11 +355,14 @@ class Preset:
     top_p: float | None = None
     repetition_penalty: float | None = None
     ngram: bool = False  # add n-gram lookup to the model draft (per row, whichever is expected to do better)
+    fast_kernels: bool = True  # run both models on hfspec's CPU kernel where they sit on CPU (hfspec.fast)
     source: str = ""  # the file it was read from (filled in by load_preset)
 
     def load_kwargs(self) -> dict[str, Any]:
         """The ``load_pair`` keyword arguments this preset sets."""
         kwargs: dict[str, Any] = {"dtype": self.dtype, "trust_remote_code": self.trust_remote_code}
+        if not self.fast_kernels:  # on is load_pair's default
+            kwargs["fast_kernels"] = False
         for name in ("draft_dtype", "gguf_file", "revision"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
@@ -327,6 +375,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "dtype": (str,), "draft_dtype": (str,), "chat": (bool,), "system": (str,), "gguf_file": (str,),
     "revision": (str,), "trust_remote_code": (bool,), "do_sample": (bool,), "temperature": (int, float),
     "top_k": (int,), "top_p": (int, float), "repetition_penalty": (int, float), "ngram": (bool,),
+    "fast_kernels": (bool,),
 }
 ALLOWED_KEYS = tuple(_TYPES)
 

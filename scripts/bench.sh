@@ -4,6 +4,9 @@
 # process on the same cores makes torch's threads wait at every barrier and the ratios meaningless.
 # On an idle 2-core machine it takes about 80 minutes; `scripts/bench.sh main` (or eagle, grounded, open, mixed)
 # runs one part. Extra arguments after the part go to every `hfspec bench` call.
+# hfspec's contenders run the CPU linear kernel (hfspec.fast) and transformers' run torch's own linears; each
+# table gives the target step and v(γ) both ways, and speed-ups against plain generate() (×plain) and against
+# hfspec at γ = 0 on the same kernels (×γ0). Pass --no-fast-kernels after the part for torch's linears throughout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -7,7 +7,9 @@ on a shared machine compare the two from the same run, and read ratios rather th
   model     a cached forward over k new tokens (all logits), k = 1 (the decoding step) and the --sizes;
             v(k) = t(k) / t(1) is what verifying k tokens costs in steps;
   numerics  max |logit difference| over --positions positions fed in chunks of --chunk tokens, and the
-            greedy agreement of generate(do_sample=False) over --prompts prompts x --new-tokens tokens.
+            greedy agreement of generate(do_sample=False) over --prompts prompts x --new-tokens tokens;
+  hfspec    greedy hfspec as users load it (load_pair: the kernel on, --draft) against the eager target's
+            generate() and the loaded target's own, stopping at EOS, prompts encoded as the bench does.
 Prints one JSON object (with lscpu's model name, torch's threads and the load average).
 """
 from __future__ import annotations
@@ -27,8 +29,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hfspec import fast, kernels  # noqa: E402
+from hfspec import SpeculativeGenerator, fast, kernels  # noqa: E402
 from hfspec.assets import offline_target_path  # noqa: E402
+from hfspec.bench import encode  # noqa: E402
 from hfspec.cache import KVState  # noqa: E402
 from hfspec.costs import forward_seconds  # noqa: E402
 from hfspec.models import forward  # noqa: E402
@@ -134,6 +137,27 @@ def numerics(model, tok, prompts: list[str], positions: int, chunk: int, new_tok
             "greedy_identical": f"{same}/{len(prompts)}", "greedy_first_difference": first_diff}
 
 
+@torch.inference_mode()
+def hfspec_agreement(eager_model, tok, prompts: list[str], new_tokens: int, draft: str, dtype: str) -> dict:
+    """Greedy hfspec with the pair load_pair gives (kernel on) against eager and same-kernel generate()."""
+    gen = SpeculativeGenerator.from_pretrained("offline", draft, dtype=dtype)
+    same_eager, same_kernel, first_diff = 0, 0, []
+    for prompt in prompts:
+        ids = torch.tensor([encode(tok, prompt)])
+        args = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens)
+        eager = eager_model.generate(ids, **args)[0].tolist()
+        kernel = gen.target.generate(ids, **args)[0].tolist()
+        out = gen.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        got = out.sequences[0, :ids.shape[1] + out.stats.rows[0].committed].tolist()
+        same_eager += got == eager
+        same_kernel += got == kernel
+        first_diff.append(next((i - ids.shape[1] for i, (a, b) in enumerate(zip(eager, got)) if a != b), None))
+    return {"draft": draft, "kernels": gen.describe()["fast_kernels"], "prompts": len(prompts),
+            "identical_to_eager_generate": f"{same_eager}/{len(prompts)}",
+            "identical_to_same_kernel_generate": f"{same_kernel}/{len(prompts)}",
+            "first_difference_from_eager": first_diff}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 3, 4, 8], help="k new tokens for v(k)")
@@ -147,7 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per prompt")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the target's dtype")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["build", "linear", "model", "numerics"])
+    parser.add_argument("--draft", default="shipped-eagle3", help="the draft of the 'hfspec' section")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["build", "linear", "model", "numerics", "hfspec"])
     return parser.parse_args(argv)
 
 
@@ -172,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         result["model"] = model_steps(model, context, [1, *args.sizes], args.rounds)
     if "numerics" not in args.skip:
         result["numerics"] = numerics(model, tok, prompts, args.positions, args.chunk, args.new_tokens)
+    if "hfspec" not in args.skip:
+        result["hfspec"] = hfspec_agreement(model, tok, prompts, args.new_tokens, args.draft, args.dtype)
     result["load_after"] = os.getloadavg()
     print(json.dumps(result, indent=1))
 

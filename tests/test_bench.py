@@ -7,9 +7,9 @@ import pytest
 import tiny
 import torch
 
-from hfspec import bench
+from hfspec import bench, fast, kernels
 from hfspec.bench import Bench, Contender, Mode, Run, Settings
-from hfspec.loading import make_drafter
+from hfspec.loading import load_pair, make_drafter
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError
@@ -19,7 +19,8 @@ from hfspec.stats import RowStats, Stats
 GREEDY = Mode("greedy", False)
 SAMPLE = Mode("sample", True, 0.7, 0.95, 0)
 CONTENDER_KEYS = {
-    "kind", "schedule", "gamma", "drafter", "tokens_per_second", "speedup_vs_plain", "speedup_vs_assisted",
+    "kind", "schedule", "gamma", "drafter", "tokens_per_second", "speedup_vs_plain", "speedup_vs_hfspec_g0",
+    "speedup_vs_assisted",
     "speedup_vs_assisted_default", "acceptance_rate", "alpha", "mean_accepted_length", "mean_gamma",
     "acceptance_by_position", "gamma_histogram", "prediction_gamma", "predicted_speedup", "predicted_speedup_v",
     "efficiency", "new_tokens", "seconds",
@@ -155,7 +156,7 @@ def test_greedy_check_flags_a_wrong_contender(tiny_pair):
                              _tiny_settings(batch_size=0))
     rows = result["modes"]["greedy"]["contenders"]
     assert len(rows["hfspec-heuristic"]["greedy_mismatches"]) == 2
-    for name in ("plain", "assisted", "assisted-default", "hfspec-auto", "hfspec", "hfspec-cost"):
+    for name in ("plain", "hfspec-g0", "assisted", "assisted-default", "hfspec-auto", "hfspec", "hfspec-cost"):
         assert rows[name]["greedy_mismatches"] == [], name
     assert "mismatch" in bench.format_table(result)
 
@@ -166,7 +167,7 @@ def test_skipped_contenders_do_not_run(tiny_pair):
     settings = _tiny_settings(batch_size=0, skip=("hfspec", "hfspec-heuristic", "hfspec-cost", "plain"))
     result = bench.run_bench(Bench(target, draft, tok, max_new_tokens=4, gamma=2), prompts, settings)
     mode = result["modes"]["greedy"]
-    assert set(mode["contenders"]) == {"plain", "assisted", "assisted-default", "hfspec-auto"}
+    assert set(mode["contenders"]) == {"plain", "hfspec-g0", "assisted", "assisted-default", "hfspec-auto"}
     assert [s["gamma"] for s in mode["sweep"]] == [1]
 
 
@@ -195,8 +196,8 @@ def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
     assert all(a["measured_target_ms"]["1"] > 0 for a in result["auto_costs"].values())
     assert set(result["modes"]) == {"greedy", "sample"}
     for name, mode in result["modes"].items():
-        assert set(mode["contenders"]) == {"plain", "assisted", "assisted-default", "hfspec-auto", "hfspec",
-                                           "hfspec-heuristic", "hfspec-cost", "auto:useless",
+        assert set(mode["contenders"]) == {"plain", "hfspec-g0", "assisted", "assisted-default", "hfspec-auto",
+                                           "hfspec", "hfspec-heuristic", "hfspec-cost", "auto:useless",
                                            "assisted-default:useless"}
         assert sum(mode["contenders"]["hfspec-auto"]["gamma_histogram"]) > 0
         for row in mode["contenders"].values():
@@ -320,3 +321,81 @@ def test_no_measured_prompt_finds_its_own_output_in_a_lookup_store(tiny_pair):
         expected = [out for d, m, p, _, out in spy.calls[:k]
                     if (d, m) == (drafter, mode) and p != prompt and len(out) > NgramDrafter().min_match]
         assert held == expected, (k, drafter, mode)
+
+
+# -- the CPU kernel: where the time goes -------------------------------------------------------------
+
+class _KernelSpy(Bench):
+    """Notes, at every call, whether the target and the draft run hfspec's CPU kernel."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen: dict[str, set[tuple[bool, bool]]] = {}
+
+    def _generate(self, contender, rows, mode, seed):
+        state = (fast.is_accelerated(self.target), fast.is_accelerated(self.draft))
+        self.seen.setdefault(contender.kind, set()).add(state)
+        return super()._generate(contender, rows, mode, seed)
+
+
+def _kernel_or_skip():
+    library = kernels.load()
+    if library is None or library.isa == "scalar":
+        pytest.skip("no vectorised CPU kernel here, so hfspec loads models without it")
+    return library
+
+
+def test_transformers_contenders_run_eager_and_hfspec_runs_the_kernel(model_dir):
+    _kernel_or_skip()
+    target, draft, tok = load_pair(model_dir("llama", seed=0, sharpness=4.0), model_dir("llama", seed=1,
+                                   sharpness=4.0), dtype="float32")
+    spy = _KernelSpy(target, draft, tok, max_new_tokens=6, gamma=2)
+    prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}, {"id": "b", "kind": "-", "prompt": "w20 w21"}]
+    result = bench.run_bench(spy, prompts, _tiny_settings(batch_size=2))
+    assert spy.seen["plain"] == spy.seen["assisted"] == {(False, False)}
+    assert spy.seen["hfspec"] == {(True, True)}
+    assert fast.is_accelerated(target) and fast.is_accelerated(draft)  # put back after every eager run
+    greedy = result["modes"]["greedy"]
+    g0 = greedy["contenders"]["hfspec-g0"]
+    assert g0["gamma"] == 0 and g0["mean_gamma"] == 0 and g0["speedup_vs_hfspec_g0"] == pytest.approx(1.0)
+    assert g0["alpha"] is None and g0["predicted_speedup"] is None
+    for row in greedy["contenders"].values():
+        assert row["speedup_vs_hfspec_g0"] > 0 and row["greedy_mismatches"] == []
+    assert all(s["speedup_vs_hfspec_g0"] > 0 for s in greedy["sweep"])
+
+
+def test_costs_are_measured_with_the_kernel_and_eager(model_dir, tmp_path, capsys):
+    library = _kernel_or_skip()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "w10 w11 w12"}\n')
+    argv = ["--target", str(model_dir("llama", seed=0, sharpness=4.0)), "--draft",
+            str(model_dir("llama", seed=1, sharpness=4.0)), "--prompts-file", str(prompts), "--max-new-tokens", "4",
+            "--gamma", "2", "--gammas", "1,2", "--warmup", "0", "--batch-size", "0", "--cost-repeats", "2",
+            "--modes", "greedy", "--threads", "1", "--no-progress"]
+    results = []
+    for extra in ([], ["--no-fast-kernels"]):
+        out = tmp_path / f"bench{len(results)}.json"
+        assert bench.main(argv + extra + ["--json", str(out)]) == 0
+        results.append((json.loads(out.read_text()), capsys.readouterr().out))
+    (on, table_on), (off, table_off) = results
+    costs = on["costs"]
+    assert set(costs["eager"]) == {"c", "v", "target_step_ms", "draft_step_ms", "target_ms"}
+    assert set(costs["eager"]["v"]) == set(costs["v"]) == {"1", "2"} and costs["eager"]["target_step_ms"] > 0
+    assert costs["step_speedup"] == pytest.approx(costs["eager"]["target_step_ms"] / costs["target_step_ms"])
+    for described in (costs["fast_kernels"], on["environment"]["fast_kernels"]):
+        assert described["target"]["on"] and described["draft"]["on"]
+        assert described["target"]["isa"] == library.isa and described["target"]["bytes_added"] == 0
+    assert "eager: torch's linears" in table_on and f"fast kernels: target {library.isa}" in table_on
+    assert "×γ0" in table_on
+    assert off["costs"]["eager"] is None and off["costs"]["step_speedup"] is None
+    assert not off["costs"]["fast_kernels"]["target"]["on"] and "eager" not in table_off
+
+
+def test_speedup_against_gamma_zero_is_a_paired_median():
+    g0 = [Run([[1] * 10], 1.0, 11, 0), Run([[1] * 10], 0.5, 11, 0)]  # 10 and 20 tok/s
+    spec = [Run([[1] * 20], 0.5, 6, 21, _stats(20, 15, 5, 20)), Run([[1] * 20], 0.5, 6, 21, _stats(20, 15, 5, 20))]
+    row = bench.summarize(Contender("hfspec", "hfspec", 4, "fixed"), spec, g0, None, 0.1, {4: 1.5}, greedy=False,
+                          gamma0=g0)
+    assert row["speedup_vs_hfspec_g0"] == pytest.approx(3.0)  # ratios 4 and 2
+    assert bench.summarize(Contender("hfspec", "hfspec", 4, "fixed"), spec, g0, None, 0.1, {4: 1.5},
+                           greedy=False)["speedup_vs_hfspec_g0"] is None

@@ -13,14 +13,14 @@ import pytest
 import tiny
 
 import hfspec.generator
-from hfspec import api, cli
+from hfspec import api, cli, fast, kernels
 from hfspec.drafters import Drafter
 from hfspec.errors import HfspecError
 from hfspec.loading import Preset
 
 PROMPT = "w10 w11 w12"
 GENERATE_FLAGS = [
-    "--target", "--draft", "--config", "--device", "--dtype", "--gamma", "--adaptive", "--ngram", "--no-ngram",
+    "--target", "--draft", "--config", "--device", "--dtype", "--fast-kernels", "--no-fast-kernels", "--gamma", "--adaptive", "--ngram", "--no-ngram",
     "--draft-cost",
     "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed",
     "--chat", "--no-chat", "--system", "--prompts-file", "--batch-size", "--stream", "--stats", "--json",
@@ -106,6 +106,22 @@ def test_json_output(capsys, pair):
     assert data["settings"]["gamma"] == 2 and data["settings"]["do_sample"] is False
     histogram = data["stats"]["gamma_histogram"]
     assert sum(histogram) == data["stats"]["target_passes"] and len(histogram) == 3  # γ 2, less near the end
+
+
+def test_fast_kernels_are_on_by_default_and_off_with_the_flag(capsys, pair):
+    library = kernels.load()
+    if library is None or library.isa == "scalar":
+        pytest.skip("no vectorised CPU kernel here, so hfspec loads models without it")
+    seen = []
+    for flags in ([], ["--no-fast-kernels"]):
+        code, out, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "5", "--json", "--stats", *flags)
+        assert code == 0
+        kernels_used = json.loads(out)["settings"]["fast_kernels"]
+        seen.append((json.loads(out)["text"], kernels_used["target"]["on"], kernels_used["draft"]["on"]))
+        assert ("fast kernels: target " + library.isa in err) == (not flags), err
+    assert seen[0][1:] == (True, True) and seen[1][1:] == (False, False)
+    assert seen[0][0] == seen[1][0]  # tiny fp32 models: the same greedy text with either kernel
+    assert [fast.is_accelerated(g.target) for g in api._PAIRS.values()] == [True, False]
 
 
 def test_gamma_auto_is_the_default_and_reports_its_choices(capsys, pair):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hfspec import SpeculativeGenerator
+from hfspec import SpeculativeGenerator, kernels
 from hfspec.assets import cache_dir, offline_target_path, shipped_draft_path, shipped_head_path
 
 PROMPTS = [
@@ -108,3 +108,22 @@ def test_the_shipped_eagle3_head_is_exact_and_drafts_well(real_pair, reference):
         accepted.append(out.stats.mean_accepted_length)
     # A trained head: well over one token per target pass on chat prompts (a random head gets about one).
     assert sum(accepted) / len(accepted) > 1.3, accepted
+
+
+@pytest.mark.parametrize("draft", ["shipped", "shipped-eagle3"])
+def test_the_default_loaded_pair_runs_the_kernel_and_equals_its_own_generate(draft, request, monkeypatch):
+    # As users load it: on the CPU in fp32 both models run hfspec's kernel, and greedy output equals the loaded
+    # target's own generate() (the same kernels).
+    if kernels.load() is None or kernels.load().isa == "scalar":
+        pytest.skip("no vectorised CPU kernel here, so hfspec loads the pair without it")
+    if not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():  # the session's build, not another
+        monkeypatch.setenv("HFSPEC_CACHE", str(request.getfixturevalue("offline_target")[0]))
+    gen = SpeculativeGenerator.from_pretrained("offline", draft, dtype="float32")
+    described = gen.describe()["fast_kernels"]
+    assert described["target"]["on"] and described["draft"]["on"] and described["target"]["layers"] == 211
+    for prompt in PROMPTS:
+        ids = chat_ids(gen.tokenizer, prompt)
+        want = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                   eos_token_id=None)
+        out = gen.generate(ids, max_new_tokens=40, gamma=3, eos_token_id=[])
+        assert torch.equal(out.sequences, want), gen.tokenizer.decode(out.sequences[0, ids.shape[1]:])

@@ -28,7 +28,7 @@ from hfspec.bench.command import (
     useless_copy, write_outputs,
 )
 from hfspec.bench.field import (
-    DEFAULT_PROMPTS, HYBRID, MAIN, USELESS, Contender, Mode, Settings, contenders, encode, load_prompts,
+    DEFAULT_PROMPTS, GAMMA0, HYBRID, MAIN, USELESS, Contender, Mode, Settings, contenders, encode, load_prompts,
 )
 from hfspec.bench.measure import Bench, CallCounter, Run, assistant_settings, counting, trim
 from hfspec.bench.report import format_table, plot
@@ -36,8 +36,8 @@ from hfspec.bench.runner import rollback_report, run_batch, run_bench
 from hfspec.bench.summary import acceptance, median_ratio, mismatches, prediction, spread, summarize
 
 __all__ = [
-    "DEFAULT_PROMPTS", "DESCRIPTION", "HYBRID", "MAIN", "USELESS", "Bench", "CallCounter", "Contender", "Mode",
-    "Run", "Settings", "acceptance", "add_parser", "apply_preset", "assistant_settings", "configure", "contenders",
+    "DEFAULT_PROMPTS", "DESCRIPTION", "GAMMA0", "HYBRID", "MAIN", "USELESS", "Bench", "CallCounter", "Contender",
+    "Mode", "Run", "Settings", "acceptance", "add_parser", "apply_preset", "assistant_settings", "configure", "contenders",
     "counting", "encode", "environment", "format_table", "load", "load_drafters", "load_prompts", "main",
     "median_ratio", "mismatches", "plot", "prediction", "rollback_report", "run", "run_batch", "run_bench",
     "settings_from", "spread", "summarize", "trim", "useless_copy", "write_outputs",

@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from hfspec import fast
 from hfspec.bench.field import HYBRID, MAIN, USELESS, Mode, Settings, load_prompts
 from hfspec.bench.measure import Bench
 from hfspec.bench.report import format_table, plot
@@ -25,7 +26,8 @@ from hfspec.timing import cpu_model
 
 DESCRIPTION = """\
 Measure one target with its draft (and other drafters) in one process. Contenders, interleaved per prompt:
-  plain             the target's own generate()
+  plain             the target's own generate(), on torch's own linears (transformers' kernels)
+  hfspec-g0         hfspec with γ = 0: the target alone in hfspec's loop, on the same kernels as hfspec
   assisted          transformers assisted generation, γ drafts per step, constant schedule
   assisted-default  transformers assisted generation with its defaults (what users get)
   prompt-lookup     transformers prompt lookup (prompt_lookup_num_tokens), with --drafters ngram
@@ -37,7 +39,8 @@ Measure one target with its draft (and other drafters) in one process. Contender
                     draft's own shape: the control), 'ngram', 'hybrid' (the draft plus n-gram lookup), or a
                     path (an EAGLE-3 head or another draft model); assisted-default:useless for transformers
 Reported per contender and sampling mode: tokens/s (median and quartiles over
-prompts), speed-up vs plain, vs assisted at the same γ and vs assisted-default
+prompts), speed-up vs plain, vs hfspec-g0 (what speculation itself adds on the same
+kernels), vs assisted at the same γ and vs assisted-default
 (medians of per-prompt ratios), acceptance (acc: drafts accepted ÷ drafted; α: the
 per-token rate of the cost model, fitted to tokens per target pass), tokens per
 target pass, γ per step, the predicted speed-up (1-α^(γ+1))/((1-α)(γc+1)), the same
@@ -46,6 +49,11 @@ contender with gamma="auto": the costs it measured and the γ it chose, step by 
 (a histogram). At greedy, every contender's tokens are checked against plain's.
 Then a fixed-γ sweep (--gammas) and a batch row (--batch-size). The machine (CPU
 model name, torch threads) is printed and saved with every result.
+
+Kernels: the pair runs hfspec's CPU linear kernel where it sits on CPU in float32 or
+bfloat16 (--no-fast-kernels: torch's own). transformers' contenders (plain, assisted,
+prompt lookup) always run torch's linears, the baseline users compare with; the
+target step and v(γ) are measured both with the kernel and without (costs: eager).
 
 Lookup stores: an 'ngram' or 'hybrid' drafter (or --draft ngram) also drafts from a
 store of earlier outputs. Before every call the bench rebuilds that store to hold
@@ -101,6 +109,10 @@ def _pair_options(pair: argparse._ArgumentGroup) -> None:
     pair.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                       help="weights dtype for both models (default: the preset's with --config, else float32)")
     pair.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    pair.add_argument("--fast-kernels", action=argparse.BooleanOptionalAction, default=None,
+                      help="run hfspec's contenders on hfspec's CPU linear kernel where the models sit on CPU in "
+                           "float32 or bfloat16 (default: on, or the preset's); transformers' contenders always "
+                           "run torch's own linears, and the costs are measured both ways")
 
 
 def _workload_options(work: argparse._ArgumentGroup) -> None:
@@ -167,26 +179,36 @@ def apply_preset(args: argparse.Namespace) -> None:
         args.dtype = preset.dtype
     if args.gamma is None:
         args.gamma = preset.gamma
+    if getattr(args, "fast_kernels", None) is None:
+        args.fast_kernels = preset.fast_kernels
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(target, draft, tokenizer) through hfspec.loading, which also resolves 'offline' and 'shipped'."""
     dtype = getattr(torch, args.dtype or "float32")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_pair(args.target, args.draft, dtype=dtype, device=device)
+    return load_pair(args.target, args.draft, dtype=dtype, device=device, fast_kernels=_fast_kernels(args))
 
 
-def load_drafters(names: Sequence[str], target: Any, draft: Any, seed: int = 0) -> dict[str, Any]:
-    """The --drafters, by name: the useless control and the hybrid are built from the main ``draft``."""
+def _fast_kernels(args: argparse.Namespace) -> bool:
+    return getattr(args, "fast_kernels", None) is not False  # on unless --no-fast-kernels or the preset says so
+
+
+def load_drafters(names: Sequence[str], target: Any, draft: Any, seed: int = 0,
+                  fast_kernels: bool = True) -> dict[str, Any]:
+    """The --drafters, by name: the useless control and the hybrid are built from the main ``draft``;
+    models loaded here run the CPU kernel as the main pair does (``fast_kernels``)."""
     out: dict[str, Any] = {}
     for name in names:
         if name == USELESS:
             out[name] = useless_copy(draft, seed)
+            if fast_kernels and fast.is_accelerated(draft):
+                fast.accelerate_loaded(out[name])  # the control costs what the draft costs
         elif name == HYBRID:
             out[name] = with_ngram(make_drafter(draft, target=target))
         else:  # "ngram", "shipped-eagle3" or a directory: whatever hfspec.loading makes of it
             device = target.get_output_embeddings().weight.device
-            out[name] = load_draft(name, target, dtype=target.dtype, device=device)
+            out[name] = load_draft(name, target, dtype=target.dtype, device=device, fast_kernels=fast_kernels)
     return out
 
 
@@ -224,7 +246,8 @@ def environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
             "device": str(bench.device), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "dtype": str(bench.target.dtype).replace("torch.", ""),
             "target": str(args.target), "draft": str(args.draft), "drafters": list(getattr(args, "drafters", ())),
-            "max_new_tokens": args.max_new_tokens, "gamma": args.gamma}
+            "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
+            "fast_kernels": bench.spec.describe()["fast_kernels"]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -238,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts_file)[: args.num_prompts]
     target, draft, tokenizer = load(args)
     bench = Bench(target, draft, tokenizer, max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed,
-                  drafters=load_drafters(args.drafters, target, draft, args.seed))
+                  drafters=load_drafters(args.drafters, target, draft, args.seed, _fast_kernels(args)))
     result = {"environment": environment(args, bench), **run_bench(bench, prompts, settings),
               "prompts": [p["id"] for p in prompts]}
     write_outputs(result, args.json, args.plot)

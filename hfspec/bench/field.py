@@ -13,6 +13,7 @@ from typing import Any
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "bench.jsonl"
 MAIN = "draft"  # the drafter key of the main draft
+GAMMA0 = "hfspec-g0"  # hfspec drafting nothing: the baseline on hfspec's own kernels
 USELESS = "useless"  # random weights of the main draft's shape: a draft that cannot help
 HYBRID = "hybrid"  # the main draft plus n-gram lookup (hfspec.drafters.hybrid.with_ngram)
 
@@ -58,7 +59,8 @@ def contenders(gamma: int, gammas: Sequence[int], drafters: Sequence[str] = (), 
     ``assisted`` is False when transformers cannot assist with the main draft (not a model, or a
     recurrent target); ``lookup_tokens`` None leaves transformers' prompt lookup out.
     """
-    main = [Contender("plain", "plain", None, "-")]
+    # γ = 0 is the target alone in hfspec's loop: what speculation adds, measured on the same kernels.
+    main = [Contender("plain", "plain", None, "-"), Contender(GAMMA0, "hfspec", 0, "fixed")]
     if assisted:
         main += [Contender("assisted", "assisted", gamma, "constant"),
                  Contender("assisted-default", "assisted", None, "transformers-default")]

@@ -3,10 +3,12 @@
 Every contender is timed the same way, wall time of the whole ``generate`` call with the
 device synchronised on both sides, and its forward passes are counted the same way, by
 hooks on the models: hfspec counts its own steps, but transformers does not, and hooks
-are the one count that means the same for both.
+are the one count that means the same for both. transformers' contenders run torch's own
+linears (``hfspec.fast.suspended``), hfspec's whatever the pair was loaded with.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,11 +18,12 @@ from typing import Any
 
 import torch
 
-from hfspec import costs
+from hfspec import costs, fast
 from hfspec.bench.field import MAIN, Contender, Mode
 from hfspec.bench.stores import LookupStores
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
+from hfspec.loading import draft_module
 from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma
 from hfspec.stats import Stats
 from hfspec.timing import timed
@@ -175,7 +178,9 @@ class Bench:
         tokens: list[list[int]] = []
         seconds, stats = 0.0, None
         draft_model = self.specs[contender.drafter].draft
-        with counting(self.target, draft_model) as (on_target, on_draft), torch.inference_mode():
+        # transformers' contenders are the users' baseline: torch's own linears, whatever hfspec runs on.
+        kernels = contextlib.nullcontext() if hfspec else fast.suspended(*self.models())
+        with kernels, counting(self.target, draft_model) as (on_target, on_draft), torch.inference_mode():
             for i, part in enumerate(parts):
                 if hfspec:
                     self.stores.prepare(contender.drafter, rows)
@@ -213,20 +218,35 @@ class Bench:
                                        pad_token_id=self.pad, **mode.kwargs(), **extra)
         return [trim(t, self.eos) for t in out[:, ids.shape[1]:].tolist()], None
 
+    def models(self) -> list[torch.nn.Module | None]:
+        """The target and every drafter's module (model or head): what the CPU kernel may run."""
+        return [self.target, *(draft_module(spec.drafter) for spec in self.specs.values())]
+
     def measure_costs(self, context: Sequence[int], gammas: Sequence[int], repeats: int = 20) -> dict[str, Any]:
         """c = draft step ÷ target step, v(γ) = target over γ+1 tokens ÷ target over 1, both with caches.
 
         Measured by ``hfspec.costs.measure``, as gamma="auto" measures them, only with more
         repeats. These feed the cost-model contender and the predictions; each ``hfspec-auto``
-        contender measures its own at its first call, as a user's generator does.
+        contender measures its own at its first call, as a user's generator does. Where a model
+        runs the CPU kernel, ``eager`` holds the same figures on torch's own linears (else None).
         """
+        measured = self._costs(context, gammas, repeats)
+        self.cost, self.verify_cost = measured["c"], {int(g): v for g, v in measured["v"].items()}
+        eager = None
+        if any(m is not None and fast.is_accelerated(m) for m in self.models()):
+            with fast.suspended(*self.models()):
+                eager = self._costs(context, gammas, repeats)
+        described = self.spec.describe()["fast_kernels"]
+        return {**measured, "context_tokens": len(context), "repeats": repeats, "eager": eager,
+                "fast_kernels": described,
+                "step_speedup": eager["target_step_ms"] / measured["target_step_ms"] if eager else None}
+
+    def _costs(self, context: Sequence[int], gammas: Sequence[int], repeats: int) -> dict[str, Any]:
+        """c, v(γ) and the step times of the main drafter's pair, as the models run now."""
         measured = costs.measure(self.target, self.spec.drafter, context, max(gammas), self.device, repeats)
-        self.cost = measured.c
-        self.verify_cost = {g: measured.v(g) for g in sorted(set(gammas))}
-        return {"c": self.cost, "v": {str(g): v for g, v in self.verify_cost.items()},
+        return {"c": measured.c, "v": {str(g): measured.v(g) for g in sorted(set(gammas))},
                 "target_step_ms": 1e3 * measured.verify[1], "draft_step_ms": 1e3 * measured.draft,
-                "target_ms": {str(k): 1e3 * t for k, t in measured.verify.items()}, "context_tokens": len(context),
-                "repeats": repeats}
+                "target_ms": {str(k): 1e3 * t for k, t in measured.verify.items()}}
 
     def auto_costs(self, context: Sequence[int]) -> dict[str, Any]:
         """Each drafter's generator measures its costs as gamma="auto" does at a first call; returns them."""

@@ -25,17 +25,19 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def _cost_lines(result: dict[str, Any]) -> list[str]:
-    """The machine first (only ratios measured on one machine compare), then c and v(γ) as each side measured them."""
+    """The machine first (only ratios measured on one machine compare), the kernels, then c and v(γ) as each side
+    measured them: with the CPU kernel and eager where the pair runs it."""
     env, costs = result.get("environment", {}), result["costs"]
     lines = []
     if env:
         lines.append(f"machine: {env.get('cpu')}, {env.get('threads')} torch threads, device {env.get('device')}, "
                      f"{env.get('dtype')}; torch {env.get('torch')}, transformers {env.get('transformers')}")
-    lines += [
-        f"target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.2f} ms, "
-        f"c = {costs['c']:.3f}",
-        "v(γ) = " + ", ".join(f"{g}: {v:.2f}" for g, v in costs["v"].items()),
-    ]
+    eager = costs.get("eager")
+    lines += [_kernel_line(costs.get("fast_kernels"))] if costs.get("fast_kernels") else []
+    lines += _step_lines(costs, "with the kernel" if eager else "")
+    if eager:
+        lines += _step_lines(eager, "eager: torch's linears")
+        lines.append(f"the kernel's one-token target step: {costs['step_speedup']:.2f}× the eager one")
     for name, auto in result.get("auto_costs", {}).items():
         lines.append(f"gamma=auto, {name}: measured in {auto['seconds_measuring']:.2f} s: target step "
                      f"{auto['measured_target_ms']['1']:.2f} ms, drafting step {auto['measured_draft_ms']:.2f} ms; "
@@ -44,20 +46,37 @@ def _cost_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _kernel_line(described: dict[str, Any]) -> str:
+    """Whether each model runs hfspec's CPU kernel (``hfspec.fast.describe``)."""
+    parts = [f"{role} {k['isa']}, {k['layers']} layers, {k['bytes_added']} bytes added" if k["on"]
+             else f"{role} {k['reason']}" for role, k in described.items()]
+    return "fast kernels: " + "; ".join(parts)
+
+
+def _step_lines(costs: dict[str, Any], label: str) -> list[str]:
+    """The one-token steps, c and v(γ) of one measurement."""
+    where = f" ({label})" if label else ""
+    return [f"target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.2f} ms, "
+            f"c = {costs['c']:.3f}{where}",
+            "v(γ) = " + ", ".join(f"{g}: {v:.2f}" for g, v in costs["v"].items()) + where]
+
+
 def _mode_lines(name: str, mode: dict[str, Any]) -> list[str]:
     """One mode: the field, the γ that gamma="auto" chose, the sweep and the batch row."""
     title = name if mode["label"] == name else f"{name} ({mode['label']})"
     lines = ["", f"== {title} ==",
-             f"{'contender':<24}{'γ':>5}{'tok/s':>7}{'[p25-p75]':>13}{'×plain':>7}{'×asst':>6}{'×a-def':>7}"
+             f"{'contender':<24}{'γ':>5}{'tok/s':>7}{'[p25-p75]':>13}{'×plain':>7}{'×γ0':>6}{'×asst':>6}"
+             f"{'×a-def':>7}"
              f"{'acc':>5}{'α':>5}{'tok/pass':>9}{'pred':>5}{'pred(v)':>8}{'eff':>5}{'mism':>5}"]
     lines += [_contender_line(cname, row) for cname, row in mode["contenders"].items()]
     autos = {c: r for c, r in mode["contenders"].items() if r["schedule"] == "auto"}
     if autos:
         lines += ["", "γ chosen by gamma=auto (steps by γ):"]
         lines += [f"  {c:<22} {_histogram(r['gamma_histogram'])}" for c, r in autos.items()]
-    lines += ["", "sweep (hfspec, fixed γ):  γ  tok/s  ×plain  acc     α  pred(v)  eff"]
+    lines += ["", "sweep (hfspec, fixed γ):  γ  tok/s  ×plain   ×γ0  acc     α  pred(v)  eff"]
     for s in mode["sweep"]:
         lines.append(f"{'':26}{s['gamma']:>2}{s['tokens_per_second']:>7.1f}{_fmt(s['speedup_vs_plain']):>8}"
+                     f"{_fmt(s.get('speedup_vs_hfspec_g0')):>6}"
                      f"{_fmt(s['acceptance_rate']):>6}{_fmt(s['alpha']):>6}{_fmt(s['predicted_speedup_v']):>9}"
                      f"{_fmt(s['efficiency']):>6}")
     if "sweep_mismatches" in mode:
@@ -74,7 +93,8 @@ def _contender_line(name: str, row: dict[str, Any]) -> str:
     mism = row.get("greedy_mismatches")
     iqr = f"[{tps['p25']:.1f}-{tps['p75']:.1f}]"
     return (f"{name:<24}{g!s:>5}{tps['median']:>7.1f}{iqr:>13}"
-            f"{_fmt(row['speedup_vs_plain']):>7}{_fmt(row['speedup_vs_assisted']):>6}"
+            f"{_fmt(row['speedup_vs_plain']):>7}{_fmt(row.get('speedup_vs_hfspec_g0')):>6}"
+            f"{_fmt(row['speedup_vs_assisted']):>6}"
             f"{_fmt(row['speedup_vs_assisted_default']):>7}"
             f"{_fmt(row['acceptance_rate']):>5}{_fmt(row['alpha']):>5}{_fmt(row['mean_accepted_length']):>9}"
             f"{_fmt(row['predicted_speedup']):>5}{_fmt(row['predicted_speedup_v']):>8}"

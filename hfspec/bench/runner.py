@@ -12,7 +12,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from hfspec.bench.field import MAIN, Contender, Mode, Settings, contenders, encode
+from hfspec.bench.field import GAMMA0, MAIN, Contender, Mode, Settings, contenders, encode
 from hfspec.bench.measure import Bench, Run
 from hfspec.bench.summary import mismatches, summarize
 from hfspec.policy import predicted_speedup
@@ -20,8 +20,8 @@ from hfspec.costs import rollback_cost
 from hfspec.recurrent import is_recurrent
 
 
-SWEEP_KEYS = ("speedup_vs_plain", "speedup_vs_assisted", "acceptance_rate", "alpha", "mean_accepted_length",
-              "predicted_speedup", "predicted_speedup_v", "efficiency", "acceptance_by_position")
+SWEEP_KEYS = ("speedup_vs_plain", "speedup_vs_hfspec_g0", "speedup_vs_assisted", "acceptance_rate", "alpha",
+              "mean_accepted_length", "predicted_speedup", "predicted_speedup_v", "efficiency", "acceptance_by_position")
 
 
 def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Settings) -> dict[str, Any]:
@@ -38,7 +38,8 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
         runs = run_field(bench, main + sweep, encoded, mode, settings, seed)
         greedy = not mode.do_sample
         table = {c.name: summarize(c, runs[c.name], runs["plain"], runs.get("assisted"), bench.cost,
-                                   bench.verify_cost, greedy, runs.get("assisted-default")) for c in main + sweep}
+                                   bench.verify_cost, greedy, runs.get("assisted-default"), runs.get(GAMMA0))
+                 for c in main + sweep}
         by_gamma = {settings.gamma: "hfspec", **{c.gamma: c.name for c in sweep}}
         result["modes"][mode.name] = out = {
             "label": mode.label(), **mode.kwargs(),

@@ -89,8 +89,9 @@ def mismatches(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[in
 
 def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], assisted: Sequence[Run] | None,
               cost: float, verify_cost: dict[int, float], greedy: bool,
-              assisted_default: Sequence[Run] | None = None) -> dict[str, Any]:
-    """Everything reported for one contender in one mode (``assisted*`` are None without a draft model)."""
+              assisted_default: Sequence[Run] | None = None, gamma0: Sequence[Run] | None = None) -> dict[str, Any]:
+    """Everything reported for one contender in one mode (``assisted*`` are None without a draft model;
+    ``gamma0``, hfspec at γ = 0 on the same kernels, is None when skipped)."""
     tps = [r.tokens_per_second for r in runs]
     acc = acceptance(contender, runs)
     vs_plain = median_ratio(tps, [r.tokens_per_second for r in plain])
@@ -104,6 +105,7 @@ def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], a
         "drafter": contender.drafter,
         "tokens_per_second": spread(tps),
         "speedup_vs_plain": vs_plain,
+        "speedup_vs_hfspec_g0": median_ratio(tps, [r.tokens_per_second for r in gamma0]) if gamma0 else None,
         "speedup_vs_assisted": median_ratio(tps, [r.tokens_per_second for r in assisted]) if assisted else None,
         "speedup_vs_assisted_default": (median_ratio(tps, [r.tokens_per_second for r in assisted_default])
                                         if assisted_default else None),
