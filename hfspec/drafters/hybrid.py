@@ -153,12 +153,13 @@ class HybridDrafter(Drafter):
 
     @staticmethod
     def _model_pays(costs: Costs | None, e_ngram: list[float], e_main: float, width: int, gamma: int) -> bool:
-        """Whether running the model raises the step's expected tokens per second (always, without costs)."""
+        """Whether running the model raises the step's expected tokens per second (always, without costs).
+        The lookup has run already: its time is the same either way, and left out of both."""
         if costs is None:
             return True
         batch = len(e_ngram)
-        alone = (batch + sum(e_ngram)) / costs.step_seconds(batch, width, model=False, lookup=True)
-        both = (batch + sum(max(e, e_main) for e in e_ngram)) / costs.step_seconds(batch, gamma, lookup=True)
+        alone = (batch + sum(e_ngram)) / costs.step_seconds(batch, width, model=False)
+        both = (batch + sum(max(e, e_main) for e in e_ngram)) / costs.step_seconds(batch, gamma)
         return both > alone
 
     def _merge(self, ctx: Context, ng: Proposal, mp: Proposal, use: torch.Tensor) -> Proposal:
