@@ -66,6 +66,13 @@ class Costs:
     ``verify[k]`` and ``draft`` are the measurements (batch 1); real steps add running
     averages per (batch, k) that take precedence. For a batch size never seen, the
     batch-1 table is scaled by what the nearest observed batch size costs relative to it.
+
+    A step is priced by what it drafts (``step_seconds``): a drafter that can also look
+    its drafts up in the text (``hfspec.drafters.hybrid``) pays the draft model's step
+    only in steps that run the model, and a lookup that costs (almost) nothing, learnt
+    from the steps that ran only the lookup, in every drafting step. ``drafter`` is the
+    drafter these costs were measured for, so that the γ policy can ask it what a step
+    will draft.
     """
 
     verify: dict[int, float]
@@ -73,6 +80,8 @@ class Costs:
     seconds_measuring: float = 0.0
     observed_verify: dict[tuple[int, int], float] = field(default_factory=dict)
     observed_draft: dict[int, float] = field(default_factory=dict)
+    observed_lookup: dict[int, float] = field(default_factory=dict)
+    drafter: Any = field(default=None, repr=False, compare=False)
 
     @property
     def max_gamma(self) -> int:
@@ -92,6 +101,23 @@ class Costs:
     def draft_seconds(self, batch: int) -> float:
         return self.observed_draft.get(batch, self.draft)
 
+    def lookup_seconds(self, batch: int) -> float:
+        """Seconds of a lookup without the draft model: nothing until a step has taken one."""
+        return self.observed_lookup.get(batch, 0.0)
+
+    def step_seconds(self, batch: int, gamma: int, model: bool = True, lookup: bool = False,
+                     drafts: float = 1.0) -> float:
+        """Expected seconds of a step of up to γ drafts per row: γ draft-model steps if ``model``, one lookup
+        if ``lookup`` (neither when γ = 0: a plain step calls no drafter), and a verification over γ+1 tokens
+        with probability ``drafts``, over the pending token alone otherwise (no row had anything to draft)."""
+        drafting = gamma * self.draft_seconds(batch) if model else 0.0
+        if lookup and gamma:
+            drafting += self.lookup_seconds(batch)
+        verify = self.verify_seconds(batch, gamma + 1)
+        if drafts < 1.0:
+            verify = drafts * verify + (1.0 - drafts) * self.verify_seconds(batch, 1)
+        return drafting + verify
+
     def record_verify(self, batch: int, k: int, seconds: float) -> None:
         old = self.observed_verify.get((batch, k))
         if old is None:  # the first observation may carry one-off costs: start from the prediction
@@ -101,6 +127,10 @@ class Costs:
     def record_draft(self, batch: int, seconds_per_step: float) -> None:
         old = self.observed_draft.get(batch, self.draft)
         self.observed_draft[batch] = (1 - _EMA) * old + _EMA * seconds_per_step
+
+    def record_lookup(self, batch: int, seconds: float) -> None:
+        old = self.observed_lookup.get(batch, seconds)
+        self.observed_lookup[batch] = (1 - _EMA) * old + _EMA * seconds
 
     @property
     def c(self) -> float:
@@ -116,7 +146,8 @@ class Costs:
             "target_step_ms": 1e3 * self.verify_seconds(1, 1), "draft_step_ms": 1e3 * self.draft_seconds(1),
             "c": self.c, "v": {str(g): self.v(g) for g in range(1, self.max_gamma + 1)},
             "measured_target_ms": {str(k): 1e3 * t for k, t in self.verify.items()},
-            "measured_draft_ms": 1e3 * self.draft, "seconds_measuring": self.seconds_measuring,
+            "measured_draft_ms": 1e3 * self.draft, "lookup_ms": 1e3 * self.lookup_seconds(1),
+            "seconds_measuring": self.seconds_measuring,
         }
 
 
@@ -126,7 +157,7 @@ def measure(target: Any, drafter: Any, context: Sequence[int], max_gamma: int, d
     with Stopwatch(device) as watch:
         verify = forward_seconds(target, context, range(1, max_gamma + 2), repeats, device)
         draft = drafter.step_seconds(list(context), device)
-    return Costs(verify, draft, seconds_measuring=watch.seconds)
+    return Costs(verify, draft, seconds_measuring=watch.seconds, drafter=drafter)
 
 
 # -- what a recurrent rollback costs --------------------------------------------------------------

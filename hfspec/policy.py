@@ -4,6 +4,7 @@ A policy only chooses γ; acceptance stays min(1, p/q), so every policy is lossl
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from hfspec.acceptance import Acceptance
 from hfspec.config import check_gamma
 from hfspec.costs import Costs
+from hfspec.drafters.hybrid import HybridDrafter, Outcome
 
 
 def predicted_speedup(alpha: float, gamma: int, cost: float, verify_cost: float = 1.0) -> float:
@@ -224,14 +226,21 @@ class Tuning:
     setting: Any = None  # the current call's sampling setting, the key of memory and calibration
     maximum: int = 8  # largest γ considered; costs are measured for 1..maximum+1 new tokens
 
-    def evidence(self) -> Acceptance:
-        return self.memory.setdefault(self.setting, Acceptance(prior=0.5, weight=2.0, decay=0.995))
+    def evidence(self, source: str = "draft") -> Acceptance:
+        """Acceptance of ``source``'s proposals: "draft", or beside a hybrid's draft model "lookup" (its
+        proposals) and "match" (how often it makes one)."""
+        key = self.setting if source == "draft" else (self.setting, source)
+        return self.memory.setdefault(key, Acceptance(prior=0.5, weight=2.0, decay=0.995))
 
     def calibrated(self) -> Calibration:
         return self.calibration.setdefault(self.setting, Calibration())
 
     def probe_state(self, first_interval: int) -> list[int]:
         return self.probes.setdefault(self.setting, [0, first_interval])
+
+
+# (position of a row in the step, probability, α): with that probability, the row drafts at acceptance rate α.
+Part = tuple[int, float, float]
 
 
 class AutoGamma(GammaPolicy):
@@ -248,6 +257,22 @@ class AutoGamma(GammaPolicy):
     what was accepted before, say that drafting on can no longer raise the step's
     expected tokens per second (the threshold is that comparison, not a constant).
     Only γ is chosen here; acceptance stays min(1, p/q), so every choice is lossless.
+
+    A hybrid drafter (``hfspec.drafters.hybrid``) can take two kinds of step, each priced
+    by what it drafts. The lookup alone: row i finds a match with probability m_i and then
+    drafts at its lookup α; the step pays one lookup (next to nothing, measured by the
+    steps that take it) and verifies γ+1 tokens if some row found a match, 1 if none did;
+    no draft-model cost. The model too: a row drafts at the better of its two α where its
+    lookup matched and at the model's α elsewhere; the step pays γ draft-model steps and
+    the lookup. The step takes the kind and γ with the best expected tokens per second and
+    tells the hybrid whether its model may run. Why the hybrid is never slower than the
+    faster of its parts (in the cost model; its own lookup time, measured and priced, is
+    the noise): n-gram lookup alone takes lookup-alone steps, which the hybrid prices the
+    same way and may take with the same γ; the model alone takes model steps with every
+    row at the model's α, and the hybrid's model steps give each row at least that α at
+    the same time plus a lookup. A best choice over a set that holds both is worth at least
+    either. With a lookup that always matches, the lookup-alone price is n-gram lookup
+    alone's exactly.
     """
 
     row_weight = 4.0  # trials' worth of the generator's memory a new prompt starts from
@@ -265,71 +290,141 @@ class AutoGamma(GammaPolicy):
         self.probe = tuning.probe_state(self.probe_every)
         self.probing = False
         self.after_plain = True  # the next drafting step also catches up on every token since
+        self.hybrid = self.costs.drafter if isinstance(self.costs.drafter, HybridDrafter) else None
+        self.model = True  # whether the draft model may run in this step
 
     def begin(self, batch: int) -> None:
         # Each prompt accepts at its own rate: it starts from the generator's memory and learns apart.
-        memory = self.tuning.evidence()
-        self.by_row = [Acceptance(memory.alpha, self.row_weight, self.row_decay) for _ in range(batch)]
+        self.by_row = self.row_records("draft", batch)
+        if self.hybrid is not None:  # a hybrid's lookup, learnt apart from its model
+            self.lookup_by_row, self.match_by_row = self.row_records("lookup", batch), self.row_records("match", batch)
 
-    def alphas(self, rows: torch.Tensor) -> list[float]:
-        return [min(0.99, self.by_row[r].alpha) for r in rows.tolist()]
+    def row_records(self, source: str, batch: int) -> list[Acceptance]:
+        memory = self.tuning.evidence(source)
+        return [Acceptance(memory.alpha, self.row_weight, self.row_decay) for _ in range(batch)]
+
+    def alphas(self, rows: torch.Tensor, source: list[Acceptance] | None = None) -> list[float]:
+        source = self.by_row if source is None else source
+        return [min(0.99, source[r].alpha) for r in rows.tolist()]
+
+    def kinds(self, rows: torch.Tensor) -> list[tuple[list[Part], bool]]:
+        """Each kind of step the drafter can take: its rows' parts, and whether the draft model runs.
+        The last kind drafts with everything the drafter has (what a probe tries)."""
+        if self.hybrid is None:
+            return [([(i, 1.0, a) for i, a in enumerate(self.alpha)], True)]
+        lookup = self.alphas(rows, self.lookup_by_row)
+        match = [self.match_by_row[r].alpha for r in rows.tolist()]
+        alone = [(i, m, a) for i, (m, a) in enumerate(zip(match, lookup))]
+        both = [part for i, (m, a, b) in enumerate(zip(match, lookup, self.alpha))
+                for part in ((i, m, max(a, b)), (i, 1 - m, b))]
+        return [(alone, False), (both, True)]
+
+    def start_step(self, parts: list[Part], model: bool) -> None:
+        self.parts, self.model = parts, model
+        self.reach = [p for _, p, _ in parts]  # P(the part drafts and every draft so far is accepted)
+        self.expected = float(self.batch)  # expected tokens of the step with the drafts so far
 
     def gamma(self, rows: torch.Tensor) -> int:
         self.batch, self.alpha = rows.numel(), self.alphas(rows)
-        self.reach = [1.0] * self.batch  # P(every draft so far is accepted), per row
-        self.expected = float(self.batch)  # expected tokens of the step with the drafts so far
-        gamma = self.best(0)
+        kinds = self.kinds(rows)
+        rates = []
+        for kind in kinds:
+            self.start_step(*kind)
+            rates.append(self.best(0)[1])
+        self.start_step(*kinds[rates.index(max(rates))])  # a tie goes to the lookup alone: it runs no model
+        gamma, self.rate = self.best(0)  # the rate: the step's expected tokens per second, as predicted
         self.probing = False
         if gamma == 0:
             self.probe[0] += 1
             if self.probe[0] >= self.probe[1]:  # probe: draft anyway, to learn whether it pays again
                 self.probe[:] = [0, min(2 * self.probe[1], self.probe_max)]
                 self.probing = True
-                gamma = self.best(0, at_least=1)
+                self.start_step(*kinds[-1])
+                gamma, self.rate = self.best(0, at_least=1)
         else:
             self.probe[:] = [0, self.probe_every]
         self.chosen = gamma
+        if self.hybrid is not None:
+            self.hybrid.price(self.costs, self.model)
         return gamma
 
-    def best(self, drafted: int, at_least: int = 0) -> int:
-        """The γ ≥ ``drafted`` (and ≥ ``at_least``) with the best expected tokens per second."""
-        t_draft = self.costs.draft_seconds(self.batch)
+    def best(self, drafted: int, at_least: int = 0) -> tuple[int, float]:
+        """The γ ≥ ``drafted`` (and ≥ ``at_least``) with the best expected tokens per second, and that rate."""
         best, rate, future = drafted, -1.0, 0.0
         powers = list(self.reach)  # reach · α^k for the k-th draft after these
         for g in range(drafted, self.maximum + 1):
             if g > drafted:
-                powers = [p * a for p, a in zip(powers, self.alpha)]
+                powers = [p * a for p, (_, _, a) in zip(powers, self.parts)]
                 future += sum(powers)
             if g < at_least:
                 continue
-            r = (self.expected + future) / (g * t_draft + self.costs.verify_seconds(self.batch, g + 1))
+            r = (self.expected + future) / self.seconds(g)
             if r > rate:
                 best, rate = g, r
-        return best
+        return best, rate
+
+    def seconds(self, gamma: int) -> float:
+        """The expected time of a step of the current kind with γ drafts."""
+        if self.hybrid is None:
+            return self.costs.step_seconds(self.batch, gamma)
+        drafts = 1.0
+        if not self.model:  # the lookup alone verifies only the pending token when no row found a match
+            drafts = 1.0 - math.prod(1.0 - p for _, p, _ in self.parts)
+        return self.costs.step_seconds(self.batch, gamma, self.model, lookup=True, drafts=drafts)
 
     def stop(self, drafted: int, confidence: torch.Tensor) -> bool:
         accept = self.calibration.predict(confidence.tolist(), self.alpha)
-        self.reach = [r * a for r, a in zip(self.reach, accept)]
+        self.reach = [r * accept[i] for r, (i, _, _) in zip(self.reach, self.parts)]
         self.expected += sum(self.reach)
-        return drafted >= self.chosen or self.best(drafted) == drafted
+        return drafted >= self.chosen or self.best(drafted)[0] == drafted
 
     def update(self, step: Step) -> None:
-        memory = self.tuning.evidence()
         drafted, accepted = step.drafted.tolist(), step.accepted.tolist()
         if self.probing and any(d and n == d for d, n in zip(drafted, accepted)):
             self.probe[1] = self.probe_every  # a probe that paid: look again soon
-        for row, d, n in zip(step.rows.tolist(), drafted, accepted):
-            self.by_row[row].add_step(d, n)
-            memory.add_step(d, n)
-        if step.confidence is not None and step.confidence.numel():
-            # Draft j of a row was decided if the drafts before it were accepted; it was kept if j < accepted.
-            reached = [min(n + 1, d) for d, n in zip(drafted, accepted)]
-            self.calibration.add(step.confidence.tolist(), reached, accepted)
+        outcome = self.hybrid.outcome if self.hybrid is not None else None
+        if outcome is None:
+            self.learn(step.rows.tolist(), drafted, accepted, step.confidence)
+            model_gamma = step.gamma
+        else:
+            self.learn_hybrid(step, outcome)
+            model_gamma = outcome.model_gamma
         batch = step.rows.numel()
         self.costs.record_verify(batch, step.gamma + 1, step.verify_seconds)
-        if step.gamma and not self.after_plain:  # after plain steps, drafting began with a long catch-up
-            self.costs.record_draft(batch, step.draft_seconds / step.gamma)
-        self.after_plain = step.gamma == 0
+        if outcome is not None and not model_gamma:  # the lookup alone: its time is what drafting cost
+            self.costs.record_lookup(batch, step.draft_seconds)
+        elif model_gamma and not self.after_plain:  # after plain steps, drafting began with a long catch-up
+            lookup = self.costs.lookup_seconds(batch) if outcome is not None else 0.0
+            self.costs.record_draft(batch, max(0.0, step.draft_seconds - lookup) / model_gamma)
+        self.after_plain = model_gamma == 0  # the draft model did not run: it catches up when it next does
+
+    def learn(self, rows: list[int], drafted: list[int], accepted: list[int],
+              confidence: torch.Tensor | None) -> None:
+        """The draft model's (or the only drafter's) acceptance in ``rows``, and its calibration."""
+        memory = self.tuning.evidence()
+        for row, d, n in zip(rows, drafted, accepted):
+            self.by_row[row].add_step(d, n)
+            memory.add_step(d, n)
+        if confidence is not None and confidence.numel():
+            # Draft j of a row was decided if the drafts before it were accepted; it was kept if j < accepted.
+            reached = [min(n + 1, d) for d, n in zip(drafted, accepted)]
+            self.calibration.add(confidence.tolist(), reached, accepted)
+
+    def learn_hybrid(self, step: Step, outcome: Outcome) -> None:
+        """A hybrid's step: whether each row's lookup matched and how its proposal fared, and the model's
+        drafts in the rows that took them."""
+        match, lookup = self.tuning.evidence("match"), self.tuning.evidence("lookup")
+        rows = step.rows.tolist()
+        for row, run in zip(rows, outcome.lookup):
+            for record in (self.match_by_row[row], match):  # a match is a success, none a failure
+                record.add(int(run is not None), run is None)
+            if run is not None:
+                self.lookup_by_row[row].add(*run)
+                lookup.add(*run)
+        took = [i for i, m in enumerate(outcome.model) if m is not None]
+        confidence = step.confidence[took] if step.confidence is not None and took else None
+        self.learn([rows[i] for i in took], [outcome.model[i][0] for i in took],
+                   [outcome.model[i][1] for i in took], confidence)
 
     def __str__(self) -> str:
         return "auto"

@@ -84,10 +84,11 @@ def scripted_auto(monkeypatch):
 
     monkeypatch.setattr(Costs, "record_verify", lambda self, batch, k, seconds: None)
     monkeypatch.setattr(Costs, "record_draft", lambda self, batch, seconds: None)
+    monkeypatch.setattr(Costs, "record_lookup", lambda self, batch, seconds: None)
 
     def script(gen, profile: str):
         verify, draft = AUTO_COSTS[profile]
-        gen.tuning.costs = Costs(dict(verify), draft)
+        gen.tuning.costs = Costs(dict(verify), draft, drafter=gen.drafter)  # a hybrid prices its steps by them
         return gen
 
     return script

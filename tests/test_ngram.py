@@ -222,6 +222,26 @@ def test_the_hybrid_skips_the_draft_model_when_every_row_takes_the_lookup(tiny_p
     assert out.stats.draft_passes < 4 * len(steps.counts)
 
 
+@pytest.mark.parametrize("profile", ["cheap", "dear", "model dear as the target"])
+def test_the_hybrid_under_auto_equals_target_greedy_and_pays_for_its_model_only_where_it_runs(
+        profile, tiny_pair, scripted_auto, monkeypatch):
+    target, draft, tok = tiny_pair("llama", vocab_size=16)
+    gen = scripted_auto(SpeculativeGenerator(target, draft, tok, ngram=True), "cheap" if profile == "cheap" else "dear")
+    if profile == "model dear as the target":
+        gen.tuning.costs.draft = gen.tuning.costs.verify[1]
+    main_steps = []
+    original = ModelDrafter.propose
+    monkeypatch.setattr(ModelDrafter, "propose", lambda self, *a: main_steps.append(1) or original(self, *a))
+    steps = Steps(monkeypatch)
+    prompts = [[5, 5, 5, 5, 5, 5], [3, 9, 3, 9, 3, 9]]
+    out = gen.generate(prompts, max_new_tokens=30)
+    assert rows_of(out) == [target_greedy(target, p) for p in prompts]
+    lookup_steps = sum(1 for c in steps.counts if max(c, default=0) > 0) - len(main_steps)
+    assert lookup_steps > 0, "some steps drafted by lookup alone"
+    if profile == "model dear as the target":  # it never pays: only a rare probe runs it
+        assert len(main_steps) <= 2 and lookup_steps >= 5
+
+
 def test_ngram_runs_no_draft_forward(tiny_pair):
     target, _, tok = tiny_pair("llama", vocab_size=16)
     out = SpeculativeGenerator(target, "ngram", tok).generate([PROMPTS[0]], max_new_tokens=20, gamma=4)

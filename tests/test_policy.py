@@ -1,11 +1,16 @@
-"""γ policies on scripted costs and acceptances: what they choose, and when they stop drafting."""
+"""γ policies on scripted costs and acceptances: what they choose, and when they stop drafting; a hybrid's steps
+priced by what they draft."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hfspec.acceptance import Acceptance
 from hfspec.costs import Costs
+from hfspec.drafters import Drafter, Proposal
+from hfspec.drafters.hybrid import HybridDrafter, Outcome
 from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, Tuning
 
 ROW = torch.tensor([0])
@@ -152,3 +157,145 @@ def test_acceptance_counts_runs_and_steps_without_drafts_teach_nothing():
     assert (rate.accepted, rate.trials) == (3.25, 4.5)
     rate.add(0, failed=False)  # an empty run only fades the evidence: α stays
     assert (rate.accepted, rate.trials) == (1.625, 2.25) and rate.alpha == pytest.approx(3.25 / 4.5)
+
+
+# -- a hybrid drafter: each step priced by what it drafts -----------------------------------------
+
+
+class Stub(Drafter):
+    """A draft model that proposes token 1 everywhere, and counts its runs (no model: pricing only)."""
+
+    vocab_size = 16
+
+    def __init__(self):
+        self.runs = 0
+
+    def propose(self, ctx, gamma: int, stop=None) -> Proposal:
+        self.runs += 1
+        return Proposal(torch.ones(ctx.tokens.shape[0], gamma, dtype=torch.long))
+
+
+def hybrid_auto(costs: Costs, model: float, lookup: float, match: float = 0.5, batch: int = 1) -> AutoGamma:
+    """AutoGamma for a hybrid whose model and lookup start from these acceptance rates, and whose lookup finds
+    a match this often."""
+    costs.drafter = HybridDrafter(Stub())
+    tuning = Tuning(costs=costs)
+    for source, prior in (("draft", model), ("lookup", lookup), ("match", match)):
+        tuning.evidence(source).accepted, tuning.evidence(source).trials = prior * 100, 100.0
+    policy = AutoGamma(tuning)
+    policy.begin(batch)
+    return policy
+
+
+def hybrid_step(policy: AutoGamma, gamma: int, lookup: tuple[int, bool] | None, model: tuple[int, int] | None) -> None:
+    """A scripted batch-1 hybrid step that took what the costs predict: the lookup's run (None: no match), and the
+    model's (drafted, accepted) if the row took it."""
+    model_gamma = gamma if policy.model else 0
+    policy.hybrid.outcome = Outcome([lookup], [model], model_gamma)
+    drafted, accepted = model if model is not None else (gamma, lookup[0]) if lookup is not None else (0, 0)
+    costs = policy.costs
+    width = max(drafted, model_gamma)
+    policy.update(Step(ROW, width, torch.tensor([drafted]), torch.tensor([accepted]), None,
+                       model_gamma * costs.draft, costs.verify[width + 1]))
+
+
+def alone(costs: Costs, evidence: list[Acceptance]) -> AutoGamma:
+    """AutoGamma for a single drafter with these per-row acceptance records."""
+    policy = auto(costs)
+    policy.by_row = [Acceptance(e.prior, e.weight, e.decay) for e in evidence]
+    for mine, theirs in zip(policy.by_row, evidence):
+        mine.accepted, mine.trials = theirs.accepted, theirs.trials
+    return policy
+
+
+def test_a_hybrid_whose_model_never_pays_takes_lookup_steps_at_the_lookups_rate():
+    # A draft model as dear as the target and a lookup that always matches and is nearly always right.
+    costs = cpu_costs(draft_ms=40.0)
+    policy = hybrid_auto(costs, model=0.3, lookup=0.5, match=1.0)
+    chosen = []
+    for _ in range(40):
+        g = policy.gamma(ROW)
+        chosen.append((g, policy.model))
+        hybrid_step(policy, g, (g, False), None)
+    assert all(g > 0 and not model for g, model in chosen), "every step drafts by lookup alone"
+    # n-gram lookup alone (no draft cost) with the same acceptance evidence predicts the same γ and rate.
+    ngram = alone(cpu_costs(draft_ms=0.0), policy.lookup_by_row)
+    g, rate = policy.gamma(ROW), policy.rate
+    assert g == 8 and ngram.gamma(ROW) == g and ngram.rate == pytest.approx(rate, rel=1e-12)
+    assert rate > 1.5 / costs.verify_seconds(1, 1), "well above plain decoding"
+
+
+def test_a_hybrid_whose_lookup_never_matches_prices_as_its_model():
+    # A cheap, good draft model and a lookup that never finds a match.
+    costs = cpu_costs(draft_ms=2.0, v=(1.05,) * 8)
+    policy = hybrid_auto(costs, model=0.8, lookup=0.5)
+    chosen = []
+    for _ in range(40):
+        g = policy.gamma(ROW)
+        chosen.append((g, policy.model))
+        hybrid_step(policy, g, None, (g, g - 1) if policy.model and g else None)
+    assert all(g > 0 and model for g, model in chosen[10:]), "the model drafts once the lookup has shown it misses"
+    assert policy.match_by_row[0].alpha < 0.05
+    model = alone(cpu_costs(draft_ms=2.0, v=(1.05,) * 8), policy.by_row)
+    g, rate = policy.gamma(ROW), policy.rate
+    assert model.gamma(ROW) == g and model.rate == pytest.approx(rate, rel=1e-12)
+
+
+def test_a_hybrid_falls_back_to_plain_decoding_when_neither_part_pays():
+    costs = cpu_costs()  # a 4 ms draft step and a dear verification: a poor draft cannot pay
+    policy = hybrid_auto(costs, model=0.05, lookup=0.05)
+    chosen = []
+    for _ in range(60):
+        g = policy.gamma(ROW)
+        chosen.append(g)
+        hybrid_step(policy, g, (0, True), (g, 0) if policy.model and g else None)
+    assert chosen[-20:].count(0) >= 18, "plain steps, but for a rare probe"
+
+
+def test_a_lookup_that_rarely_matches_is_still_tried_when_a_match_pays():
+    # A lookup costs nothing and verifies only the pending token when it finds nothing: worth trying for any match.
+    costs = cpu_costs(draft_ms=40.0)
+    policy = hybrid_auto(costs, model=0.3, lookup=0.9, match=0.05)
+    g = policy.gamma(ROW)
+    assert g > 0 and not policy.model and policy.rate > 1 / costs.verify_seconds(1, 1)
+    # Once the lookup takes time of its own, a rare match no longer pays for it.
+    costs.record_lookup(1, 0.010)
+    assert policy.gamma(ROW) == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_hybrid_is_predicted_no_slower_than_the_faster_of_its_parts(seed):
+    rng = torch.Generator().manual_seed(seed)
+    for i in range(40):
+        a_model, a_lookup, match = torch.rand(3, generator=rng).tolist()
+        match = 1.0 if i % 2 else match  # n-gram lookup alone prices its steps as if every row matched
+        draft_ms = float(40 * torch.rand(1, generator=rng))
+        v = tuple(sorted((1 + 2 * torch.rand(8, generator=rng)).tolist()))
+        policy = hybrid_auto(cpu_costs(draft_ms, v), a_model, a_lookup, match=match)
+        policy.gamma(ROW)
+        model = alone(cpu_costs(draft_ms, v), policy.by_row)
+        ngram = alone(cpu_costs(0.0, v), policy.lookup_by_row)
+        model.gamma(ROW), ngram.gamma(ROW)
+        parts = [model.rate, ngram.rate] if match == 1.0 else [model.rate]
+        assert policy.rate >= max(parts) * (1 - 1e-12)
+        # A lookup that costs 2% of a target step keeps the hybrid within 5% of the faster part.
+        policy.costs.record_lookup(1, 0.02 * 0.040)
+        policy.gamma(ROW)
+        assert policy.rate >= 0.95 * max(parts)
+
+
+def test_the_model_runs_only_where_the_step_pays_for_it():
+    # Row 0's text repeats (a lookup proposal); row 1's does not.
+    ctx = SimpleNamespace(tokens=torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4], [6, 7, 8, 9, 10, 11, 12, 13]]),
+                          lengths=torch.tensor([8, 8]), vocab=16)
+    dear, cheap = cpu_costs(draft_ms=40.0), cpu_costs(draft_ms=0.4, v=(1.0,) * 8)
+    for costs, model, runs in ((None, True, 1), (cheap, True, 1), (dear, True, 0), (cheap, False, 0)):
+        hybrid = HybridDrafter(Stub())
+        hybrid.start(2, torch.device("cpu"))
+        hybrid.price(costs, model)
+        proposal = hybrid.propose(ctx, 4)
+        assert hybrid.main.runs == runs, (costs, model)
+        # Without the model, the row without a lookup proposal drafts nothing; the other keeps its lookup.
+        assert proposal.drafted().tolist()[1] == (4 if runs else 0) and proposal.drafted().tolist()[0] > 0
+        hybrid.commit(ctx, torch.tensor([0, 0]))
+        assert hybrid.outcome.model_gamma == 4 * runs and hybrid.outcome.lookup[1] is None

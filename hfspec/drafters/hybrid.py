@@ -1,4 +1,5 @@
-"""A model drafter plus n-gram lookup: per row, whichever is expected to get more tokens accepted.
+"""A model drafter plus n-gram lookup: per row, whichever is expected to get more tokens accepted,
+and the draft model only in steps where it raises the expected tokens per second.
 
 Each step the n-gram lookup proposes first (it costs no forward). For each row with an
 n-gram proposal of k tokens after a match of m tokens, the expected accepted length is
@@ -7,6 +8,20 @@ after matches of about m tokens (one record per match-length bucket: 1, 2–3, 4
 that of the main drafter is E_main = β + … + β^γ with β its own running acceptance.
 The row takes the n-gram proposal when E_ngram ≥ E_main, the main drafter's otherwise.
 When every row takes the n-gram proposal, the main drafter does not run that step.
+
+That per-row rule is a rule on tokens per second too, once the step runs the model: a
+draft-model step is one batched forward whatever rows use it, so its cost is the step's,
+and a row's best use of a paid step is the proposal with more expected tokens. Whether
+the step pays for the model at all is decided by time: with the step's costs
+(``price``, from ``gamma="auto"``), the model runs only when the step's expected tokens
+with it, Σ (1 + max(E_ngram, E_main)) over the rows, divided by γ draft-model steps and
+the verification over γ+1 tokens, beat those of the lookup alone, Σ (1 + E_ngram) over
+the lookup alone's time (no draft-model step, a verification only as wide as the longest
+lookup proposal). A γ policy may also forbid the model for a step (``price(model=False)``);
+rows without a lookup proposal then draft nothing. So a step that takes only lookup
+proposals pays no draft-model cost, and the γ policy (``hfspec.policy.AutoGamma``) prices
+it so: it learns the two proposers apart from ``outcome``.
+
 The main drafter may be a model or an EAGLE-3 head: it hears every verification (and
 the target features it reads), and keeps of its own drafts only those the committed
 text begins with.
@@ -27,12 +42,14 @@ the committed tokens in its next forward.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hfspec import sampling
 from hfspec.acceptance import Acceptance
+from hfspec.costs import Costs
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
 
@@ -56,8 +73,19 @@ def agreement(a: list[int], b: list[int]) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What the last proposal told of each row's two proposers, for a γ policy that prices them apart."""
+
+    lookup: list[tuple[int, bool] | None]  # per row: the lookup proposal's run of accepts and a failure after it?
+    # (None: the lookup found no match)
+    model: list[tuple[int, int] | None]  # per row that took the model's proposal: (drafted, accepted)
+    model_gamma: int  # drafts the model was asked for (0: it did not run)
+
+
 class HybridDrafter(Drafter):
-    """``main`` (a model drafter) and ``ngram`` lookup, chosen per row by expected accepted length."""
+    """``main`` (a model drafter) and ``ngram`` lookup: per row the proposal with more expected accepted tokens,
+    the model only in steps where it pays (see the module docstring)."""
 
     kind = "hybrid"
 
@@ -71,6 +99,8 @@ class HybridDrafter(Drafter):
         self.ngram_rates = [Acceptance() for _ in range(BUCKETS)]
         self.main_rate = Acceptance()
         self._step: dict[str, Any] | None = None  # the last proposal, until it is committed
+        self.outcome: Outcome | None = None  # the last committed proposal's, None after a step without one
+        self._price: tuple[Costs | None, bool] = (None, True)  # the next step's costs, and whether the model may run
 
     @property
     def model(self) -> PreTrainedModel | None:
@@ -94,27 +124,48 @@ class HybridDrafter(Drafter):
     def start(self, batch: int, device: torch.device) -> None:
         self.main.start(batch, device)
         self.ngram.start(batch, device)
-        self._step = None
+        self._step, self.outcome, self._price = None, None, (None, True)
 
     def observe(self, ctx: Context, features: Features) -> None:
         self.main.observe(ctx, features)
 
+    def price(self, costs: Costs | None, model: bool = True) -> None:
+        """Price the next proposal with ``costs`` (None: by expected tokens alone, as with a fixed γ);
+        ``model=False`` runs no draft model in it. Holds for one proposal."""
+        self._price = (costs, model)
+
     def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+        (costs, model), self._price = self._price, (None, True)
         ng = self.ngram.propose(ctx, gamma)
         ng_counts = ng.drafted().cpu()
         buckets = [bucket(m) for m in self.ngram.match_lengths.tolist()]
+        e_ngram = [self.ngram_rates[j].expected(k) if k else 0.0 for k, j in zip(ng_counts.tolist(), buckets)]
         e_main = self.main_rate.expected(gamma)
-        use = torch.tensor([k > 0 and self.ngram_rates[j].expected(k) >= e_main
-                            for k, j in zip(ng_counts.tolist(), buckets)], dtype=torch.bool)
+        use = torch.tensor([k > 0 and e >= e_main for k, e in zip(ng_counts.tolist(), e_ngram)], dtype=torch.bool)
+        if not bool(use.all()) and not (model and self._model_pays(costs, e_ngram, e_main, ng.gamma, gamma)):
+            use = ng_counts > 0  # the lookup alone: rows without a proposal draft nothing
+            model = False
         self._step = {"ngram": ng.tokens.cpu(), "ngram_counts": ng_counts, "buckets": buckets, "use": use,
-                      "main": None, "main_counts": None}
-        if bool(use.all()):
+                      "main": None, "main_counts": None, "gamma": 0}
+        if not model or bool(use.all()):
             return ng
         mp = self.main.propose(ctx, gamma, stop)
+        self._step["gamma"] = mp.gamma
         self._step.update(main=mp.tokens.cpu(), main_counts=mp.drafted().cpu())
         if not bool(use.any()):
             return mp
         return self._merge(ctx, ng, mp, use.to(mp.tokens.device))
+
+    @staticmethod
+    def _model_pays(costs: Costs | None, e_ngram: list[float], e_main: float, width: int, gamma: int) -> bool:
+        """Whether running the model raises the step's expected tokens per second (always, without costs).
+        The lookup has run already: its time is the same either way, and left out of both."""
+        if costs is None:
+            return True
+        batch = len(e_ngram)
+        alone = (batch + sum(e_ngram)) / costs.step_seconds(batch, width, model=False)
+        both = (batch + sum(max(e, e_main) for e in e_ngram)) / costs.step_seconds(batch, gamma)
+        return both > alone
 
     def _merge(self, ctx: Context, ng: Proposal, mp: Proposal, use: torch.Tensor) -> Proposal:
         """One proposal: the n-gram rows where ``use``, the main drafter's elsewhere; padding is zeros."""
@@ -131,25 +182,37 @@ class HybridDrafter(Drafter):
         return Proposal(tokens, q, counts, forwards=mp.draft_forwards())
 
     def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
-        step, self._step = self._step, None
+        step, self._step, self.outcome = self._step, None, None
         if step is not None:  # not a step without a proposal
             self._learn(step, num_accepted.cpu())
         self.main.commit(ctx, num_accepted)
         self.ngram.commit(ctx, num_accepted)
 
     def _learn(self, step: dict[str, Any], accepted: torch.Tensor) -> None:
-        """Update both running records from this step's outcome (see the module docstring)."""
+        """Update both running records from this step's outcome (see the module docstring), and ``outcome``."""
         main, main_counts = step["main"], step["main_counts"]
+        lookup: list[tuple[int, bool] | None] = []
+        model: list[tuple[int, int] | None] = []
         for b, (n, k, used) in enumerate(zip(accepted.tolist(), step["ngram_counts"].tolist(), step["use"].tolist())):
             rate = self.ngram_rates[step["buckets"][b]]
             if used:
                 rate.add(n, n < k)
+                lookup.append((n, n < k))
+                model.append(None)
+            elif main is None:  # no lookup proposal, and no model this step: the row drafted nothing
+                lookup.append(None)
+                model.append(None)
             else:
+                run: tuple[int, bool] | None = None
                 if k:  # the n-gram proposal against the committed drafts of the main one
                     seen = min(k, n)
                     a = agreement(step["ngram"][b, :seen].tolist(), main[b, :seen].tolist())
                     rate.add(a, a < seen)
+                    run = (a, a < seen)
                 self.main_rate.add(n, n < int(main_counts[b]))
+                lookup.append(run)
+                model.append((int(main_counts[b]), n))
+        self.outcome = Outcome(lookup, model, step["gamma"])
 
     def finished(self, row: int, output: torch.Tensor) -> None:
         self.main.finished(row, output)
