@@ -1,0 +1,241 @@
+"""Draft trees: the pure tree math, exactness at any temperature, greedy identity, caches and refusals."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import stat_utils
+import tiny
+import torch
+from stat_utils import ALPHA, chi_square_pvalue
+from transformers import DynamicCache
+
+from hfspec import SpeculativeGenerator, sampling, tree
+from hfspec.cache import KVState
+from hfspec.errors import HfspecError
+from hfspec.tree import TreeProposal
+
+V = 9
+
+# -- the pure functions, on hand-made trees and distributions ---------------------------------------
+
+#        root
+#       /    \
+#      0(4)   1(5)
+#     /  \      \
+#   2(6) 3(7)   4(6)
+PARENTS = torch.tensor([[-1, -1, 0, 0, 1]])
+TOKENS = torch.tensor([[4, 5, 6, 7, 6]])
+
+
+def test_depths_and_ancestry_of_a_hand_made_tree():
+    assert tree.depths(PARENTS).tolist() == [[1, 1, 2, 2, 2]]
+    seen = tree.ancestry(PARENTS)[0].int().tolist()
+    assert seen == [[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 0, 1, 0], [0, 1, 0, 0, 1]]
+
+
+def test_greedy_walk_follows_the_target_argmax():
+    hand = TreeProposal(TOKENS, PARENTS)
+    # argmax after the root is 5 (node 1), after node 1 is 6 (node 4), after node 4 is 3 (the bonus)
+    argmax = torch.tensor([[5, 0, 6, 0, 0, 3]])
+    path, accepted, nxt = tree.verify_tree_greedy(hand, argmax)
+    assert path.tolist() == [[1, 4]] and accepted.tolist() == [2] and nxt.tolist() == [3]
+    # a padding node never matches, even when its token is the argmax
+    padded = TreeProposal(TOKENS, PARENTS, real=torch.tensor([[True, False, True, True, True]]))
+    path, accepted, nxt = tree.verify_tree_greedy(padded, argmax)
+    assert accepted.tolist() == [0] and nxt.tolist() == [5]
+
+
+def test_a_child_equal_to_the_target_is_always_accepted_and_one_of_zero_target_mass_never():
+    p = torch.full((1, 6, V), 1e-9)
+    p[0, 0, 5] = 1.0  # the target puts everything on node 1's token
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.full((1, 5, V), 1.0 / V)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        path, accepted, _ = tree.verify_tree(TreeProposal(TOKENS, PARENTS, q), p, g)
+        assert int(path[0, 0]) == 1  # node 0 (token 4) has ~0 target mass; node 1 is accepted with certainty
+
+
+def random_dist(g: torch.Generator, *shape: int, peak: float = 3.0) -> torch.Tensor:
+    return torch.softmax(torch.randn(*shape, V, generator=g) * peak, dim=-1)
+
+
+def two_level_samples(residual_update: bool, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of the first two tokens when a two-level tree (children drawn without replacement by
+    ``tree.expand``) is verified against hand-made p, and the exact joint p1(x) p2(y | x)."""
+    g = torch.Generator().manual_seed(seed)
+    p1, p2 = random_dist(g), random_dist(g, V)  # the target: p2[x] follows token x
+    q1, q2 = random_dist(g, peak=2.0), random_dist(g, V, peak=2.0)  # an unrelated draft
+    ones = torch.ones(rows, 1)
+    alive = torch.ones(rows, 1, dtype=torch.bool)
+    f1, t1, c1, r1 = tree.expand(ones, alive, q1.expand(rows, 1, V), 3, True, g)
+    f2, t2, _, r2 = tree.expand(c1, r1, q2[t1], 4, True, g)
+    tokens = torch.cat([t1, t2], 1)
+    parents = torch.cat([torch.full_like(f1, -1), f2], 1)
+    q = torch.cat([q1.expand(rows, 3, V), q2[t1].gather(1, f2[:, :, None].expand(-1, -1, V))], 1)
+    p = torch.cat([p1.expand(rows, 1, V), p2[t1], p2[t2]], 1)  # after a depth-2 node: any p (a bonus, unused)
+    hand = TreeProposal(tokens, parents, q, torch.cat([r1, r2], 1))
+    path, accepted, nxt = tree.verify_tree(hand, p, g, residual_update=residual_update)
+    counts = np.zeros((V, V))
+    for b in range(rows):
+        drawn = tokens[b, path[b, : accepted[b]]].tolist() + [int(nxt[b])]
+        if len(drawn) < 2:  # the second token comes from the target after the first
+            drawn.append(int(sampling.sample(p2[drawn[0]][None], g)[0]))
+        counts[drawn[0], drawn[1]] += 1
+    return counts, (p1[:, None] * p2).numpy()
+
+
+def test_multi_draft_acceptance_is_exact_and_the_negative_control_fails():
+    counts, exact = two_level_samples(True, 6000, seed=1)
+    assert chi_square_pvalue(counts, exact) > ALPHA
+    counts, exact = two_level_samples(False, 6000, seed=1)
+    assert chi_square_pvalue(counts, exact) < ALPHA
+
+
+def test_expand_draws_children_without_replacement_and_marks_empty_slots():
+    q = torch.zeros(2, 1, V)
+    q[:, 0, :2] = 0.5  # two tokens possible: a third child is padding
+    frontier, tokens, cum, real = tree.expand(torch.ones(2, 1), torch.ones(2, 1, dtype=torch.bool), q, 3, True,
+                                              torch.Generator().manual_seed(0))
+    assert frontier.tolist() == [[0, 0, 0]] * 2 and real.tolist() == [[True, True, False]] * 2
+    assert sorted(tokens[0, :2].tolist()) == [0, 1] and torch.allclose(cum[:, :2], torch.full((2, 2), 0.5))
+    # greedy: the best slots across the frontier by cumulative probability
+    q = torch.zeros(1, 2, V)
+    q[0, 0, 3], q[0, 0, 4], q[0, 1, 5], q[0, 1, 6] = 0.6, 0.4, 0.9, 0.1
+    frontier, tokens, cum, _ = tree.expand(torch.tensor([[0.5, 0.4]]), torch.ones(1, 2, dtype=torch.bool), q, 3,
+                                           False)
+    assert frontier.tolist() == [[0, 0, 1]] and tokens.tolist() == [[3, 4, 5]]
+    assert torch.allclose(cum, torch.tensor([[0.3, 0.2, 0.36]]))
+
+
+def test_keep_path_gathers_the_accepted_columns_and_crops_the_rest():
+    kv = KVState(2, torch.device("cpu"))
+    keys = torch.arange(2 * 7, dtype=torch.float32).view(2, 1, 7, 1)
+    kv.append(keys, keys.clone())
+    kv.extend_mask(torch.ones(2, 7, dtype=torch.long))
+    kv.keep_path(3, torch.tensor([[0, 2, 3], [0, 1, -1]]), torch.tensor([3, 2]))
+    layer = kv.cache.layers[0]
+    assert layer.keys[:, 0, :, 0].tolist() == [[0, 1, 2, 3, 5, 6], [7, 8, 9, 10, 11, 10]]
+    assert kv.mask.tolist() == [[1] * 6, [1, 1, 1, 1, 1, 0]]
+    kv.check(torch.tensor([6, 5]), "test")
+
+
+# -- end to end: exact at any temperature -----------------------------------------------------------
+
+NEW, SAMPLES = 3, 6_000
+PROMPT = [7, 8, 7, 7]
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir):
+    common = dict(vocab_size=V, sharpness=30.0, eos=None, hidden=16, layers=1)
+    target, tok = tiny.load(model_dir("llama", seed=10, **common))
+    # Far from the target (noise as large as the weights): many rejections, yet some paths two deep.
+    draft, _ = tiny.load(model_dir("llama", seed=10, perturb=1.0, perturb_seed=5, **common))
+    return target, draft, tok
+
+
+def tree_counts(gen: SpeculativeGenerator, settings: dict, nodes: int, seed: int) -> tuple[np.ndarray, list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = gen.generate([PROMPT] * SAMPLES, max_new_tokens=NEW, tree=nodes, do_sample=True, generator=g, **settings)
+    counts = np.zeros([V] * NEW)
+    np.add.at(counts, tuple(out.sequences[:, -NEW:].numpy().T), 1)
+    return counts, list(out.stats.depth_histogram)
+
+
+SETTINGS = {"t0.7_top_k": {"temperature": 0.7, "top_k": 4}, "t0.7_top_p": {"temperature": 0.7, "top_p": 0.85}}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_tree_samples_match_the_target(pair, name):
+    target, draft, tok = pair
+    counts, depths = tree_counts(SpeculativeGenerator(target, draft, tok), SETTINGS[name], 6, seed=3)
+    deepest = 2 if "top_k" in name else 1  # top-p at T=0.7 leaves the draft one token often: paths stay short
+    assert len(depths) > deepest and depths[0] > 0, f"no path {deepest} deep accepted, or none rejected: {depths}"
+    pv = chi_square_pvalue(counts, stat_utils.exact_joint(target, PROMPT, SETTINGS[name], V, NEW))
+    assert pv > ALPHA, f"{name}: tree samples differ from the target (p-value {pv:.3g})"
+
+
+def test_negative_control_tree_without_the_residual_update_is_detected(pair, monkeypatch):
+    target, draft, tok = pair
+    monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+    settings = SETTINGS["t0.7_top_k"]
+    counts, _ = tree_counts(SpeculativeGenerator(target, draft, tok), settings, 6, seed=3)
+    assert chi_square_pvalue(counts, stat_utils.exact_joint(target, PROMPT, settings, V, NEW)) < ALPHA
+
+
+# -- greedy: identical to the target's own generate() ----------------------------------------------
+
+def reference(model, ids: list[int], new: int) -> list[int]:
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("llama", {}), ("gpt2", {}), ("qwen2", {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 0}),
+    ("gemma2", {"sliding_window": 4}),
+])
+def test_greedy_trees_equal_target_greedy_on_ragged_batches(arch, extra, model_dir):
+    common = dict(vocab_size=64, eos=None, **extra)
+    target, tok = tiny.load(model_dir(arch, seed=0, **common))
+    draft, _ = tiny.load(model_dir(arch, seed=0, perturb=0.3, **common))  # close to the target: deep paths
+    gen = SpeculativeGenerator(target, draft, tok)
+    prompts = [list(range(5, 25)), [7, 8, 9], list(range(30, 41))]  # longer than the window, and ragged
+    want = [reference(target, p, 24) for p in prompts]
+    for nodes in (1, 5, 16):
+        out = gen.generate(prompts, max_new_tokens=24, tree=nodes)  # the invariants are checked every step
+        got = [row[-24:] for row in out.sequences.tolist()]
+        assert got == want, (arch, nodes)
+        assert out.stats.tree_nodes > 0 and len(out.stats.depth_histogram) > min(nodes, 2), out.stats.depth_histogram
+
+
+def test_tree_of_one_node_per_level_is_the_chain(tiny_pair):
+    target, draft, tok = tiny_pair("llama")
+    gen = SpeculativeGenerator(target, draft, tok)
+    chain = gen.generate([[5, 6, 7]], max_new_tokens=16, gamma=1)
+    one = gen.generate([[5, 6, 7]], max_new_tokens=16, tree=1)
+    assert one.sequences.tolist() == chain.sequences.tolist()
+    assert one.stats.target_passes == chain.stats.target_passes
+
+
+# -- refusals ---------------------------------------------------------------------------------------
+
+def test_recurrent_target_refuses_trees_and_still_runs_chains(model_dir):
+    target, tok = tiny.load(model_dir("falcon_h1", vocab_size=64))
+    draft, _ = tiny.load(model_dir("llama", seed=3, vocab_size=64))
+    gen = SpeculativeGenerator(target, draft, tok)
+    with pytest.raises(HfspecError, match="recurrent.*tree=None"):
+        gen.generate([[5, 6, 7]], max_new_tokens=4, tree=8)
+    assert gen.generate([[5, 6, 7]], max_new_tokens=4, tree=None).sequences.shape[1] == 7
+
+
+def test_sliding_window_without_a_mask_per_layer_type_is_refused(model_dir):
+    target, tok = tiny.load(model_dir("mistral", vocab_size=64, sliding_window=4))
+    gen = SpeculativeGenerator(target, target, tok)
+    with pytest.raises(HfspecError, match="sliding-window.*tree=None"):
+        gen.generate([[5, 6, 7]], max_new_tokens=4, tree=8)
+
+
+@pytest.mark.parametrize("bad, message", [({"tree": -1}, "node budget"), ({"tree": 2.5}, "node budget"),
+                                          ({"tree": 4, "repetition_penalty": 1.3}, "reads the text so far")])
+def test_bad_tree_settings_are_refused(tiny_pair, bad, message):
+    target, draft, tok = tiny_pair("llama")
+    with pytest.raises(HfspecError, match=message):
+        SpeculativeGenerator(target, draft, tok).generate([[5, 6, 7]], max_new_tokens=4, **bad)
+
+
+def test_auto_tree_is_the_chain_for_now(tiny_pair):
+    target, draft, tok = tiny_pair("llama")
+    gen = SpeculativeGenerator(target, draft, tok)
+    auto = gen.generate([[5, 6, 7]], max_new_tokens=12, gamma=3, tree="auto")
+    assert auto.stats.tree_nodes == 0
+    assert auto.sequences.tolist() == gen.generate([[5, 6, 7]], max_new_tokens=12, gamma=3).sequences.tolist()
+
+
+def test_every_tree_shape_fits_its_budget():
+    for nodes in itertools.chain(range(1, 40), (64, 100)):
+        width, depth = tree.shape(nodes)
+        assert 1 <= width <= nodes and (depth - 1) * width < nodes <= depth * width
