@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from hfspec import SpeculativeGenerator, sampling, tree
 from hfspec.cache import KVState
+from hfspec.drafters import ngram
 from hfspec.errors import HfspecError
 from hfspec.tree import TreeProposal
 
@@ -239,3 +240,63 @@ def test_every_tree_shape_fits_its_budget():
     for nodes in itertools.chain(range(1, 40), (64, 100)):
         width, depth = tree.shape(nodes)
         assert 1 <= width <= nodes and (depth - 1) * width < nodes <= depth * width
+
+
+# -- n-gram trees -----------------------------------------------------------------------------------
+
+def test_trie_keeps_the_most_frequent_prefixes_parents_first():
+    nodes = ngram.trie([[3, 4], [3, 4], [3, 5], [6]], 4, 0.0)
+    assert nodes == [(3, -1), (6, -1), (4, 0), (5, 0)]
+    assert ngram.trie([[3, 4], [3, 4], [3, 5], [6]], 4, 0.4) == [(3, -1), (4, 0)]  # shares under 0.4 left out
+
+
+def test_ngram_tree_holds_every_continuation_of_the_match():
+    drafter = ngram.NgramDrafter(history=False)
+    drafter.start(2, torch.device("cpu"))
+    ctx = NgramCtx([[1, 2, 3, 9, 1, 2, 4, 9, 1, 2], [5, 5]])
+    proposal = drafter.propose_tree(ctx, 6, 3)
+    real = proposal.mask()
+    row = list(zip(proposal.tokens[0][real[0]].tolist(), proposal.parents[0][real[0]].tolist()))
+    assert (3, -1) in row and (4, -1) in row and (9, row.index((3, -1))) in row
+    assert proposal.q is None and int(real[1].sum()) == 0  # one-hot q; the second row has no match
+
+
+class NgramCtx:
+    """The part of the loop's Context a model-free drafter reads."""
+
+    sample, generator, vocab = False, None, 100
+
+    def __init__(self, rows: list[list[int]]):
+        width = max(map(len, rows))
+        self.tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        self.lengths = torch.tensor([len(r) for r in rows])
+
+
+def test_ngram_trees_equal_target_greedy(tiny_pair):
+    target, _, tok = tiny_pair("llama", vocab_size=16)
+    gen = SpeculativeGenerator(target, "ngram", tok)
+    prompts = [[5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6], [9, 9, 9, 9], [3, 4]]
+    out = gen.generate(prompts, max_new_tokens=30, tree=8, eos_token_id=[])
+    for prompt, row in zip(prompts, out.sequences.tolist()):
+        assert row[-30:] == reference(target, prompt, 30)
+    assert out.stats.tree_nodes > 0 and out.stats.accepted > 0
+
+
+# "8 3" was followed by 7 and by 3, which the target gives 0.36 and 0.43: two children, often rejected.
+NGRAM_PROMPT = [8, 3, 7, 8, 3, 3, 8, 3]
+
+
+@pytest.mark.parametrize("residual", ["exact", "control"])
+def test_ngram_tree_samples_match_the_target(pair, residual, monkeypatch):
+    target, _, tok = pair
+    if residual == "control":
+        monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+    settings = {"temperature": 0.7, "top_k": 5}
+    g = torch.Generator().manual_seed(4)
+    out = SpeculativeGenerator(target, "ngram", tok).generate([NGRAM_PROMPT] * SAMPLES, max_new_tokens=NEW, tree=6,
+                                                              do_sample=True, generator=g, **settings)
+    counts = np.zeros([V] * NEW)
+    np.add.at(counts, tuple(out.sequences[:, -NEW:].numpy().T), 1)
+    pv = chi_square_pvalue(counts, stat_utils.exact_joint(target, NGRAM_PROMPT, settings, V, NEW))
+    assert out.stats.depth_histogram[0] > 0 and len(out.stats.depth_histogram) > 1
+    assert (pv > ALPHA) if residual == "exact" else (pv < ALPHA), pv
