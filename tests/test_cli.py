@@ -21,7 +21,7 @@ from hfspec.loading import Preset
 PROMPT = "w10 w11 w12"
 GENERATE_FLAGS = [
     "--target", "--draft", "--config", "--device", "--dtype", "--gamma", "--adaptive", "--ngram", "--no-ngram",
-    "--draft-cost",
+    "--draft-cost", "--tree",
     "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed",
     "--chat", "--no-chat", "--system", "--prompts-file", "--batch-size", "--stream", "--stats", "--json",
 ]

@@ -11,7 +11,7 @@ import torch
 from stat_utils import ALPHA, chi_square_pvalue
 from transformers import DynamicCache
 
-from hfspec import SpeculativeGenerator, sampling, tree
+from hfspec import SpeculativeGenerator, api, cli, sampling, tree
 from hfspec.cache import KVState
 from hfspec.drafters import ngram
 from hfspec.errors import HfspecError
@@ -300,3 +300,18 @@ def test_ngram_tree_samples_match_the_target(pair, residual, monkeypatch):
     pv = chi_square_pvalue(counts, stat_utils.exact_joint(target, NGRAM_PROMPT, settings, V, NEW))
     assert out.stats.depth_histogram[0] > 0 and len(out.stats.depth_histogram) > 1
     assert (pv > ALPHA) if residual == "exact" else (pv < ALPHA), pv
+
+
+# -- the surface ------------------------------------------------------------------------------------
+
+@pytest.mark.usefixtures("fresh_api_cache")
+def test_cli_tree_prints_the_api_text_and_the_tree_counts(capsys, model_dir):
+    target, draft = str(model_dir("llama", seed=0)), str(model_dir("llama", seed=0, perturb=0.3))
+    capsys.readouterr()
+    code = cli.main(["generate", "w10 w11 w12", "--target", target, "--draft", draft, "--max-new-tokens", "12",
+                     "--tree", "6", "--stats"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out == api.generate("w10 w11 w12", target=target, draft=draft, max_new_tokens=12) + "\n"
+    assert "tree nodes verified" in err and "steps by accepted depth" in err
+    assert cli.main(["generate", "w10", "--target", target, "--draft", draft, "--tree", "-2"]) == 2
+    assert "--tree: must be >= 0 or 'auto'" in capsys.readouterr().err
