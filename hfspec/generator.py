@@ -37,9 +37,9 @@ from hfspec import costs, recurrent, sampling, tree as trees
 from hfspec.cache import KVState
 from hfspec.costs import Costs
 from hfspec.drafters import Drafter, Features, Proposal, cross_tokenizer
+from hfspec.errors import HfspecError
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import load_pair, make_drafter
-from hfspec.errors import HfspecError
 from hfspec.models import (check_causal_lm, check_tree_attention, forward, forward_features, shared_vocab_size,
                            sliding_window, tree_attention)
 from hfspec.policy import GammaPolicy, Step, Tuning, as_policy
@@ -357,7 +357,6 @@ class _Loop:
         """One target forward over the pending token and every node, each attending to the committed tokens
         and its own ancestors; accept along one path (``hfspec.tree``)."""
         rows, batch = self.rows, proposal.tokens.shape[0]
-        assert not self.drafter.feature_layers, "drafters that read target features propose chains"
         start = self.kv.length
         fed = torch.cat([rows.pending(), proposal.tokens], dim=1)  # (B, N+1); column 0 is the root
         parents = torch.cat([torch.full((batch, 1), -1, device=fed.device, dtype=torch.long), proposal.parents + 1], 1)
@@ -368,8 +367,9 @@ class _Loop:
         window = sliding_window(self.target)
         full = self.kv.tree_mask(visible, positions, positions, None)
         sliding = self.kv.tree_mask(visible, positions, positions, window) if window else None
-        logits = forward(self.target, fed, tree_attention(self.target, full, sliding), positions,
-                         self.kv.cache)[..., : self.vocab]
+        real = torch.cat([torch.ones_like(fed[:, :1], dtype=torch.bool), proposal.mask()], dim=1)
+        logits = self.target_forward(fed, None, positions, real, True,
+                                     attention=tree_attention(self.target, full, sliding))[..., : self.vocab]
         p = self.scoring.checked(logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target",
                                  self.stats.target_passes + 1)  # (B, N+1, V); scores when greedy
         if not self.sample:
@@ -379,10 +379,12 @@ class _Loop:
         self.stats.record_tree(proposal.drafted(), accepted)
         return Verdict(proposal, accepted, next_token, start, fed, path)
 
-    def target_forward(self, feed: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
-                       real: torch.Tensor, verification: bool, logits_to_keep: int = 0) -> torch.Tensor:
-        """One target forward over (B, k) new tokens; hands the drafter the features it asked for."""
-        mask = self.kv.extend_mask(valid)
+    def target_forward(self, feed: torch.Tensor, valid: torch.Tensor | None, positions: torch.Tensor,
+                       real: torch.Tensor, verification: bool, logits_to_keep: int = 0,
+                       attention: torch.Tensor | dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """One target forward over (B, k) new tokens; hands the drafter the features it asked for.
+        ``attention``: a prepared mask (a tree's) for columns already added to the cache's mask."""
+        mask = self.kv.extend_mask(valid) if attention is None else attention
         layers = self.drafter.feature_layers
         if not layers:
             return forward(self.target, feed, mask, positions, self.kv.cache, logits_to_keep)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 
+import eagle3_heads as eh
 import numpy as np
 import pytest
 import stat_utils
@@ -14,6 +15,7 @@ from transformers import DynamicCache
 from hfspec import SpeculativeGenerator, api, cli, sampling, tree
 from hfspec.cache import KVState
 from hfspec.drafters import ngram
+from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
 from hfspec.tree import TreeProposal
 
@@ -315,3 +317,39 @@ def test_cli_tree_prints_the_api_text_and_the_tree_counts(capsys, model_dir):
     assert "tree nodes verified" in err and "steps by accepted depth" in err
     assert cli.main(["generate", "w10", "--target", target, "--draft", draft, "--tree", "-2"]) == 2
     assert "--tree: must be >= 0 or 'auto'" in capsys.readouterr().err
+
+
+# -- EAGLE-3 trees ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def eagle_target(model_dir):
+    return tiny.load(model_dir("llama", vocab_size=64, layers=8, hidden=32, seed=0, sharpness=8.0))
+
+
+def test_eagle3_trees_equal_target_greedy(eagle_target):
+    target, tok = eagle_target
+    head = eh.train_head(target, draft_size=48, steps=60)
+    gen = SpeculativeGenerator(target, Eagle3Drafter(head, target), tok)
+    prompts = [[5], list(range(5, 17)), [9, 30, 31]]  # a one-token prompt cannot draft at first
+    want = [reference(target, p, 20) for p in prompts]
+    for nodes in (3, 12):
+        out = gen.generate(prompts, max_new_tokens=20, tree=nodes, eos_token_id=[])
+        assert [row[-20:] for row in out.sequences.tolist()] == want, nodes
+        assert out.stats.accepted > 0 and len(out.stats.depth_histogram) > 2, out.stats.depth_histogram
+
+
+@pytest.mark.parametrize("residual", ["exact", "control"])
+def test_eagle3_tree_samples_match_the_target(model_dir, residual, monkeypatch):
+    target, tok = tiny.load(model_dir("llama", vocab_size=V, layers=5, hidden=16, seed=10, sharpness=30.0, eos=None))
+    head = eh.random_head(target, [1, 3, 4, 5, 6, 7], seed=1, scale=4.0, layer_ids=(1, 2, 3))
+    if residual == "control":
+        monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+    settings = {"temperature": 0.8, "top_p": 0.95}
+    g = torch.Generator().manual_seed(8)
+    out = SpeculativeGenerator(target, Eagle3Drafter(head, target), tok).generate(
+        [PROMPT] * SAMPLES, max_new_tokens=NEW, tree=6, do_sample=True, generator=g, **settings)
+    counts = np.zeros([V] * NEW)
+    np.add.at(counts, tuple(out.sequences[:, -NEW:].numpy().T), 1)
+    pv = chi_square_pvalue(counts, stat_utils.exact_joint(target, PROMPT, settings, V, NEW))
+    assert out.stats.depth_histogram[0] > 0 and len(out.stats.depth_histogram) > 1, out.stats.depth_histogram
+    assert (pv > ALPHA) if residual == "exact" else (pv < ALPHA), pv
