@@ -106,7 +106,8 @@ class KVState:
         """
         assert self.recurrent is None, "a recurrent state cannot keep a tree's path (trees are refused for it)"
         width = int(keep.max()) if keep.numel() else 0
-        cols = columns[:, :width].clamp(min=0) + start  # (B, W); entries past keep[b] are masked below
+        kept = torch.arange(width, device=columns.device)[None, :] < keep[:, None]
+        cols = torch.where(kept, columns[:, :width], 0) + start  # (B, W); entries past keep[b] become holes
         for layer in self.cache.layers:
             if layer.get_seq_length() == 0:
                 continue
@@ -115,8 +116,7 @@ class KVState:
             # DynamicLayer's keys and values are its public tensors; crop then reads the new length.
             layer.keys = torch.cat([layer.keys[:, :, :start], kept_keys], dim=2)
             layer.values = torch.cat([layer.values[:, :, :start], kept_values], dim=2)
-        real = (torch.arange(width, device=self.mask.device)[None, :] < keep[:, None]).to(self.mask.dtype)
-        self.mask = torch.cat([self.mask[:, :start], real], dim=1)
+        self.mask = torch.cat([self.mask[:, :start], kept.to(self.mask)], dim=1)
 
     def tree_mask(self, visible: torch.Tensor, query_positions: torch.Tensor, tree_positions: torch.Tensor,
                   window: int | None) -> torch.Tensor:

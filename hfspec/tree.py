@@ -168,7 +168,9 @@ def _walk(parents: list[int], tokens: torch.Tensor, q: torch.Tensor, p: torch.Te
         accepted = None
         for child in children.get(current, []):
             q_child = q[child].masked_fill(tried, 0.0)  # drawn without replacement: the earlier children removed
-            q_child = q_child / q_child.sum().clamp_min(torch.finfo(q_child.dtype).tiny)
+            if not bool(q_child.sum() > 0):  # a deterministic child repeating a tried token: nothing to try
+                continue
+            q_child = q_child / q_child.sum()
             x = tokens[child]
             u = torch.rand((), generator=generator, device=p.device, dtype=q_child.dtype)
             if bool(u * q_child[x] <= target[x]):  # P = min(1, p'(x) / q'(x)), no division
@@ -226,3 +228,44 @@ def expand(cum: torch.Tensor, alive: torch.Tensor, q: torch.Tensor, width: int, 
     q_token = q[rows, frontier, tokens]
     real = alive.gather(1, frontier) & (q_token > 0)
     return frontier, tokens, cum.gather(1, frontier) * q_token, real
+
+
+def graft(main: TreeProposal, extra: TreeProposal) -> TreeProposal:
+    """``main`` with the deterministic nodes of ``extra`` (q one-hot) added: each under the node of ``main`` that
+    ends the same path, after its own children (so they are tried last), a path ``main`` has already not repeated.
+
+    Exact with ``verify_tree``: an added child is deterministic, so its q is one-hot whatever was drawn before it.
+    """
+    batch = main.tokens.shape[0]
+    rows = []
+    for b in range(batch):
+        keys: dict[tuple[int, ...], int] = {(): -1}
+        path_of: list[tuple[int, ...]] = []
+        for i, (token, parent, real) in enumerate(zip(main.tokens[b].tolist(), main.parents[b].tolist(),
+                                                      main.mask()[b].tolist())):
+            path_of.append((path_of[parent] if parent >= 0 else ()) + (token,))
+            if real:
+                keys.setdefault(path_of[-1], i)
+        added: list[tuple[int, int]] = []
+        extra_paths: list[tuple[int, ...]] = []
+        for token, parent, real in zip(extra.tokens[b].tolist(), extra.parents[b].tolist(), extra.mask()[b].tolist()):
+            extra_paths.append((extra_paths[parent] if parent >= 0 else ()) + (token,))
+            key = extra_paths[-1]
+            if not real or key in keys or key[:-1] not in keys:
+                continue
+            keys[key] = main.nodes + len(added)
+            added.append((token, keys[key[:-1]]))
+        rows.append(added)
+    width = max((len(r) for r in rows), default=0)
+    device = main.tokens.device
+    tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+    parents = torch.full((batch, width), -1, dtype=torch.long, device=device)
+    real = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    for b, added in enumerate(rows):
+        if added:
+            tokens[b, : len(added)] = torch.tensor([t for t, _ in added], device=device)
+            parents[b, : len(added)] = torch.tensor([p for _, p in added], device=device)
+            real[b, : len(added)] = True
+    q = None if main.q is None else torch.cat([main.q, sampling.one_hot(tokens, main.q.shape[-1])], dim=1)
+    return TreeProposal(torch.cat([main.tokens, tokens], 1), torch.cat([main.parents, parents], 1), q,
+                        torch.cat([main.mask(), real], 1), main.forwards)

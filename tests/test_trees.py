@@ -353,3 +353,43 @@ def test_eagle3_tree_samples_match_the_target(model_dir, residual, monkeypatch):
     pv = chi_square_pvalue(counts, stat_utils.exact_joint(target, PROMPT, settings, V, NEW))
     assert out.stats.depth_histogram[0] > 0 and len(out.stats.depth_histogram) > 1, out.stats.depth_histogram
     assert (pv > ALPHA) if residual == "exact" else (pv < ALPHA), pv
+
+
+# -- hybrid trees -----------------------------------------------------------------------------------
+
+def test_graft_adds_lookup_paths_under_the_matching_nodes_once():
+    main = TreeProposal(TOKENS, PARENTS, real=torch.tensor([[True, True, True, True, False]]))
+    # lookup paths: 4 6 (already there), 4 8 (new, under node 0), 5 6 (node 4 is padding: new), 3 (new root child)
+    extra = TreeProposal(torch.tensor([[4, 5, 3, 6, 8, 6]]), torch.tensor([[-1, -1, -1, 0, 0, 1]]))
+    merged = tree.graft(main, extra)
+    added = list(zip(merged.tokens[0, 5:].tolist(), merged.parents[0, 5:].tolist()))
+    assert added == [(3, -1), (8, 0), (6, 1)] and merged.mask()[0].tolist() == [True] * 4 + [False] + [True] * 3
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_hybrid_trees_equal_target_greedy(eagle_target, head, model_dir):
+    target, tok = eagle_target
+    main = Eagle3Drafter(eh.random_head(target, list(range(3, 43)), seed=3), target) if head else \
+        tiny.load(model_dir("llama", vocab_size=64, layers=8, hidden=32, seed=0, sharpness=8.0, perturb=0.5))[0]
+    gen = SpeculativeGenerator(target, main, tok, ngram=True)
+    prompts = [[5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6], list(range(5, 17)), [9, 30, 31]]
+    want = [reference(target, p, 24) for p in prompts]
+    out = gen.generate(prompts, max_new_tokens=24, tree=10, eos_token_id=[])
+    assert [row[-24:] for row in out.sequences.tolist()] == want
+    assert out.stats.tree_nodes > 0 and out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("residual", ["exact", "control"])
+def test_hybrid_tree_samples_match_the_target(pair, residual, monkeypatch):
+    target, draft, tok = pair
+    if residual == "control":
+        monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+    settings = {"temperature": 0.7, "top_k": 5}
+    g = torch.Generator().manual_seed(6)
+    out = SpeculativeGenerator(target, draft, tok, ngram=True).generate(
+        [NGRAM_PROMPT] * SAMPLES, max_new_tokens=NEW, tree=8, do_sample=True, generator=g, **settings)
+    counts = np.zeros([V] * NEW)
+    np.add.at(counts, tuple(out.sequences[:, -NEW:].numpy().T), 1)
+    pv = chi_square_pvalue(counts, stat_utils.exact_joint(target, NGRAM_PROMPT, settings, V, NEW))
+    assert out.stats.depth_histogram[0] > 0 and len(out.stats.depth_histogram) > 1, out.stats.depth_histogram
+    assert (pv > ALPHA) if residual == "exact" else (pv < ALPHA), pv
