@@ -140,12 +140,16 @@ def pair(model_dir):
     return target, draft, tok
 
 
-def tree_counts(gen: SpeculativeGenerator, settings: dict, nodes: int, seed: int) -> tuple[np.ndarray, list[int]]:
+def tree_pvalue(gen: SpeculativeGenerator, settings: dict, nodes: int, seed: int,
+                prompt: list[int] = PROMPT) -> tuple[float, list[int]]:
+    """The chi-square p-value of SAMPLES rows' first NEW tokens drawn with trees of ``nodes`` against the target's
+    exact joint, and the steps by accepted depth."""
     g = torch.Generator().manual_seed(seed)
-    out = gen.generate([PROMPT] * SAMPLES, max_new_tokens=NEW, tree=nodes, do_sample=True, generator=g, **settings)
+    out = gen.generate([prompt] * SAMPLES, max_new_tokens=NEW, tree=nodes, do_sample=True, generator=g, **settings)
     counts = np.zeros([V] * NEW)
     np.add.at(counts, tuple(out.sequences[:, -NEW:].numpy().T), 1)
-    return counts, list(out.stats.depth_histogram)
+    depths = list(out.stats.depth_histogram)
+    return chi_square_pvalue(counts, stat_utils.exact_joint(gen.target, prompt, settings, V, NEW)), depths
 
 
 SETTINGS = {"t0.7_top_k": {"temperature": 0.7, "top_k": 4}, "t0.7_top_p": {"temperature": 0.7, "top_p": 0.85}}
@@ -154,10 +158,9 @@ SETTINGS = {"t0.7_top_k": {"temperature": 0.7, "top_k": 4}, "t0.7_top_p": {"temp
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_tree_samples_match_the_target(pair, name):
     target, draft, tok = pair
-    counts, depths = tree_counts(SpeculativeGenerator(target, draft, tok), SETTINGS[name], 6, seed=3)
+    pv, depths = tree_pvalue(SpeculativeGenerator(target, draft, tok), SETTINGS[name], 6, seed=3)
     deepest = 2 if "top_k" in name else 1  # top-p at T=0.7 leaves the draft one token often: paths stay short
     assert len(depths) > deepest and depths[0] > 0, f"no path {deepest} deep accepted, or none rejected: {depths}"
-    pv = chi_square_pvalue(counts, stat_utils.exact_joint(target, PROMPT, SETTINGS[name], V, NEW))
     assert pv > ALPHA, f"{name}: tree samples differ from the target (p-value {pv:.3g})"
 
 
@@ -165,8 +168,7 @@ def test_negative_control_tree_without_the_residual_update_is_detected(pair, mon
     target, draft, tok = pair
     monkeypatch.setattr(sampling, "residual", lambda p, q: p)
     settings = SETTINGS["t0.7_top_k"]
-    counts, _ = tree_counts(SpeculativeGenerator(target, draft, tok), settings, 6, seed=3)
-    assert chi_square_pvalue(counts, stat_utils.exact_joint(target, PROMPT, settings, V, NEW)) < ALPHA
+    assert tree_pvalue(SpeculativeGenerator(target, draft, tok), settings, 6, seed=3)[0] < ALPHA
 
 
 # -- greedy: identical to the target's own generate() ----------------------------------------------
@@ -193,6 +195,14 @@ def test_greedy_trees_equal_target_greedy_on_ragged_batches(arch, extra, model_d
         got = [row[-24:] for row in out.sequences.tolist()]
         assert got == want, (arch, nodes)
         assert out.stats.tree_nodes > 0 and len(out.stats.depth_histogram) > min(nodes, 2), out.stats.depth_histogram
+
+
+def test_the_cache_check_catches_a_path_gathered_wrong(tiny_pair, monkeypatch):
+    target, draft, tok = tiny_pair("llama")
+    keep_path = KVState.keep_path
+    monkeypatch.setattr(KVState, "keep_path", lambda kv, start, columns, keep: keep_path(kv, start, columns, keep + 1))
+    with pytest.raises(AssertionError, match="cache"):
+        SpeculativeGenerator(target, draft, tok).generate([[5, 6, 7]], max_new_tokens=8, tree=4)
 
 
 def test_tree_of_one_node_per_level_is_the_chain(tiny_pair):
@@ -289,18 +299,17 @@ NGRAM_PROMPT = [8, 3, 7, 8, 3, 3, 8, 3]
 
 
 @pytest.mark.parametrize("residual", ["exact", "control"])
-def test_ngram_tree_samples_match_the_target(pair, residual, monkeypatch):
-    target, _, tok = pair
+@pytest.mark.parametrize("kind", ["ngram", "hybrid"])
+def test_lookup_tree_samples_match_the_target(pair, kind, residual, monkeypatch):
+    # The lookup alone, and grafted onto the draft model's tree (one-hot nodes after sampled ones).
+    target, draft, tok = pair
     if residual == "control":
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)
     settings = {"temperature": 0.7, "top_k": 5}
-    g = torch.Generator().manual_seed(4)
-    out = SpeculativeGenerator(target, "ngram", tok).generate([NGRAM_PROMPT] * SAMPLES, max_new_tokens=NEW, tree=6,
-                                                              do_sample=True, generator=g, **settings)
-    counts = np.zeros([V] * NEW)
-    np.add.at(counts, tuple(out.sequences[:, -NEW:].numpy().T), 1)
-    pv = chi_square_pvalue(counts, stat_utils.exact_joint(target, NGRAM_PROMPT, settings, V, NEW))
-    assert out.stats.depth_histogram[0] > 0 and len(out.stats.depth_histogram) > 1
+    gen = SpeculativeGenerator(target, "ngram", tok) if kind == "ngram" else \
+        SpeculativeGenerator(target, draft, tok, ngram=True)
+    pv, depths = tree_pvalue(gen, settings, 6 if kind == "ngram" else 8, 4, NGRAM_PROMPT)
+    assert depths[0] > 0 and len(depths) > 1, depths
     assert (pv > ALPHA) if residual == "exact" else (pv < ALPHA), pv
 
 
@@ -345,13 +354,8 @@ def test_eagle3_tree_samples_match_the_target(model_dir, residual, monkeypatch):
     if residual == "control":
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)
     settings = {"temperature": 0.8, "top_p": 0.95}
-    g = torch.Generator().manual_seed(8)
-    out = SpeculativeGenerator(target, Eagle3Drafter(head, target), tok).generate(
-        [PROMPT] * SAMPLES, max_new_tokens=NEW, tree=6, do_sample=True, generator=g, **settings)
-    counts = np.zeros([V] * NEW)
-    np.add.at(counts, tuple(out.sequences[:, -NEW:].numpy().T), 1)
-    pv = chi_square_pvalue(counts, stat_utils.exact_joint(target, PROMPT, settings, V, NEW))
-    assert out.stats.depth_histogram[0] > 0 and len(out.stats.depth_histogram) > 1, out.stats.depth_histogram
+    pv, depths = tree_pvalue(SpeculativeGenerator(target, Eagle3Drafter(head, target), tok), settings, 6, 8)
+    assert depths[0] > 0 and len(depths) > 1, depths
     assert (pv > ALPHA) if residual == "exact" else (pv < ALPHA), pv
 
 
@@ -378,18 +382,3 @@ def test_hybrid_trees_equal_target_greedy(eagle_target, head, model_dir):
     assert [row[-24:] for row in out.sequences.tolist()] == want
     assert out.stats.tree_nodes > 0 and out.stats.accepted > 0
 
-
-@pytest.mark.parametrize("residual", ["exact", "control"])
-def test_hybrid_tree_samples_match_the_target(pair, residual, monkeypatch):
-    target, draft, tok = pair
-    if residual == "control":
-        monkeypatch.setattr(sampling, "residual", lambda p, q: p)
-    settings = {"temperature": 0.7, "top_k": 5}
-    g = torch.Generator().manual_seed(6)
-    out = SpeculativeGenerator(target, draft, tok, ngram=True).generate(
-        [NGRAM_PROMPT] * SAMPLES, max_new_tokens=NEW, tree=8, do_sample=True, generator=g, **settings)
-    counts = np.zeros([V] * NEW)
-    np.add.at(counts, tuple(out.sequences[:, -NEW:].numpy().T), 1)
-    pv = chi_square_pvalue(counts, stat_utils.exact_joint(target, NGRAM_PROMPT, settings, V, NEW))
-    assert out.stats.depth_histogram[0] > 0 and len(out.stats.depth_histogram) > 1, out.stats.depth_histogram
-    assert (pv > ALPHA) if residual == "exact" else (pv < ALPHA), pv
