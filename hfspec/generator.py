@@ -41,7 +41,7 @@ from hfspec.errors import HfspecError
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import load_pair, make_drafter
 from hfspec.models import (check_causal_lm, check_tree_attention, forward, forward_features, shared_vocab_size,
-                           sliding_window, tree_attention)
+                           sliding_window, takes_mask_mapping, tree_attention)
 from hfspec.policy import GammaPolicy, Step, Tuning, as_policy
 from hfspec.rows import Rows, right_pad
 from hfspec.scoring import DraftContext, Scoring
@@ -260,6 +260,10 @@ class _Loop:
         self.device = gen.target.get_output_embeddings().weight.device  # where generate put the prompts
         self.sample = conf.do_sample
         self.nodes = nodes  # a tree's node budget per step; 0 for a chain
+        # Sliding windows counted in positions, not cache columns, where the target takes a mask per layer
+        # type: the holes that rows keeping fewer drafts leave behind must not use up a row's window.
+        self.sliding = sliding_window(self.target) \
+            if takes_mask_mapping(self.target) and not KVState.is_recurrent(self.target) else None
         self.scoring = Scoring(processors, self.sample)
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor) -> GenerateOutput:
@@ -385,6 +389,12 @@ class _Loop:
         """One target forward over (B, k) new tokens; hands the drafter the features it asked for.
         ``attention``: a prepared mask (a tree's) for columns already added to the cache's mask."""
         mask = self.kv.extend_mask(valid) if attention is None else attention
+        if attention is None and self.sliding is not None:
+            k = feed.shape[1]
+            causal = torch.ones(k, k, dtype=torch.bool, device=valid.device).tril()
+            visible = (causal & valid.bool()[:, None, :]) | torch.eye(k, dtype=torch.bool, device=valid.device)
+            full = self.kv.tree_mask(visible, positions, positions, None)
+            mask = tree_attention(self.target, full, self.kv.tree_mask(visible, positions, positions, self.sliding))
         layers = self.drafter.feature_layers
         if not layers:
             return forward(self.target, feed, mask, positions, self.kv.cache, logits_to_keep)

@@ -78,7 +78,7 @@ def sliding_window(model: PreTrainedModel) -> int | None:
     return int(window)
 
 
-def _takes_mask_mapping(model: PreTrainedModel) -> bool:
+def takes_mask_mapping(model: PreTrainedModel) -> bool:
     """True when the model's forward accepts one prepared mask per layer type (a dict), as Gemma-2 and
     Qwen2 do: a single prepared 4-D mask would reach sliding-window layers unwindowed."""
     base = getattr(model, model.base_model_prefix, model)
@@ -90,7 +90,7 @@ def _takes_mask_mapping(model: PreTrainedModel) -> bool:
 
 def check_tree_attention(model: PreTrainedModel, role: str) -> None:
     """Refuse a model that cannot read a tree in one forward (a prepared 4-D mask and explicit positions)."""
-    if sliding_window(model) is not None and not _takes_mask_mapping(model):
+    if sliding_window(model) is not None and not takes_mask_mapping(model):
         raise HfspecError(f"the {role} ({type(model).__name__}) has sliding-window layers and takes no mask per "
                           "layer type, so a draft tree cannot be verified exactly; use tree=None (a chain)")
 
