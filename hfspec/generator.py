@@ -190,8 +190,10 @@ class SpeculativeGenerator:
         device = self.target.get_output_embeddings().weight.device
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(seed))
-        # A recurrent state cannot skip padding or a masked hole: then each prompt runs alone, unpadded.
-        alone = KVState.is_recurrent(self.target) or self.drafter.recurrent
+        # A recurrent state cannot skip padding or a masked hole, nor can a sliding window that transformers counts
+        # in cache columns (a model without a mask per layer type, such as Mistral): then each prompt runs alone.
+        alone = KVState.is_recurrent(self.target) or self.drafter.recurrent or \
+            (sliding_window(self.target) is not None and not takes_mask_mapping(self.target))
         rows = [(r[m.bool()][None], m[m.bool()][None]) for r, m in zip(ids, mask)] if alone else [(ids, mask)]
         try:
             parts = [_Loop(self, conf, processors, policy, generator, streamer, window, nodes)
