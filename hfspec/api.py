@@ -189,8 +189,9 @@ def generate(
     from the preset, then from the target's generation config; ``do_sample`` defaults
     to greedy and ``chat`` to off (on for the default pair). ``gamma`` is γ, the drafts
     per step, ``"auto"`` (the default of every shipped preset: chosen at every step, see
-    ``AutoGamma``) or a ``GammaPolicy``. ``tree``: a node budget drafts a tree per step,
-    verified in one target forward (``None``, the default, a chain; see ``SpeculativeGenerator.generate``). ``seed`` makes sampling reproducible. ``load_kwargs``
+    ``AutoGamma``) or a ``GammaPolicy``. ``tree``: a node budget drafts a tree per step, verified
+    in one target forward (``None``, the default: a chain; see ``SpeculativeGenerator.generate``).
+    ``seed`` makes sampling reproducible. ``load_kwargs``
     go to ``hfspec.loading.load_pair`` (``dtype``, ``device``, ``device_map``, ...).
     With ``return_stats`` the result is ``(text, stats)``.
     """

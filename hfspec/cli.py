@@ -345,12 +345,14 @@ def _policy(args: argparse.Namespace, preset: Preset, gen) -> int | GammaPolicy 
 
 def _stats_line(stats) -> str:
     histogram = " ".join(f"{g}:{n}" for g, n in enumerate(stats.gamma_histogram) if n)
+    trees = ""
+    if stats.tree_nodes:
+        depths = " ".join(f"{d}:{n}" for d, n in enumerate(stats.depth_histogram) if n)
+        trees = f" | {stats.tree_nodes} tree nodes verified, steps by accepted depth {depths}"
     return (f"hfspec: acceptance rate {stats.acceptance_rate:.1%} | mean accepted length "
             f"{stats.mean_accepted_length:.2f} tokens/pass | γ per step {stats.mean_gamma:.2f} "
             f"(steps by γ {histogram or '-'}) | {stats.tokens_per_second:.1f} tokens/s | "
-            f"{stats.committed} tokens in {stats.time_total:.2f} s"
-            + (f" | {stats.tree_nodes} tree nodes verified, steps by accepted depth "
-               + " ".join(f"{d}:{n}" for d, n in enumerate(stats.depth_histogram) if n) if stats.tree_nodes else ""))
+            f"{stats.committed} tokens in {stats.time_total:.2f} s{trees}")
 
 
 def _complete(args: argparse.Namespace, preset: Preset, gen, prompts: list[str], *, gamma: int | GammaPolicy | None,

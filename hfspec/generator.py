@@ -213,8 +213,9 @@ class SpeculativeGenerator:
             raise HfspecError("a recurrent (or hybrid) model keeps one state and cannot read a tree in one forward; "
                               "use tree=None (a chain)")
         if tree and needs_context:
-            raise HfspecError("a logits processor that reads the text so far (repetition_penalty, no_repeat_ngram_size, "
-                              "bad_words_ids, custom processors) would need each tree node's own path; use tree=None")
+            raise HfspecError("a logits processor that reads the text so far (repetition_penalty, "
+                              "no_repeat_ngram_size, bad_words_ids, custom processors) would need each tree node's "
+                              "own path; use tree=None")
         if tree:
             check_tree_attention(self.target, "target")
         return tree

@@ -1,8 +1,9 @@
 """Tokens per target pass, chains against draft trees, on the offline pair at greedy (counts, not time).
 
 The target is SmolLM2-135M-Instruct (``hfspec.assets.offline_target_path``), the draft the model shipped with
-hfspec (``hfspec.assets.shipped_draft_path``), or with ``--drafter eagle3`` the shipped EAGLE-3 head. Each setting generates --new-tokens for the first --prompts chat
-prompts of hfspec/prompts/bench.jsonl, one batch, and reports per setting: tokens committed per target pass
+hfspec (``hfspec.assets.shipped_draft_path``), or with ``--drafter eagle3`` the shipped EAGLE-3 head. Each
+setting generates --new-tokens for the first --prompts chat prompts of hfspec/prompts/bench.jsonl, one batch, and
+reports per setting: tokens committed per target pass
 (vLLM's mean accepted length), draft forwards per pass, tree nodes verified per pass, and the steps by accepted
 depth. Every setting's output must equal the first's (greedy is exact, so they all equal the target's own).
 Prints one JSON object.
@@ -63,8 +64,8 @@ def main() -> None:
         }
         print(kind, value, results[f"{kind} {value}"], file=sys.stderr, flush=True)
     best = max((k for k in results if k.startswith("chain")), key=lambda k: results[k]["tokens_per_pass"])
-    print(json.dumps({"drafter": args.drafter, "prompts": args.prompts, "new_tokens": args.new_tokens, "best_chain": best,
-                      "results": results}, indent=1))
+    print(json.dumps({"drafter": args.drafter, "prompts": args.prompts, "new_tokens": args.new_tokens,
+                      "best_chain": best, "results": results}, indent=1))
 
 
 if __name__ == "__main__":
