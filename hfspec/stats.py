@@ -27,6 +27,8 @@ class Stats:
 
     ``mean_accepted_length`` is defined as vLLM does: tokens committed per target
     verification pass (1 + the accepted drafts per pass), averaged over rows' passes.
+    A tree step counts its real nodes as drafted and its depth as its γ; the accepted
+    drafts are the accepted path.
     """
 
     target_passes: int  # batched target verification forwards (prefill excluded)

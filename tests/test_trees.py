@@ -217,6 +217,24 @@ def test_chains_on_mistral_sliding_windows_run_each_prompt_alone_and_stay_exact(
     assert [row[-24:] for row in out.sequences.tolist()] == [reference(target, p, 24) for p in prompts]
 
 
+def test_eos_on_an_accepted_path_ends_the_row(tiny_pair):
+    # With draft = target the argmax path is always in the tree, so an EOS lands inside accepted paths.
+    target, _, tok = tiny_pair("llama", vocab_size=16)
+    gen = SpeculativeGenerator(target, target, tok)
+    g = torch.Generator().manual_seed(11)
+    stopped = 0
+    for _ in range(12):
+        ids = torch.randint(tiny.BOS + 6, 16, (1, int(torch.randint(1, 12, (1,), generator=g))), generator=g)
+        want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        got = gen.generate(ids, max_new_tokens=40, tree=8)
+        assert torch.equal(got.sequences, want)
+        if got.stats.rows[0].stop_reason == "eos":
+            stopped += 1
+            new = got.sequences[0, ids.shape[1]:]
+            assert new[-1].item() == tiny.EOS and bool((new[:-1] != tiny.EOS).all())
+    assert stopped > 0, "no prompt produced an EOS; the test would prove nothing"
+
+
 def test_tree_of_one_node_per_level_is_the_chain(tiny_pair):
     target, draft, tok = tiny_pair("llama")
     gen = SpeculativeGenerator(target, draft, tok)
