@@ -108,3 +108,15 @@ def test_the_shipped_eagle3_head_is_exact_and_drafts_well(real_pair, reference):
         accepted.append(out.stats.mean_accepted_length)
     # A trained head: well over one token per target pass on chat prompts (a random head gets about one).
     assert sum(accepted) / len(accepted) > 1.3, accepted
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
+def test_trees_on_the_real_pair_equal_the_target_and_beat_the_chain(real_pair, reference, drafter):
+    target, draft, tok = real_pair
+    gen = SpeculativeGenerator(target, draft if drafter == "model" else str(shipped_head_path()), tok)
+    ids = chat_ids(tok, PROMPTS[1])
+    want = reference(PROMPTS[1], 40)
+    tree = gen.generate(ids, max_new_tokens=40, tree=16, eos_token_id=[])
+    assert torch.equal(tree.sequences, want), tok.decode(tree.sequences[0, ids.shape[1]:])
+    chain = gen.generate(ids, max_new_tokens=40, gamma=4, eos_token_id=[])
+    assert tree.stats.target_passes < chain.stats.target_passes, (tree.stats.depth_histogram, chain.stats)
