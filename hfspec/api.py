@@ -128,6 +128,7 @@ def complete(
     chat: bool | None = None,
     system: str | None = None,
     streamer: Any = None,
+    tree: int | str | None = None,
 ) -> Completion:
     """Generate for text prompts with ``gen``; unset settings come from ``preset``."""
     if gen.tokenizer is None:
@@ -140,13 +141,13 @@ def complete(
         "do_sample": bool(_pick(do_sample, _pick(preset.do_sample, False))),
         "temperature": _pick(temperature, preset.temperature), "top_k": _pick(top_k, preset.top_k),
         "top_p": _pick(top_p, preset.top_p), "repetition_penalty": _pick(repetition_penalty, preset.repetition_penalty),
-        "seed": seed, "chat": chat, "system": system, "fast_kernels": gen.describe()["fast_kernels"],
+        "seed": seed, "chat": chat, "system": system, "tree": tree, "fast_kernels": gen.describe()["fast_kernels"],
     }
     ids = encode(gen.tokenizer, prompts, chat=chat, system=system)
     out = gen.generate(
         ids, max_new_tokens=max_new_tokens, gamma=settings["gamma"], do_sample=settings["do_sample"],
         temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"],
-        repetition_penalty=settings["repetition_penalty"], seed=seed, streamer=streamer,
+        repetition_penalty=settings["repetition_penalty"], seed=seed, streamer=streamer, tree=tree,
     )
     start = out.prompt_length
     tokens = tuple(tuple(out.sequences[i, start: start + row.committed].tolist())
@@ -175,6 +176,7 @@ def generate(
     system: str | None = None,
     ngram: bool | None = None,
     streamer: Any = None,
+    tree: int | str | None = None,
     return_stats: bool = False,
     **load_kwargs: Any,
 ) -> str | list[str] | tuple[str | list[str], Stats]:
@@ -188,9 +190,10 @@ def generate(
     from the preset, then from the target's generation config; ``do_sample`` defaults
     to greedy and ``chat`` to off (on for the default pair). ``gamma`` is γ, the drafts
     per step, ``"auto"`` (the default of every shipped preset: chosen at every step, see
-    ``AutoGamma``) or a ``GammaPolicy``. ``seed`` makes sampling reproducible. ``load_kwargs``
-    go to ``hfspec.loading.load_pair`` (``dtype``, ``device``, ``device_map``, ``fast_kernels=False`` to keep
-    torch's own linears on CPU, ...).
+    ``AutoGamma``) or a ``GammaPolicy``. ``tree``: a node budget drafts a tree per step, verified
+    in one target forward (``None``, the default: a chain; see ``SpeculativeGenerator.generate``).
+    ``seed`` makes sampling reproducible. ``load_kwargs`` go to ``hfspec.loading.load_pair`` (``dtype``,
+    ``device``, ``device_map``, ``fast_kernels=False`` to keep torch's own linears on CPU, ...).
     With ``return_stats`` the result is ``(text, stats)``.
     """
     if isinstance(prompt, str):
@@ -204,6 +207,6 @@ def generate(
     gen = load(preset, **load_kwargs)
     result = complete(gen, prompts, preset=preset, max_new_tokens=max_new_tokens, gamma=gamma, do_sample=do_sample,
                       temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                      seed=seed, chat=chat, system=system, streamer=streamer)
+                      seed=seed, chat=chat, system=system, streamer=streamer, tree=tree)
     text: str | list[str] = result.texts[0] if isinstance(prompt, str) else list(result.texts)
     return (text, result.stats) if return_stats else text

@@ -97,6 +97,44 @@ class KVState:
         cols = torch.arange(new_length - start, device=self.mask.device)
         self.mask[:, start:] *= (cols[None, :] < keep[:, None]).to(self.mask.dtype)
 
+    def keep_path(self, start: int, columns: torch.Tensor, keep: torch.Tensor) -> None:
+        """Keep, per row, only the columns ``start + columns[b, :keep[b]]`` of those written since ``start``.
+
+        A tree verified in one forward leaves all its nodes in the cache; the accepted path is
+        gathered to the front of that block (``index_select`` per row along the sequence) and the
+        rest cut off, so the cache again reads as a chain. Shorter rows' extra columns become holes.
+        """
+        assert self.recurrent is None, "a recurrent state cannot keep a tree's path (trees are refused for it)"
+        width = int(keep.max()) if keep.numel() else 0
+        kept = torch.arange(width, device=columns.device)[None, :] < keep[:, None]
+        cols = torch.where(kept, columns[:, :width], 0) + start  # (B, W); entries past keep[b] become holes
+        for layer in self.cache.layers:
+            if layer.get_seq_length() == 0:
+                continue
+            index = cols[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            kept_keys, kept_values = layer.keys.gather(2, index), layer.values.gather(2, index)
+            # DynamicLayer's keys and values are its public tensors; crop then reads the new length.
+            layer.keys = torch.cat([layer.keys[:, :, :start], kept_keys], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :start], kept_values], dim=2)
+        self.mask = torch.cat([self.mask[:, :start], kept.to(self.mask)], dim=1)
+
+    def tree_mask(self, visible: torch.Tensor, query_positions: torch.Tensor, tree_positions: torch.Tensor,
+                  window: int | None) -> torch.Tensor:
+        """(B, k, L) bool: what k new columns (already in ``extend_mask``) may attend to.
+
+        The cached columns before the last T ones are the committed tokens (as the 2-D mask says);
+        the last T are tree nodes at ``tree_positions`` (B, T), of which query i sees those
+        ``visible`` (B, k, T) marks (itself and its ancestors). ``window``: a sliding-window
+        layer's reach, counted in positions (query − key < window), holes excluded.
+        """
+        tree = visible.shape[-1]
+        committed = self.mask[:, : self.length - tree].bool()
+        allowed = torch.cat([committed[:, None, :].expand(-1, visible.shape[1], -1), visible], dim=2)
+        if window is None:
+            return allowed
+        key_positions = torch.cat([self.mask[:, : self.length - tree].cumsum(dim=1) - 1, tree_positions], dim=1)
+        return allowed & (query_positions[:, :, None] - key_positions[:, None, :] < window)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (1-D long) of the batch, e.g. after others finished."""
         if self.recurrent is not None:  # linear layers select rows through reorder_cache only

@@ -69,6 +69,13 @@ _gamma_number = _number(int, lambda v: v >= 1, ">= 1 or 'auto'")
 def gamma_value(text: str) -> int | str:
     return "auto" if text.strip().lower() == "auto" else _gamma_number(text)
 
+
+_tree_number = _number(int, lambda v: v >= 0, ">= 0 or 'auto'")
+
+
+def tree_value(text: str) -> int | str:
+    return "auto" if text.strip().lower() == "auto" else _tree_number(text)
+
 batch_value = _number(int, lambda v: v >= 1, ">= 1")
 count_value = _number(int, lambda v: v >= 0, ">= 0")
 temperature_value = _number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)")
@@ -139,6 +146,10 @@ def _add_generate(sub) -> None:
                       help="add n-gram lookup to the draft model: each step, per prompt, the lookup's proposal "
                       "where it is expected to get more tokens accepted, the model's otherwise; no draft forward "
                       "when every prompt takes the lookup (default: the preset's, else off)")
+    spec.add_argument("--tree", type=tree_value, metavar="N|auto",
+                      help="draft a tree of N nodes per step (several candidates per depth), verified in one target "
+                      "forward; 0 a chain; 'auto' lets hfspec choose (for now the chain); attention-only targets "
+                      "(default: a chain)")
     spec.add_argument("--draft-cost", type=cost_value, metavar="C",
                       help="with --adaptive cost: time of one draft step / one target step (default: estimated "
                       "from the parameter counts)")
@@ -341,10 +352,14 @@ def _stats_line(stats, gen) -> str:
     histogram = " ".join(f"{g}:{n}" for g, n in enumerate(stats.gamma_histogram) if n)
     kernels = ", ".join(f"{role} {k['isa']} ({k['layers']} layers)" if k["on"] else f"{role} {k['reason']}"
                         for role, k in gen.describe()["fast_kernels"].items())
+    trees = ""
+    if stats.tree_nodes:
+        depths = " ".join(f"{d}:{n}" for d, n in enumerate(stats.depth_histogram) if n)
+        trees = f" | {stats.tree_nodes} tree nodes verified, steps by accepted depth {depths}"
     return (f"hfspec: acceptance rate {stats.acceptance_rate:.1%} | mean accepted length "
             f"{stats.mean_accepted_length:.2f} tokens/pass | γ per step {stats.mean_gamma:.2f} "
             f"(steps by γ {histogram or '-'}) | {stats.tokens_per_second:.1f} tokens/s | "
-            f"{stats.committed} tokens in {stats.time_total:.2f} s | fast kernels: {kernels}")
+            f"{stats.committed} tokens in {stats.time_total:.2f} s{trees} | fast kernels: {kernels}")
 
 
 def _complete(args: argparse.Namespace, preset: Preset, gen, prompts: list[str], *, gamma: int | GammaPolicy | None,
@@ -353,6 +368,7 @@ def _complete(args: argparse.Namespace, preset: Preset, gen, prompts: list[str],
         gen, prompts, preset=preset, max_new_tokens=args.max_new_tokens, gamma=gamma, do_sample=args.do_sample,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=seed, chat=args.chat, system=args.system, streamer=streamer,
+        tree=args.tree,
     )
 
 

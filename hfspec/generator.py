@@ -33,18 +33,21 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import config as cfg
-from hfspec import costs, fast, recurrent, sampling
+from hfspec import costs, fast, recurrent, sampling, tree as trees
 from hfspec.cache import KVState
 from hfspec.costs import Costs
 from hfspec.drafters import Drafter, Features, Proposal, cross_tokenizer
+from hfspec.errors import HfspecError
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import draft_module, load_pair, make_drafter
-from hfspec.models import check_causal_lm, forward, forward_features, shared_vocab_size
+from hfspec.models import (check_causal_lm, check_tree_attention, forward, forward_features, shared_vocab_size,
+                           sliding_window, takes_mask_mapping, tree_attention)
 from hfspec.policy import GammaPolicy, Step, Tuning, as_policy
 from hfspec.rows import Rows, right_pad
 from hfspec.scoring import DraftContext, Scoring
 from hfspec.stats import Stats, StatsCollector
 from hfspec.timing import now, timed
+from hfspec.tree import TreeProposal
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +154,7 @@ class SpeculativeGenerator:
         seed: int | None = None,
         streamer: Any = None,
         on_context_limit: str = "error",
+        tree: int | str | None = None,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` per row, distributed exactly as the target's own sampling.
 
@@ -165,6 +169,9 @@ class SpeculativeGenerator:
         one seeded with ``seed``; with neither, torch's global generator).
         ``on_context_limit``: ``"error"`` refuses prompts that would run past the models'
         context window; ``"stop"`` ends such rows there, with stop reason ``"context"``.
+        ``tree``: ``None``/``0`` drafts a chain; a number drafts a tree of that many nodes per
+        step, verified in one target forward (``hfspec.tree``; ``gamma`` is then unused);
+        ``"auto"`` lets hfspec choose, which for now means the chain.
         """
         if on_context_limit not in ("error", "stop"):
             raise ValueError(f"on_context_limit must be 'error' or 'stop', got {on_context_limit!r}")
@@ -183,22 +190,42 @@ class SpeculativeGenerator:
             self.tuning.setting = (conf.do_sample, conf.temperature, conf.top_k, conf.top_p, conf.min_p) \
                 if conf.do_sample else False
         policy = as_policy(gamma, self.tuning)
+        processors = sampling.build_processors(conf, logits_processor)
+        nodes = self._tree_nodes(tree, sampling.needs_context(processors))
         if streamer is not None and ids.shape[0] != 1:
             raise ValueError("a streamer needs a single prompt (batch size 1); drop streamer= for batches")
         device = self.target.get_output_embeddings().weight.device
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(seed))
-        processors = sampling.build_processors(conf, logits_processor)
-        # A recurrent state cannot skip padding or a masked hole: then each prompt runs alone, unpadded.
-        alone = KVState.is_recurrent(self.target) or self.drafter.recurrent
+        # A recurrent state cannot skip padding or a masked hole, nor can a sliding window that transformers counts
+        # in cache columns (a model without a mask per layer type, such as Mistral): then each prompt runs alone.
+        alone = KVState.is_recurrent(self.target) or self.drafter.recurrent or \
+            (sliding_window(self.target) is not None and not takes_mask_mapping(self.target))
         rows = [(r[m.bool()][None], m[m.bool()][None]) for r, m in zip(ids, mask)] if alone else [(ids, mask)]
         try:
-            parts = [_Loop(self, conf, processors, policy, generator, streamer, window)
+            parts = [_Loop(self, conf, processors, policy, generator, streamer, window, nodes)
                      .run(r.to(device), m.to(device)) for r, m in rows]
         finally:
             if streamer is not None:
                 streamer.end()
         return _stack(ids.to(device), parts, _pad_id(conf)) if alone else parts[0]
+
+    def _tree_nodes(self, tree: int | str | None, needs_context: bool) -> int:
+        """The node budget of ``tree`` (0: the chain), or an ``HfspecError`` where a tree cannot be exact."""
+        if tree is None or tree == "auto":  # auto: trees are not priced yet, and the chain is always exact
+            return 0
+        if isinstance(tree, bool) or not isinstance(tree, int) or tree < 0:
+            raise HfspecError(f"tree must be None, 'auto' or a node budget >= 0, got {tree!r}")
+        if tree and (KVState.is_recurrent(self.target) or self.drafter.recurrent):
+            raise HfspecError("a recurrent (or hybrid) model keeps one state and cannot read a tree in one forward; "
+                              "use tree=None (a chain)")
+        if tree and needs_context:
+            raise HfspecError("a logits processor that reads the text so far (repetition_penalty, "
+                              "no_repeat_ngram_size, bad_words_ids, custom processors) would need each tree node's "
+                              "own path; use tree=None")
+        if tree:
+            check_tree_attention(self.target, "target")
+        return tree
 
     def _context_window(self) -> int | None:
         models = [self.target] + ([self.draft] if self.draft is not None else [])
@@ -217,15 +244,17 @@ class Verdict:
     kept path's nodes, for ``tokens()`` to read and ``rollback`` to gather the caches by.
     """
 
-    proposal: Proposal
+    proposal: Proposal | TreeProposal
     accepted: torch.Tensor  # (B,) long: drafts kept, the first accepted[b] of row b's
     next_token: torch.Tensor  # (B,) long: from the residual at the first rejection, or the bonus token
     start: int  # the target cache's length before the verification forward
     fed: torch.Tensor  # (B, γ+1) the pending token and the drafts: what the target's new cache columns read
+    path: torch.Tensor | None = None  # (B, D) a tree's accepted nodes, -1 past accepted[b]; None for a chain
 
     def tokens(self) -> torch.Tensor:
         """(B, γ+1) whose first ``accepted[b] + 1`` columns are the tokens row b commits."""
-        block = torch.cat([self.proposal.tokens, self.next_token[:, None]], dim=1)
+        drafts = self.proposal.tokens if self.path is None else trees.path_tokens(self.proposal.tokens, self.path)
+        block = torch.cat([drafts, self.next_token[:, None]], dim=1)
         return block.scatter_(1, self.accepted[:, None], self.next_token[:, None])
 
 
@@ -233,12 +262,18 @@ class _Loop:
     """One ``generate`` call: the models, processing and policy it runs with; its rows, caches and counts."""
 
     def __init__(self, gen: SpeculativeGenerator, conf: GenerationConfig, processors: Sequence[LogitsProcessor],
-                 policy: GammaPolicy, generator: torch.Generator | None, streamer: Any, window: int | None):
+                 policy: GammaPolicy, generator: torch.Generator | None, streamer: Any, window: int | None,
+                 nodes: int = 0):
         self.target, self.drafter, self.vocab = gen.target, gen.drafter, gen.vocab_size
         self.checks = gen.check_invariants
         self.conf, self.policy, self.generator, self.streamer, self.window = conf, policy, generator, streamer, window
         self.device = gen.target.get_output_embeddings().weight.device  # where generate put the prompts
         self.sample = conf.do_sample
+        self.nodes = nodes  # a tree's node budget per step; 0 for a chain
+        # Sliding windows counted in positions, not cache columns, where the target takes a mask per layer
+        # type: the holes that rows keeping fewer drafts leave behind must not use up a row's window.
+        self.sliding = sliding_window(self.target) \
+            if takes_mask_mapping(self.target) and not KVState.is_recurrent(self.target) else None
         self.scoring = Scoring(processors, self.sample)
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor) -> GenerateOutput:
@@ -254,8 +289,9 @@ class _Loop:
             self.rollback(verdict)  # 4. both caches forget what was not kept
             t2 = now(device)
             drafted = proposal.drafted()
-            self.policy.update(Step(rows.index.cpu(), proposal.gamma, drafted.cpu(), verdict.accepted.cpu(),
-                                    confidence, t1 - t0, t2 - t1))
+            if verdict.path is None:  # the γ policies learn from chains only
+                self.policy.update(Step(rows.index.cpu(), proposal.gamma, drafted.cpu(), verdict.accepted.cpu(),
+                                        confidence, t1 - t0, t2 - t1))
             block = verdict.tokens()
             committed, has_eos = rows.commit(block, verdict.accepted + 1)  # 5. cut at budgets and EOS
             self.stream(block, committed)
@@ -291,20 +327,27 @@ class _Loop:
         self.target_forward(prefix, prefix_mask, positions, prefix_mask.bool(), verification=False, logits_to_keep=1)
 
     def gamma(self) -> int:
-        """The policy's γ, cut so that no row drafts past its budget."""
-        return max(0, min(self.policy.gamma(self.rows.index.cpu()), int(self.rows.left.max()) - 1))
+        """The policy's γ (a tree: its depth), cut so that no row drafts past its budget."""
+        wanted = trees.shape(self.nodes)[1] if self.nodes else self.policy.gamma(self.rows.index.cpu())
+        return max(0, min(wanted, int(self.rows.left.max()) - 1))
 
-    def propose(self, gamma: int) -> tuple[Proposal, torch.Tensor | None]:
-        """The drafter's proposal, with its probability of each pick (B, picks) for the policy, if it gave any."""
+    def propose(self, gamma: int) -> tuple[Proposal | TreeProposal, torch.Tensor | None]:
+        """The drafter's proposal (a tree of at most γ levels when the call asked for trees), with its
+        probability of each pick (B, picks) for the policy, if it gave any."""
         if not gamma:
             return Proposal.empty(self.rows.active, self.device), None
         ctx = self.context()
-        proposal = self.drafter.propose(ctx, gamma, self.policy.stop)
+        if self.nodes:
+            proposal = self.drafter.propose_tree(ctx, self.nodes, gamma)
+        else:
+            proposal = self.drafter.propose(ctx, gamma, self.policy.stop)
         return proposal, ctx.confidence()
 
-    def verify(self, proposal: Proposal) -> Verdict:
+    def verify(self, proposal: Proposal | TreeProposal) -> Verdict:
         """One target forward over the pending token and the drafts; accept per row (Leviathan et al., Alg. 1;
         greedy: while the draft is the target's argmax)."""
+        if isinstance(proposal, TreeProposal):
+            return self.verify_tree(proposal)
         rows, drafts, gamma = self.rows, proposal.tokens, proposal.gamma
         start = self.kv.length
         if gamma:  # the buffer holds the drafts: processors read them as context
@@ -324,10 +367,44 @@ class _Loop:
             accepted, next_token = sampling.verify(drafts, q, p, self.generator, proposal.counts)
         return Verdict(proposal, accepted, next_token, start, fed)
 
-    def target_forward(self, feed: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
-                       real: torch.Tensor, verification: bool, logits_to_keep: int = 0) -> torch.Tensor:
-        """One target forward over (B, k) new tokens; hands the drafter the features it asked for."""
-        mask = self.kv.extend_mask(valid)
+    def verify_tree(self, proposal: TreeProposal) -> Verdict:
+        """One target forward over the pending token and every node, each attending to the committed tokens
+        and its own ancestors; accept along one path (``hfspec.tree``)."""
+        rows, batch = self.rows, proposal.tokens.shape[0]
+        start = self.kv.length
+        fed = torch.cat([rows.pending(), proposal.tokens], dim=1)  # (B, N+1); column 0 is the root
+        parents = torch.cat([torch.full((batch, 1), -1, device=fed.device, dtype=torch.long), proposal.parents + 1], 1)
+        depth = trees.depths(parents) - 1  # the root at depth 0
+        positions = (rows.lengths - 1)[:, None] + depth
+        self.kv.extend_mask(torch.ones_like(fed))
+        visible = trees.ancestry(parents)
+        window = sliding_window(self.target)
+        full = self.kv.tree_mask(visible, positions, positions, None)
+        sliding = self.kv.tree_mask(visible, positions, positions, window) if window else None
+        real = torch.cat([torch.ones_like(fed[:, :1], dtype=torch.bool), proposal.mask()], dim=1)
+        logits = self.target_forward(fed, None, positions, real, True,
+                                     attention=tree_attention(self.target, full, sliding))[..., : self.vocab]
+        p = self.scoring.checked(logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target",
+                                 self.stats.target_passes + 1)  # (B, N+1, V); scores when greedy
+        if not self.sample:
+            path, accepted, next_token = trees.verify_tree_greedy(proposal, p.argmax(dim=-1))
+        else:
+            path, accepted, next_token = trees.verify_tree(proposal, p, self.generator)
+        self.stats.record_tree(proposal.drafted(), accepted)
+        return Verdict(proposal, accepted, next_token, start, fed, path)
+
+    def target_forward(self, feed: torch.Tensor, valid: torch.Tensor | None, positions: torch.Tensor,
+                       real: torch.Tensor, verification: bool, logits_to_keep: int = 0,
+                       attention: torch.Tensor | dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """One target forward over (B, k) new tokens; hands the drafter the features it asked for.
+        ``attention``: a prepared mask (a tree's) for columns already added to the cache's mask."""
+        mask = self.kv.extend_mask(valid) if attention is None else attention
+        if attention is None and self.sliding is not None:
+            k = feed.shape[1]
+            causal = torch.ones(k, k, dtype=torch.bool, device=valid.device).tril()
+            visible = (causal & valid.bool()[:, None, :]) | torch.eye(k, dtype=torch.bool, device=valid.device)
+            full = self.kv.tree_mask(visible, positions, positions, None)
+            mask = tree_attention(self.target, full, self.kv.tree_mask(visible, positions, positions, self.sliding))
         layers = self.drafter.feature_layers
         if not layers:
             return forward(self.target, feed, mask, positions, self.kv.cache, logits_to_keep)
@@ -338,6 +415,11 @@ class _Loop:
     def rollback(self, verdict: Verdict) -> None:
         """The drafter keeps what it needs of its drafts; the target keeps the pending token and the kept drafts.
         Runs before the commit, while the verified drafts still follow the committed tokens (drafters read them)."""
+        if verdict.path is not None:  # a tree: both caches gather the accepted path
+            self.drafter.commit_tree(self.context(), verdict.path, verdict.accepted)
+            columns = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1)
+            self.kv.keep_path(verdict.start, columns, verdict.accepted + 1)
+            return
         self.drafter.commit(self.context(), verdict.accepted)
         self.kv.rollback(verdict.accepted + 1, verdict.start, verdict.fed)
 

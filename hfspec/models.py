@@ -34,13 +34,16 @@ def cache_kwarg(model_class: type) -> str:
 def forward(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | dict[str, torch.Tensor],
     position_ids: torch.Tensor,
     cache: Any,
     logits_to_keep: int = 0,
     output_hidden_states: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Run ``model`` on new tokens (B, k) with its cache; returns logits (B, k', V) in float32.
+
+    ``attention_mask`` is the 2-D mask of cached and new columns, or what ``tree_attention``
+    made (a 4-D mask, or one per layer type), which transformers uses as it is.
 
     Inputs are moved to the model's device; ``logits_to_keep=1`` computes the head for
     the last position only (prefill and the draft need no more). With
@@ -49,7 +52,8 @@ def forward(
     device = model.device
     kwargs = {
         "input_ids": input_ids.to(device),
-        "attention_mask": attention_mask.to(device),
+        "attention_mask": ({k: m.to(device) for k, m in attention_mask.items()} if isinstance(attention_mask, dict)
+                           else attention_mask.to(device)),
         "position_ids": position_ids.to(device),
         cache_kwarg(type(model)): cache,
         "use_cache": True,
@@ -61,6 +65,49 @@ def forward(
         return out.logits.float(), out.hidden_states
     out = model(**kwargs)
     return out.logits.float()
+
+
+def sliding_window(model: PreTrainedModel) -> int | None:
+    """The reach of ``model``'s sliding-window layers, or None when every layer attends fully."""
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types) \
+            or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def takes_mask_mapping(model: PreTrainedModel) -> bool:
+    """True when the model's forward accepts one prepared mask per layer type (a dict), as Gemma-2 and
+    Qwen2 do: a single prepared 4-D mask would reach sliding-window layers unwindowed."""
+    base = getattr(model, model.base_model_prefix, model)
+    try:
+        return "causal_mask_mapping := attention_mask, dict" in inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
+
+
+def check_tree_attention(model: PreTrainedModel, role: str) -> None:
+    """Refuse a model that cannot read a tree in one forward (a prepared 4-D mask and explicit positions)."""
+    if sliding_window(model) is not None and not takes_mask_mapping(model):
+        raise HfspecError(f"the {role} ({type(model).__name__}) has sliding-window layers and takes no mask per "
+                          "layer type, so a draft tree cannot be verified exactly; use tree=None (a chain)")
+
+
+def tree_attention(model: PreTrainedModel, full: torch.Tensor,
+                   sliding: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """What ``forward`` takes as the attention mask for new columns that attend to what ``full`` (B, k, L)
+    allows (``sliding``: the same within the sliding window): additive float masks (B, 1, k, L)."""
+    dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+
+    def bias(allowed: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min)[:, None]
+
+    if sliding is None:
+        return bias(full)
+    return {"full_attention": bias(full), "sliding_attention": bias(sliding)}
 
 
 def decoder_layers(model: PreTrainedModel) -> Any:

@@ -99,6 +99,13 @@ class DraftContext:
         self.picked.append(confidence)
         return token, (q if self.sample else None), confidence
 
+    def dists(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft distributions (B, k, V) of raw logits (B, k, ≥vocab) at k tree nodes, processed like the
+        target's scores (probabilities of the scores when greedy). Trees take no processor that reads the
+        context (the generator refuses them), so no node needs its own path as context."""
+        out = self.scoring.checked(logits[..., : self.vocab], self.tokens, self.lengths, 0, "draft", self.step)
+        return out if self.sample else sampling.probs_from_logits(out)
+
     def confidence(self) -> torch.Tensor | None:
         """(B, picks) on the CPU, what the γ policy calibrates; None when the drafter picked nothing here."""
         return torch.stack(self.picked, 1).cpu() if self.picked else None

@@ -27,6 +27,8 @@ class Stats:
 
     ``mean_accepted_length`` is defined as vLLM does: tokens committed per target
     verification pass (1 + the accepted drafts per pass), averaged over rows' passes.
+    A tree step counts its real nodes as drafted and its depth as its γ; the accepted
+    drafts are the accepted path.
     """
 
     target_passes: int  # batched target verification forwards (prefill excluded)
@@ -41,6 +43,8 @@ class Stats:
     time_target: float  # seconds in target forwards (prefill included) and verification
     time_total: float
     rows: tuple[RowStats, ...] = field(default_factory=tuple)
+    tree_nodes: int = 0  # tree nodes verified (real ones, all rows), 0 for chains
+    depth_histogram: tuple[int, ...] = ()  # rows' tree steps by the depth they accepted
 
     @classmethod
     def combine(cls, parts: list[Stats]) -> Stats:
@@ -58,6 +62,7 @@ class Stats:
             gamma_histogram=add([s.gamma_histogram for s in parts]),
             time_draft=sum(s.time_draft for s in parts), time_target=sum(s.time_target for s in parts),
             time_total=sum(s.time_total for s in parts), rows=tuple(r for s in parts for r in s.rows),
+            tree_nodes=sum(s.tree_nodes for s in parts), depth_histogram=add([s.depth_histogram for s in parts]),
         )
 
     @property
@@ -109,6 +114,8 @@ class StatsCollector:
         self.gamma_histogram: list[int] = []  # steps by the width of their proposal
         self.target_passes = self.draft_passes = 0
         self.time_draft = self.time_target = 0.0
+        self.tree_nodes = 0
+        self.depth_histogram: list[int] = []
 
     def record(self, rows: torch.Tensor, gamma: int, drafted: torch.Tensor, accepted: torch.Tensor,
                committed: torch.Tensor, draft_forwards: int, seconds: tuple[float, float]) -> None:
@@ -131,6 +138,14 @@ class StatsCollector:
             self.accepted_by_position[i] += accepted_at[i]
             self.drafted_by_position[i] += drafted_at[i]
 
+    def record_tree(self, nodes: torch.Tensor, depth: torch.Tensor) -> None:
+        """A tree step: ``nodes`` (B,) verified per row, ``depth`` (B,) of them accepted, a path."""
+        self.tree_nodes += int(nodes.sum())
+        counts = torch.bincount(depth.cpu()).tolist()
+        _grow(self.depth_histogram, len(counts))
+        for d, n in enumerate(counts):
+            self.depth_histogram[d] += n
+
     def result(self, outputs: list[tuple[int, str]], time_total: float) -> Stats:
         """``Stats`` of the call whose prompt b committed ``outputs[b][0]`` new tokens and stopped for
         ``outputs[b][1]``."""
@@ -141,7 +156,8 @@ class StatsCollector:
             committed=sum(r.committed for r in rows),
             accepted_by_position=tuple(self.accepted_by_position), drafted_by_position=tuple(self.drafted_by_position),
             gamma_histogram=tuple(self.gamma_histogram), time_draft=self.time_draft, time_target=self.time_target,
-            time_total=time_total, rows=rows,
+            time_total=time_total, rows=rows, tree_nodes=self.tree_nodes,
+            depth_histogram=tuple(self.depth_histogram),
         )
 
 

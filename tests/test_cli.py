@@ -20,8 +20,8 @@ from hfspec.loading import Preset
 
 PROMPT = "w10 w11 w12"
 GENERATE_FLAGS = [
-    "--target", "--draft", "--config", "--device", "--dtype", "--fast-kernels", "--no-fast-kernels", "--gamma", "--adaptive", "--ngram", "--no-ngram",
-    "--draft-cost",
+    "--target", "--draft", "--config", "--device", "--dtype", "--fast-kernels", "--no-fast-kernels", "--gamma",
+    "--adaptive", "--ngram", "--no-ngram", "--draft-cost", "--tree",
     "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed",
     "--chat", "--no-chat", "--system", "--prompts-file", "--batch-size", "--stream", "--stats", "--json",
 ]

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from hfspec.tree import TreeProposal
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -91,6 +93,11 @@ class Context(Protocol):
     sample: bool  # False: greedy decoding
     generator: torch.Generator | None
 
+    def dists(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft distributions (B, k, V) at k tree nodes from raw logits (B, k, ≥vocab), processed as the
+        target's (probabilities of the scores when greedy)."""
+        ...
+
     def pick(self, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Draft i of each row from raw logits (B, ≥vocab): (token (B,), q (B, V) or None when greedy,
         confidence (B,)); processed exactly as the target's scores will be, and written to ``tokens``."""
@@ -121,6 +128,15 @@ class Drafter:
 
     def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
         raise NotImplementedError
+
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal | TreeProposal:
+        """Up to ``nodes`` drafts as a tree at most ``depth`` deep (``hfspec.tree``); a drafter that cannot
+        build one proposes its chain of ``depth`` drafts."""
+        return self.propose(ctx, depth)
+
+    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """After a tree's verification: row b kept the nodes ``path[b, :num_accepted[b]]`` of the last tree."""
+        raise NotImplementedError(f"{type(self).__name__} proposed no tree")
 
     def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         """After each verification: row b kept ``num_accepted[b]`` drafts of the last proposal

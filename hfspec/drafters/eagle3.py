@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from hfspec import tree
 from hfspec.cache import KVState
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.errors import HfspecError
@@ -35,6 +36,7 @@ from hfspec.heads.checkpoint import load_head
 from hfspec.heads.eagle3 import Eagle3Head, default_layer_ids
 from hfspec.models import decoder_layers, model_vocab_size
 from hfspec.timing import timed
+from hfspec.tree import TreeProposal
 
 __all__ = ["Eagle3Drafter", "cached_step"]
 
@@ -44,18 +46,23 @@ OUTSIDE = -1e30
 
 
 def cached_step(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                kv: KVState, valid: torch.Tensor) -> torch.Tensor:
+                kv: KVState, valid: torch.Tensor, tree_visible: torch.Tensor | None = None) -> torch.Tensor:
     """One head forward over k new columns (B, k) appended to ``kv``; returns their pre-norm outputs (B, k, H).
 
     ``valid`` (B, k): columns that are not holes. A column sees the cache's valid
     entries and the valid new columns up to itself, and always itself (so a hole
-    stays finite).
+    stays finite). ``tree_visible`` (B, k, T): the new columns are tree nodes, the
+    cache's last T columns the tree so far; each sees the committed entries and the
+    nodes it marks (itself and its ancestors).
     """
     cos, sin = head.rope(hidden, positions)
     q, k, v = head.layer.qkv(embeds, hidden, cos, sin)
     old = kv.length
     mask = kv.extend_mask(valid).bool()  # (B, S)
     keys, values = kv.append(k, v)
+    if tree_visible is not None:
+        allowed = kv.tree_mask(tree_visible, positions, positions, None)
+        return head.layer.finish(hidden, q, keys, values, allowed[:, None])
     cols = torch.arange(mask.shape[1], device=mask.device)
     rows = old + torch.arange(k.shape[2], device=mask.device)
     allowed = (mask[:, None, :] & (cols[None, :] <= rows[:, None])) | (cols[None, :] == rows[:, None])
@@ -165,12 +172,16 @@ class Eagle3Drafter(Drafter):
             fused = self.features.gather(1, idx[..., None].expand(-1, -1, self.features.shape[2]))
         return fused, tokens, positions, valid
 
+    def _full(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (..., Vd) scattered to target ids (..., V), OUTSIDE elsewhere."""
+        full = torch.full((*logits.shape[:-1], self.vocab_size), OUTSIDE, dtype=torch.float32, device=self.device)
+        full[..., self.ids] = logits.float() if self.kept is None else logits.float()[..., self.kept]
+        return full
+
     def _pick(self, ctx: Context, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                           torch.Tensor]:
-        """Draft i from draft-vocabulary logits (B, Vd): scattered to target ids, OUTSIDE elsewhere."""
-        full = torch.full((logits.shape[0], self.vocab_size), OUTSIDE, dtype=torch.float32, device=self.device)
-        full[:, self.ids] = logits.float() if self.kept is None else logits.float()[:, self.kept]
-        return ctx.pick(full.to(ctx.tokens.device), i)
+        """Draft i from draft-vocabulary logits (B, Vd)."""
+        return ctx.pick(self._full(logits).to(ctx.tokens.device), i)
 
     @torch.inference_mode()
     def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
@@ -201,6 +212,51 @@ class Eagle3Drafter(Drafter):
         if not bool(can_draft.all()):
             counts = torch.where(can_draft, len(drafts), 0).to(tokens_out.device)
         return Proposal(tokens_out, torch.stack(qs, dim=1) if ctx.sample else None, counts)
+
+    @torch.inference_mode()
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> TreeProposal:
+        """An EAGLE-2 dynamic tree (``tree.expand``): one head forward per level, each node reading its parent's
+        pre-norm output and its own token, and attending to the context and its ancestors. Every entry built
+        here is dropped at ``commit_tree``; the accepted path returns as target features."""
+        hidden, tokens, positions, valid = self._unfed(ctx)
+        can_draft = (self.pending > 0).to(ctx.tokens.device)
+        h = cached_step(self.head, self._embed(tokens), hidden, positions, self.kv, valid.long())[:, -1:]  # (B, 1, H)
+        self.fed = (ctx.lengths.to(self.device) - 1).clamp(min=0)
+        self.pending = torch.zeros_like(self.pending)
+        self.features = self.features[:, :0]
+        self.start_col = self.kv.length
+        q = ctx.dists(self._full(self.head.logits(h)).to(ctx.tokens.device))  # (B, 1, V) at the root
+        batch, device = q.shape[0], q.device
+        width, _ = tree.shape(nodes)
+        cum, alive = torch.ones(batch, 1, device=device), can_draft[:, None]
+        parts: list[tuple[torch.Tensor, ...]] = []  # (tokens, parents, q, real) per level
+        ids = torch.full((batch, 1), -1, dtype=torch.long, device=device)
+        for level in range(depth):
+            used = sum(part[0].shape[1] for part in parts)
+            frontier, new, cum, alive = tree.expand(cum, alive, q, min(width, nodes - used), ctx.sample, ctx.generator)
+            parts.append((new, ids.gather(1, frontier), q.gather(1, frontier[..., None].expand(-1, -1, q.shape[-1])),
+                          alive))
+            ids = torch.arange(used, used + new.shape[1], device=device).expand(batch, -1)
+            if level + 1 == depth or used + new.shape[1] >= nodes:
+                break
+            parents = torch.cat([part[1] for part in parts], 1)
+            node_positions = (ctx.lengths[:, None] - 2 + level + 1).expand_as(new).to(self.device)
+            h = cached_step(self.head, self._embed(new), h.gather(1, frontier.to(self.device)[..., None].expand(
+                -1, -1, h.shape[-1])), node_positions, self.kv, torch.ones_like(new, device=self.device),
+                tree.ancestry(parents)[:, -new.shape[1]:].to(self.device))
+            q = ctx.dists(self._full(self.head.logits(h)).to(device))
+        return TreeProposal(*(torch.cat([part[i] for part in parts], 1) for i in range(2)),
+                            torch.cat([part[2] for part in parts], 1) if ctx.sample else None,
+                            torch.cat([part[3] for part in parts], 1), forwards=len(parts))
+
+    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        self.kv.rollback(torch.zeros_like(self.fed), self.start_col)  # the head's own entries go
+        self.start_col = None
+        if self.verified is not None:  # the target features of the pending token and the accepted path
+            columns = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1).clamp(min=0).to(self.device)
+            kept = self.verified.gather(1, columns[..., None].expand(-1, -1, self.verified.shape[-1]))
+            self._append(kept, num_accepted.to(self.device) + 1)
+            self.verified = None
 
     def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         if self.start_col is not None:  # own-output entries go; accepted positions return from target features

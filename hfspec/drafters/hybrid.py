@@ -47,11 +47,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hfspec import sampling
+from hfspec import sampling, tree
 from hfspec.acceptance import Acceptance
 from hfspec.costs import Costs
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
+from hfspec.tree import TreeProposal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -180,6 +181,22 @@ class HybridDrafter(Drafter):
             q[:, : mp.gamma] = mp.q
             q[use] = sampling.one_hot(tokens[use], q.shape[-1])
         return Proposal(tokens, q, counts, forwards=mp.draft_forwards())
+
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal | TreeProposal:
+        """The main drafter's tree with the lookup's tree grafted on (``tree.graft``): the lookup takes up to
+        half the budget, the main drafter the rest. A main drafter that cannot build a tree: the hybrid's chain."""
+        if self.main.recurrent:
+            return self.propose(ctx, depth)
+        ng = self.ngram.propose_tree(ctx, max(1, nodes // 2), depth)
+        extra = int(ng.drafted().max()) if isinstance(ng, TreeProposal) else 0
+        main = self.main.propose_tree(ctx, max(1, nodes - extra), depth)
+        if not isinstance(main, TreeProposal):  # the main drafter proposed its chain: verify that alone
+            return main
+        return tree.graft(main, ng) if isinstance(ng, TreeProposal) else main
+
+    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        self.main.commit_tree(ctx, path, num_accepted)
+        self.ngram.commit_tree(ctx, path, num_accepted)
 
     def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         step, self._step, self.outcome = self._step, None, None

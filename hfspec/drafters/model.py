@@ -13,11 +13,13 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from hfspec import sampling
+from hfspec import sampling, tree
 from hfspec.cache import KVState
 from hfspec.costs import forward_seconds
 from hfspec.drafters import Context, Drafter, Proposal, Stop
-from hfspec.models import check_causal_lm, forward, model_vocab_size
+from hfspec.models import check_causal_lm, check_tree_attention, forward, model_vocab_size, sliding_window, \
+    tree_attention
+from hfspec.tree import TreeProposal
 
 
 class ModelDrafter(Drafter):
@@ -30,6 +32,8 @@ class ModelDrafter(Drafter):
         self.kv: KVState | None = None
         self.fed = torch.zeros(0, dtype=torch.long)  # committed tokens in the cache, per row
         self.drafts: torch.Tensor | None = None  # (B, k) the last proposal, until it is committed
+        self.tree: TreeProposal | None = None  # the last tree and how many of its nodes the cache holds
+        self.tree_fed = 0
 
     @property
     def recurrent(self) -> bool:
@@ -65,6 +69,58 @@ class ModelDrafter(Drafter):
             feed, valid, positions = token[:, None], torch.ones_like(token)[:, None], (ctx.lengths + i)[:, None]
         self.drafts = torch.stack(tokens, dim=1)
         return Proposal(self.drafts, torch.stack(qs, dim=1) if ctx.sample else None)
+
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal | TreeProposal:
+        """An EAGLE-2 dynamic tree (``tree.expand``), one draft forward per level over that level's nodes,
+        each attending to the committed tokens and its own ancestors. Every level but the last is fed,
+        so the cache's tree columns are the nodes in order, up to the last level."""
+        if self.kv.serial or self.recurrent:  # a recurrent state reads one path only: the chain
+            return self.propose(ctx, depth)
+        check_tree_attention(self.model, "draft")
+        logits = self._forward(*self._unfed(ctx))
+        self.fed, self.start_col = ctx.lengths.clone(), self.kv.length
+        q = ctx.dists(logits[:, None].to(ctx.tokens.device))  # (B, 1, V) at the root
+        batch, device = q.shape[0], q.device
+        width, _ = tree.shape(nodes)
+        ids = torch.full((batch, 1), -1, dtype=torch.long, device=device)  # the frontier's node numbers
+        cum, alive = torch.ones(batch, 1, device=device), torch.ones(batch, 1, dtype=torch.bool, device=device)
+        tokens, parents, qs, real, forwards = [], [], [], [], 1
+        for level in range(depth):
+            frontier, new, cum, alive = tree.expand(cum, alive, q, min(width, nodes - sum(t.shape[1] for t in tokens)),
+                                                    ctx.sample, ctx.generator)
+            tokens.append(new)
+            parents.append(ids.gather(1, frontier))
+            qs.append(q.gather(1, frontier[:, :, None].expand(-1, -1, q.shape[-1])))
+            real.append(alive)
+            count = sum(t.shape[1] for t in tokens)
+            ids = torch.arange(count - new.shape[1], count, device=device).expand(batch, -1)
+            if level + 1 == depth or count >= nodes:
+                break
+            q = ctx.dists(self._tree_forward(ctx, torch.cat(parents, 1), new, level + 1).to(device))
+            forwards += 1
+        self.tree = TreeProposal(torch.cat(tokens, 1), torch.cat(parents, 1),
+                                 torch.cat(qs, 1) if ctx.sample else None, torch.cat(real, 1), forwards)
+        self.tree_fed = self.tree.nodes - tokens[-1].shape[1]
+        return self.tree
+
+    def _tree_forward(self, ctx: Context, parents: torch.Tensor, new: torch.Tensor, depth: int) -> torch.Tensor:
+        """Logits (B, w, V) after the ``new`` (B, w) nodes at ``depth``, the last of the tree so far."""
+        positions = (ctx.lengths - 1 + depth)[:, None].expand_as(new)
+        self.kv.extend_mask(torch.ones_like(new))
+        visible = tree.ancestry(parents)[:, -new.shape[1]:]  # (B, w, nodes so far): themselves and ancestors
+        tree_positions = ctx.lengths[:, None] - 1 + tree.depths(parents)
+        window = sliding_window(self.model)
+        full = self.kv.tree_mask(visible, positions, tree_positions, None)
+        sliding = self.kv.tree_mask(visible, positions, tree_positions, window) if window else None
+        return forward(self.model, new, tree_attention(self.model, full, sliding), positions, self.kv.cache)
+
+    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        # The accepted path's nodes that were fed (all but a last-level leaf) are kept, gathered in order.
+        fed = (path >= 0) & (path < self.tree_fed)
+        kept = torch.minimum(sampling.first_rejection(fed), num_accepted)
+        self.kv.keep_path(self.start_col, path, kept)
+        self.fed = self.fed + kept
+        self.drafts = None
 
     def _forward(self, feed: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Last-position logits (B, V) after feeding (B, k) tokens; a cache that can only continue its

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hfspec.drafters import Context, Drafter, Proposal, Stop
+from hfspec.tree import TreeProposal
 
 SEPARATOR = -1  # ends each output in the store; equal to no token, so no match crosses it
 
@@ -122,6 +123,42 @@ class TokenIndex:
             chance.append(prob)
             ends = [end for end, t in zip(ends, nexts) if t == token]
         return tokens, chance
+
+
+    def ends_of(self, query: list[int], exclude: int | None = None) -> list[int]:
+        """The most recent ends of ``query``'s last ``key`` tokens (not ``exclude``), however far back each agrees."""
+        found = self.ends.get(tuple(query[-self.key:]), []) if len(query) >= self.key else []
+        return [end for end in found[-self.candidates - 1:] if end != exclude][-self.candidates:]
+
+    def continuations(self, ends: list[int], limit: int, periodic: bool) -> list[list[int]]:
+        """The up to ``limit`` tokens after each of ``ends`` (``periodic`` as in ``follow``)."""
+        seq, size, out = self.tokens, len(self.tokens), []
+        for end in ends:
+            cont: list[int] = []
+            for i in range(limit):
+                at = end + 1 + i
+                token = seq[at] if at < size else (cont[at - size] if periodic else SEPARATOR)
+                if token < 0:
+                    break
+                cont.append(token)
+            out.append(cont)
+        return out
+
+
+def trie(continuations: list[list[int]], nodes: int, min_prob: float) -> list[tuple[int, int]]:
+    """The ``nodes`` most frequent prefixes of ``continuations`` as a tree: ``(token, parent)`` per node, parents
+    first and siblings by frequency (the order they are tried in). A prefix's share of the continuations is its
+    empirical chance (the running P of ``follow``); shares under ``min_prob`` are left out."""
+    counts: dict[tuple[int, ...], int] = {}
+    for cont in continuations:
+        for i in range(len(cont)):
+            counts[tuple(cont[: i + 1])] = counts.get(tuple(cont[: i + 1]), 0) + 1
+    total = max(len(continuations), 1)
+    # A prefix is never more frequent than its own prefixes: the best ones by (count, shortness) are closed.
+    ranked = sorted((key for key, n in counts.items() if n / total >= min_prob), key=lambda k: (-counts[k], len(k)))
+    kept = sorted(ranked[:nodes], key=lambda k: (len(k), -counts[k]))
+    where = {key: i for i, key in enumerate(kept)}
+    return [(key[-1], where.get(key[:-1], -1)) for key in kept]
 
 
 class History:
@@ -222,6 +259,41 @@ class NgramDrafter(Drafter):
         self.match_lengths = torch.tensor([m for _, _, m in picks], dtype=torch.long)
         self.expected = torch.tensor([sum(chance) for _, chance, _ in picks], dtype=torch.float32)
         return Proposal(tokens, None, counts, forwards=0)
+
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal | TreeProposal:
+        """Every continuation of the matched suffix (in the context and in earlier outputs), merged into one
+        tree scored by how often each prefix occurred (``trie``); tokens picked deterministically (one-hot q)."""
+        self._catch_up(ctx)
+        rows = [self._tree_row(row, nodes, depth, ctx.vocab) for row in self.rows]
+        width = max((len(r) for r in rows), default=0)
+        if not width:  # nothing matched anywhere: a plain step
+            return Proposal.empty(len(rows), ctx.tokens.device)
+        pad = [(0, -1, False)] * width
+        table = [[(t, par, True) for t, par in r] + pad[len(r):] for r in rows]
+        device = ctx.tokens.device
+        tokens = torch.tensor([[t for t, _, _ in r] for r in table], dtype=torch.long).view(len(rows), width)
+        parents = torch.tensor([[par for _, par, _ in r] for r in table], dtype=torch.long).view(len(rows), width)
+        real = torch.tensor([[ok for _, _, ok in r] for r in table], dtype=torch.bool).view(len(rows), width)
+        self.expected = real.sum(dim=1).float()
+        return TreeProposal(tokens.to(device), parents.to(device), None, real.to(device), forwards=0)
+
+    def _tree_row(self, row: TokenIndex, nodes: int, depth: int, vocab: int) -> list[tuple[int, int]]:
+        """One row's tree (``trie``) from the continuations of every match of the last ``min_match`` tokens, in
+        both sources; the longest match sets how deep (``factor × m``)."""
+        query = row.tail(self.max_match)
+        sources = [(row, row.size - 1, True)] + ([(self.history.index, None, False)] if self.history else [])
+        continuations: list[list[int]] = []
+        for index, exclude, periodic in sources:
+            m, _ = index.match(query, exclude)
+            if m >= self.min_match:
+                limit = min(depth, max(1, int(self.factor * m)))
+                continuations += index.continuations(index.ends_of(query, exclude), limit, periodic)
+        # A drafter shared with another target may remember ids this vocabulary lacks: cut such paths there.
+        continuations = [c[: next((i for i, t in enumerate(c) if t >= vocab), len(c))] for c in continuations]
+        return trie([c for c in continuations if c], nodes, self.min_prob)
+
+    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Lookup keeps no draft state: the next call indexes what was committed."""
 
     def _propose_row(self, row: TokenIndex, gamma: int, vocab: int) -> tuple[list[int], list[float], int]:
         """(tokens, running P per token, match length) for one row; no tokens when nothing matches."""
