@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from hfspec import sampling
 from hfspec.tree import TreeProposal
 
 if TYPE_CHECKING:
@@ -169,3 +170,14 @@ class Drafter:
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind}
+
+
+def kept_fed_drafts(ctx: Context, drafts: torch.Tensor, num_accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a draft model that fed its own drafts (B, γ) to its cache, all but the last: ``(fed, kept)``, the fed
+    drafts and how many of them per row to keep, those accepted that the committed text also begins with
+    (under a hybrid, another drafter's proposal may have been the one verified). ``ctx.lengths`` still counts
+    the tokens before the step."""
+    fed = drafts[:, :-1]
+    committed = ctx.tokens.gather(1, ctx.lengths[:, None] + torch.arange(fed.shape[1], device=ctx.tokens.device))
+    return fed, torch.minimum(sampling.first_rejection(fed == committed), num_accepted)
+

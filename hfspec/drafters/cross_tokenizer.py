@@ -43,7 +43,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from hfspec import sampling
 from hfspec.cache import KVState
 from hfspec.costs import forward_seconds
-from hfspec.drafters import Context, Drafter, Proposal, Stop
+from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
 from hfspec.drafters.vocabulary import VocabMap, token_bytes, vocab_map
 from hfspec.errors import HfspecError
 from hfspec.models import check_causal_lm, forward, model_vocab_size, same_tokenizer
@@ -154,12 +154,7 @@ class CrossTokenizerDrafter(Drafter):
             self.spelled_step = False
         if self.drafts is None:
             return
-        # Keep the fed drafts (all but the last) that were accepted and that the committed text begins with
-        # (under a hybrid, another drafter's proposal may have been verified).
-        fed_drafts = self.drafts[:, :-1]
-        width = fed_drafts.shape[1]
-        committed = ctx.tokens.gather(1, ctx.lengths[:, None] + torch.arange(width, device=ctx.tokens.device))
-        kept = torch.minimum(sampling.first_rejection(fed_drafts == committed), num_accepted)
+        fed_drafts, kept = kept_fed_drafts(ctx, self.drafts, num_accepted)
         self.kv.rollback(kept.to(self.kv.mask.device), self.start_col)
         own = self.map.to_draft[fed_drafts.cpu()].tolist()
         for row, ids, k in zip(self.rows, own, kept.tolist()):

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from hfspec import sampling, tree
 from hfspec.cache import KVState
 from hfspec.costs import forward_seconds
-from hfspec.drafters import Context, Drafter, Proposal, Stop
+from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
 from hfspec.models import check_causal_lm, check_tree_attention, forward, model_vocab_size, sliding_window, \
     tree_attention
 from hfspec.tree import TreeProposal
@@ -135,12 +135,7 @@ class ModelDrafter(Drafter):
     def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         if self.drafts is None:
             return
-        # Keep the fed drafts (the last draft of a step is never fed) that the committed text begins with:
-        # the accepted ones, or, when another drafter's proposal was verified (a hybrid), those that match it.
-        fed_drafts = self.drafts[:, :-1]
-        width = fed_drafts.shape[1]
-        committed = ctx.tokens.gather(1, ctx.lengths[:, None] + torch.arange(width, device=ctx.tokens.device))
-        kept = torch.minimum(sampling.first_rejection(fed_drafts == committed), num_accepted)
+        fed_drafts, kept = kept_fed_drafts(ctx, self.drafts, num_accepted)  # the last draft is never fed
         self.kv.rollback(kept, self.start_col, fed_drafts)
         self.fed = self.fed + kept
         self.drafts = None
