@@ -40,7 +40,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec import sampling
 from hfspec.cache import KVState
 from hfspec.costs import forward_seconds
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
