@@ -10,6 +10,6 @@ from hfspec.stats import RowStats, Stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "CostModelGamma", "FixedGamma", "GammaPolicy", "GenerateOutput", "HeuristicGamma", "HfspecError",
+    "CostModelGamma", "FixedGamma", "GammaPolicy", "GenerateOutput", "generate", "HeuristicGamma", "HfspecError",
     "NumericalFault", "RowStats", "SpeculativeGenerator", "Stats", "__version__",
 ]

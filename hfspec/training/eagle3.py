@@ -576,7 +576,3 @@ target's exact distribution p at T=1; q is the head's, zero outside the draft vo
 
 Decoding with it stays exactly lossless whatever these numbers are: the head only changes speed.
 """
-
-
-def hours(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h"
