@@ -169,3 +169,8 @@ class Drafter:
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind}
+
+
+def builds_trees(drafter: Drafter) -> bool:
+    """Whether ``drafter`` builds draft trees; one that does not proposes its chain from ``propose_tree``."""
+    return type(drafter).propose_tree is not Drafter.propose_tree
