@@ -239,12 +239,15 @@ class SpeculativeGenerator:
             check_tree_attention(self.target, "target")
         return tree
 
+    def drafts_trees(self) -> bool:
+        """Whether this pair drafts real trees and verifies them exactly (given processors that allow them)."""
+        return builds_trees(self.drafter) and not (KVState.is_recurrent(self.target) or self.drafter.recurrent) \
+            and not (sliding_window(self.target) is not None and not takes_mask_mapping(self.target))
+
     def _auto_trees(self, needs_context: bool) -> tuple[int, ...]:
         """The node budgets ``tree="auto"`` may choose: none where a tree cannot be exact or the drafter builds
         none (the hybrid prices its own lookup against its model, for chains), those that fit the window."""
-        if needs_context or KVState.is_recurrent(self.target) or self.drafter.recurrent \
-                or not builds_trees(self.drafter) or isinstance(self.drafter, HybridDrafter) \
-                or (sliding_window(self.target) is not None and not takes_mask_mapping(self.target)):
+        if needs_context or not self.drafts_trees() or isinstance(self.drafter, HybridDrafter):
             return ()
         window = self._context_window()
         return tuple(n for n in AUTO_TREES if window is None or n + 1 <= window // 2)
