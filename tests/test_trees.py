@@ -299,6 +299,17 @@ def test_auto_trees_equal_target_greedy(model_dir):
     assert gen.tuning.tree_evidence().depth_trials, "tree steps taught acceptance by depth"
 
 
+def test_auto_trees_sample_with_the_invariants_kept(tiny_pair):
+    target, draft, tok = tiny_pair("llama")
+    gen = SpeculativeGenerator(target, target, tok)  # the target as its own draft: every guess is worth a tree
+    gen.tuning.costs = flat_costs()
+    out = gen.generate([[5, 6, 7], [9, 8]], max_new_tokens=16, gamma="auto", tree="auto", do_sample=True,
+                       temperature=0.8, seed=0)  # the caches' invariants are checked after every step
+    assert out.stats.tree_nodes > 0
+    assert all(r.committed == 16 or r.stop_reason == "eos" for r in out.stats.rows), out.stats.rows
+    assert sum(out.stats.depth_histogram[2:]) > 0, "a perfect drafter's trees are kept two deep and more"
+
+
 def test_auto_trees_pick_the_chain_where_trees_cannot_be_exact(tiny_pair):
     target, draft, tok = tiny_pair("llama")
     gen = SpeculativeGenerator(target, draft, tok)
