@@ -249,6 +249,7 @@ class Tuning:
     calibration: dict[Any, Calibration] = field(default_factory=dict)
     tree_memory: dict[Any, TreeAcceptance] = field(default_factory=dict)
     trees: tuple[int, ...] = ()  # node budgets the current call may draft trees of (none: chains only)
+    probes_taken: int = 0  # probe steps so far; every other one drafts a tree where trees are allowed
     probes: dict[Any, list[int]] = field(default_factory=dict)  # [plain steps since the last probe, interval]
     setting: Any = None  # the current call's sampling setting, the key of memory and calibration
     maximum: int = 8  # largest γ considered; costs are measured for 1..maximum+1 new tokens
@@ -258,6 +259,11 @@ class Tuning:
         proposals) and "match" (how often it makes one)."""
         key = self.setting if source == "draft" else (self.setting, source)
         return self.memory.setdefault(key, Acceptance(prior=0.5, weight=2.0, decay=0.995))
+
+    def tree_probe(self) -> bool:
+        """Count a probe step; True when this one should draft the smallest tree (every other probe)."""
+        self.probes_taken += 1
+        return self.probes_taken % 2 == 0
 
     def tree_evidence(self) -> TreeAcceptance:
         """How this setting's tree steps fared (``hfspec.tree_acceptance``)."""
@@ -282,7 +288,8 @@ class AutoGamma(GammaPolicy):
     own running α) divided by the time the step will take (γ drafting steps plus a target
     forward over γ+1 tokens, from the measured and refined ``Costs``). γ = 0 is plain
     decoding. While plain decoding wins, a probe step with drafts now and then (ever rarer
-    while probes fail) notices when acceptance rises again.
+    while probes fail) notices when acceptance rises again; where trees are allowed, every
+    other probe drafts the smallest tree, so that trees gather evidence too.
 
     Within a step, drafting stops early when the drafter's probabilities, calibrated by
     what was accepted before, say that drafting on can no longer raise the step's
@@ -383,6 +390,9 @@ class AutoGamma(GammaPolicy):
                 self.probing = True
                 self.start_step(*kinds[-1])
                 gamma, self.rate = self.best(0, at_least=1)
+                if self.tuning.trees and self.tuning.tree_probe():  # trees learn only from tree steps
+                    self.nodes = min(self.tuning.trees)
+                    gamma = shape(self.nodes)[1]
         else:
             self.probe[:] = [0, self.probe_every]
         self.chosen = gamma
@@ -410,6 +420,8 @@ class AutoGamma(GammaPolicy):
 
     def update_tree(self, step: TreeStep) -> None:
         evidence = self.tuning.tree_evidence()
+        if self.probing and any(n == step.path.shape[1] for n in step.accepted.tolist()):
+            self.probe[1] = self.probe_every  # a tree probe kept a whole path: look again soon
         for parents, real, path, n in zip(step.parents.tolist(), step.real.tolist(), step.path.tolist(),
                                           step.accepted.tolist()):
             evidence.add(step.nodes, parents, real, path, n)

@@ -316,13 +316,13 @@ def tree_auto(costs: Costs, chain_alpha: float) -> AutoGamma:
     return policy
 
 
-def second_and_third_guesses_hold_the_target(policy: AutoGamma, steps: int = 40) -> None:
+def second_and_third_guesses_hold_the_target(policy: AutoGamma, steps: int = 40, nodes: int = 8) -> None:
     """Tree steps of 8 nodes whose root has 4 children and node 1 the other 4: the target takes the root's
     second child (node 1), then that node's third (node 6): the drafter's top-1 misses, its top-2/top-3 hold.
     Each step took what the costs predict."""
     parents = torch.tensor([[-1, -1, -1, -1, 1, 1, 1, 1]])
     for _ in range(steps):
-        policy.update_tree(TreeStep(ROW, 8, parents, torch.ones_like(parents, dtype=torch.bool),
+        policy.update_tree(TreeStep(ROW, nodes, parents, torch.ones_like(parents, dtype=torch.bool),
                                     torch.tensor([[1, 6]]), torch.tensor([2]), 2 * policy.costs.draft,
                                     policy.costs.verify[9]))
 
@@ -362,3 +362,20 @@ def test_costs_of_tree_sizes_leave_the_chains_maximum_alone():
     costs = tree_costs({})
     assert costs.max_gamma == 8 and "16" in costs.to_dict()["v_tree"]
     assert costs.tree_draft_seconds(1, 16, 4) == pytest.approx(4 * costs.draft)  # one draft forward per level
+
+
+def test_tree_probes_let_trees_win_once_they_prove_themselves():
+    # A poor chain: plain decoding wins, and the cautious prior keeps trees out too.
+    costs = tree_costs({k: 1.0 + 0.05 * k for k in range(2, 34)})
+    policy = tree_auto(costs, chain_alpha=0.05)
+    assert policy.gamma(ROW) == 0 and policy.tree_nodes() == 0
+    nodes = []
+    for _ in range(300):
+        g = policy.gamma(ROW)
+        nodes.append(policy.tree_nodes())
+        if policy.tree_nodes():  # the drafter's second and third guesses hold: every tree keeps two levels
+            second_and_third_guesses_hold_the_target(policy, steps=1, nodes=policy.tree_nodes())
+        else:
+            policy.update(step(g, [0], costs=costs))  # the chain's first guess never holds
+    assert 0 < nodes.index(8) < 40, "a probe drafts a tree within a few probes"
+    assert all(n > 0 for n in nodes[-20:]), "trees that pay are taken every step"
