@@ -81,22 +81,49 @@ class Costs:
     observed_verify: dict[tuple[int, int], float] = field(default_factory=dict)
     observed_draft: dict[int, float] = field(default_factory=dict)
     observed_lookup: dict[int, float] = field(default_factory=dict)
+    observed_tree_draft: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch, nodes): seconds
     drafter: Any = field(default=None, repr=False, compare=False)
 
     @property
     def max_gamma(self) -> int:
-        return max(self.verify) - 1
+        """The largest γ whose verification (γ+1 tokens) and every smaller one's were measured; tree sizes
+        measured beyond (``measure(..., extra=...)``) do not count."""
+        k = 1
+        while k + 1 in self.verify:
+            k += 1
+        return k - 1
+
+    def tree_draft_seconds(self, batch: int, nodes: int, depth: int) -> float:
+        """Seconds of drafting a tree of ``nodes`` at most ``depth`` levels deep: one draft forward per level
+        (over the level's frontier, priced as a chain's step) until real tree steps have been timed."""
+        return self.observed_tree_draft.get((batch, nodes), depth * self.draft_seconds(batch))
+
+    def record_tree_draft(self, batch: int, nodes: int, seconds: float) -> None:
+        old = self.observed_tree_draft.get((batch, nodes), seconds)
+        self.observed_tree_draft[(batch, nodes)] = (1 - _EMA) * old + _EMA * seconds
+
+    def measured(self, k: int) -> float:
+        """The measured forward over k new tokens (batch 1); between measured sizes (a tree's, which skip
+        some) interpolated linearly, beyond the largest that one's."""
+        if k in self.verify:
+            return self.verify[k]
+        below = [m for m in self.verify if m < k]
+        above = [m for m in self.verify if m > k]
+        if not above or not below:
+            return self.verify[max(below)] if below else self.verify[min(above)]
+        lo, hi = max(below), min(above)
+        return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (k - lo) / (hi - lo)
 
     def verify_seconds(self, batch: int, k: int) -> float:
         if (batch, k) in self.observed_verify:
             return self.observed_verify[(batch, k)]
-        base = self.verify[min(k, max(self.verify))]
+        base = self.measured(k)
         seen = [(b, kk) for b, kk in self.observed_verify if b == batch] or list(self.observed_verify)
         if not seen:
             return base
         # Scale by the observed/measured ratio of the closest observation (same batch first).
         b, kk = min(seen, key=lambda key: (abs(key[0] - batch), abs(key[1] - k)))
-        return base * self.observed_verify[(b, kk)] / self.verify[min(kk, max(self.verify))]
+        return base * self.observed_verify[(b, kk)] / self.measured(kk)
 
     def draft_seconds(self, batch: int) -> float:
         return self.observed_draft.get(batch, self.draft)
@@ -132,6 +159,19 @@ class Costs:
         old = self.observed_lookup.get(batch, seconds)
         self.observed_lookup[batch] = (1 - _EMA) * old + _EMA * seconds
 
+    def measure_more(self, target: Any, context: Sequence[int], sizes: Sequence[int], device: torch.device,
+                     repeats: int = 3) -> None:
+        """Time the target over those of ``sizes`` new tokens not measured yet (trees asked for after the
+        chain's costs), scaled by the single-token forward timed beside them so that a drift of the machine
+        since the first measurement does not skew v."""
+        missing = sorted(set(sizes) - set(self.verify))
+        if not missing:
+            return
+        with Stopwatch(device) as watch:
+            times = forward_seconds(target, context, [1, *missing], repeats, device)
+        self.verify.update({k: times[k] * self.verify[1] / times[1] for k in missing})
+        self.seconds_measuring += watch.seconds
+
     @property
     def c(self) -> float:
         """A drafting step ÷ a single-token target forward (Leviathan et al.'s c), batch 1."""
@@ -145,6 +185,7 @@ class Costs:
         return {
             "target_step_ms": 1e3 * self.verify_seconds(1, 1), "draft_step_ms": 1e3 * self.draft_seconds(1),
             "c": self.c, "v": {str(g): self.v(g) for g in range(1, self.max_gamma + 1)},
+            "v_tree": {str(k - 1): self.v(k - 1) for k in sorted(self.verify) if k > self.max_gamma + 1},
             "measured_target_ms": {str(k): 1e3 * t for k, t in self.verify.items()},
             "measured_draft_ms": 1e3 * self.draft, "lookup_ms": 1e3 * self.lookup_seconds(1),
             "seconds_measuring": self.seconds_measuring,
@@ -152,10 +193,12 @@ class Costs:
 
 
 def measure(target: Any, drafter: Any, context: Sequence[int], max_gamma: int, device: torch.device,
-            repeats: int = 3) -> Costs:
-    """Time the target over 1..max_gamma+1 new tokens and one drafting step after ``context``."""
+            repeats: int = 3, extra: Sequence[int] = ()) -> Costs:
+    """Time the target over 1..max_gamma+1 new tokens (and the ``extra`` sizes: trees' nodes + 1) and one
+    drafting step after ``context``."""
     with Stopwatch(device) as watch:
-        verify = forward_seconds(target, context, range(1, max_gamma + 2), repeats, device)
+        sizes = sorted(set(range(1, max_gamma + 2)) | set(extra))
+        verify = forward_seconds(target, context, sizes, repeats, device)
         draft = drafter.step_seconds(list(context), device)
     return Costs(verify, draft, seconds_measuring=watch.seconds, drafter=drafter)
 

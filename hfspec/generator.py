@@ -36,13 +36,14 @@ from hfspec import config as cfg
 from hfspec import costs, fast, recurrent, sampling, tree as trees
 from hfspec.cache import KVState
 from hfspec.costs import Costs
-from hfspec.drafters import Drafter, Features, Proposal, cross_tokenizer
+from hfspec.drafters import Drafter, Features, Proposal, builds_trees, cross_tokenizer
+from hfspec.drafters.hybrid import HybridDrafter
 from hfspec.errors import HfspecError
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import draft_module, load_pair, make_drafter
 from hfspec.models import (check_causal_lm, check_tree_attention, forward, forward_features, shared_vocab_size,
                            sliding_window, takes_mask_mapping, tree_attention)
-from hfspec.policy import GammaPolicy, Step, Tuning, as_policy
+from hfspec.policy import GammaPolicy, Step, TreeStep, Tuning, as_policy
 from hfspec.rows import Rows, right_pad
 from hfspec.scoring import DraftContext, Scoring
 from hfspec.stats import Stats, StatsCollector
@@ -50,6 +51,8 @@ from hfspec.timing import now, timed
 from hfspec.tree import TreeProposal
 
 log = logging.getLogger(__name__)
+
+AUTO_TREES = (8, 16, 32)  # the tree budgets tree="auto" weighs against the chain
 
 
 @dataclass(frozen=True)
@@ -98,16 +101,21 @@ class SpeculativeGenerator:
     def measure_costs(self, context: Sequence[int] | None = None, force: bool = False) -> Costs:
         """Time the target over 1..K+1 new tokens and one drafting step on this machine (once; ``force``
         measures again). ``context`` (token ids) fills the caches first; a stand-in is used without one."""
+        ids = list(context or [0])
+        ids = (ids * (64 // len(ids) + 1))[-64:]  # costs depend on the cache length a little: a realistic one
+        window = self._context_window()
+        device = self.target.get_output_embeddings().weight.device
         if self.tuning.costs is None or force:
-            ids = list(context or [0])
-            ids = (ids * (64 // len(ids) + 1))[-64:]  # costs depend on the cache length a little: a realistic one
-            window = self._context_window()
             if window is not None:  # context plus the largest verification must fit the position embeddings
                 self.tuning.maximum = max(1, min(self.tuning.maximum, window // 2 - 1))
                 ids = ids[-(window - self.tuning.maximum - 1):]
-            device = self.target.get_output_embeddings().weight.device
-            self.tuning.costs = costs.measure(self.target, self.drafter, ids, self.tuning.maximum, device)
+            self.tuning.costs = costs.measure(self.target, self.drafter, ids, self.tuning.maximum, device,
+                                              extra=[n + 1 for n in self.tuning.trees])
             log.info("measured costs: %s", self.tuning.costs.to_dict())
+        elif self.tuning.trees:  # trees asked for after the chain's costs were measured
+            if window is not None:
+                ids = ids[-(window - max(self.tuning.trees) - 1):]
+            self.tuning.costs.measure_more(self.target, ids, [n + 1 for n in self.tuning.trees], device)
         return self.tuning.costs
 
     @property
@@ -171,7 +179,10 @@ class SpeculativeGenerator:
         context window; ``"stop"`` ends such rows there, with stop reason ``"context"``.
         ``tree``: ``None``/``0`` drafts a chain; a number drafts a tree of that many nodes per
         step, verified in one target forward (``hfspec.tree``; ``gamma`` is then unused);
-        ``"auto"`` lets hfspec choose, which for now means the chain.
+        ``"auto"`` with ``gamma="auto"`` lets hfspec choose each step between the chain and trees of
+        ``AUTO_TREES`` nodes by their expected tokens per second (``AutoGamma``); it means the chain
+        with any other ``gamma``, and where a tree cannot be drafted or verified exactly (a recurrent
+        model, a drafter that builds no trees, a processor that reads the text so far).
         """
         if on_context_limit not in ("error", "stop"):
             raise ValueError(f"on_context_limit must be 'error' or 'stop', got {on_context_limit!r}")
@@ -185,13 +196,14 @@ class SpeculativeGenerator:
         window = self._context_window()
         ids, mask = prepare_inputs(input_ids, attention_mask, self.tokenizer, self.vocab_size, window,
                                    conf.max_new_tokens if on_context_limit == "error" else 1, conf.bos_token_id)
+        processors = sampling.build_processors(conf, logits_processor)
+        nodes = self._tree_nodes(tree, sampling.needs_context(processors))
         if isinstance(gamma, str) and gamma == "auto":
+            self.tuning.trees = self._auto_trees(sampling.needs_context(processors)) if tree == "auto" else ()
             self.measure_costs(ids[0, mask[0].bool()].tolist())
             self.tuning.setting = (conf.do_sample, conf.temperature, conf.top_k, conf.top_p, conf.min_p) \
                 if conf.do_sample else False
         policy = as_policy(gamma, self.tuning)
-        processors = sampling.build_processors(conf, logits_processor)
-        nodes = self._tree_nodes(tree, sampling.needs_context(processors))
         if streamer is not None and ids.shape[0] != 1:
             raise ValueError("a streamer needs a single prompt (batch size 1); drop streamer= for batches")
         device = self.target.get_output_embeddings().weight.device
@@ -212,7 +224,7 @@ class SpeculativeGenerator:
 
     def _tree_nodes(self, tree: int | str | None, needs_context: bool) -> int:
         """The node budget of ``tree`` (0: the chain), or an ``HfspecError`` where a tree cannot be exact."""
-        if tree is None or tree == "auto":  # auto: trees are not priced yet, and the chain is always exact
+        if tree is None or tree == "auto":  # auto: the policy chooses per step (``_auto_trees``)
             return 0
         if isinstance(tree, bool) or not isinstance(tree, int) or tree < 0:
             raise HfspecError(f"tree must be None, 'auto' or a node budget >= 0, got {tree!r}")
@@ -226,6 +238,19 @@ class SpeculativeGenerator:
         if tree:
             check_tree_attention(self.target, "target")
         return tree
+
+    def drafts_trees(self) -> bool:
+        """Whether this pair drafts real trees and verifies them exactly (given processors that allow them)."""
+        return builds_trees(self.drafter) and not (KVState.is_recurrent(self.target) or self.drafter.recurrent) \
+            and not (sliding_window(self.target) is not None and not takes_mask_mapping(self.target))
+
+    def _auto_trees(self, needs_context: bool) -> tuple[int, ...]:
+        """The node budgets ``tree="auto"`` may choose: none where a tree cannot be exact or the drafter builds
+        none (the hybrid prices its own lookup against its model, for chains), those that fit the window."""
+        if needs_context or not self.drafts_trees() or isinstance(self.drafter, HybridDrafter):
+            return ()
+        window = self._context_window()
+        return tuple(n for n in AUTO_TREES if window is None or n + 1 <= window // 2)
 
     def _context_window(self) -> int | None:
         models = [self.target] + ([self.draft] if self.draft is not None else [])
@@ -269,7 +294,8 @@ class _Loop:
         self.conf, self.policy, self.generator, self.streamer, self.window = conf, policy, generator, streamer, window
         self.device = gen.target.get_output_embeddings().weight.device  # where generate put the prompts
         self.sample = conf.do_sample
-        self.nodes = nodes  # a tree's node budget per step; 0 for a chain
+        self.nodes = nodes  # a tree's node budget per step; 0 for a chain (or the policy's choice)
+        self.step_nodes = nodes  # the current step's tree budget
         # Sliding windows counted in positions, not cache columns, where the target takes a mask per layer
         # type: the holes that rows keeping fewer drafts leave behind must not use up a row's window.
         self.sliding = sliding_window(self.target) \
@@ -289,9 +315,7 @@ class _Loop:
             self.rollback(verdict)  # 4. both caches forget what was not kept
             t2 = now(device)
             drafted = proposal.drafted()
-            if verdict.path is None:  # the γ policies learn from chains only
-                self.policy.update(Step(rows.index.cpu(), proposal.gamma, drafted.cpu(), verdict.accepted.cpu(),
-                                        confidence, t1 - t0, t2 - t1))
+            self.learn(proposal, verdict, confidence, t1 - t0, t2 - t1)
             block = verdict.tokens()
             committed, has_eos = rows.commit(block, verdict.accepted + 1)  # 5. cut at budgets and EOS
             self.stream(block, committed)
@@ -327,9 +351,25 @@ class _Loop:
         self.target_forward(prefix, prefix_mask, positions, prefix_mask.bool(), verification=False, logits_to_keep=1)
 
     def gamma(self) -> int:
-        """The policy's γ (a tree: its depth), cut so that no row drafts past its budget."""
-        wanted = trees.shape(self.nodes)[1] if self.nodes else self.policy.gamma(self.rows.index.cpu())
+        """The policy's γ (a tree: its depth), cut so that no row drafts past its budget; ``step_nodes`` the
+        step's tree budget (the call's, or the policy's choice; 0 for a chain)."""
+        if self.nodes:
+            self.step_nodes, wanted = self.nodes, trees.shape(self.nodes)[1]
+        else:
+            wanted = self.policy.gamma(self.rows.index.cpu())
+            self.step_nodes = self.policy.tree_nodes()
         return max(0, min(wanted, int(self.rows.left.max()) - 1))
+
+    def learn(self, proposal: Proposal | TreeProposal, verdict: Verdict, confidence: torch.Tensor | None,
+              draft_seconds: float, verify_seconds: float) -> None:
+        """Tell the policy what the step did: a chain's drafts and acceptance, or a tree's accepted path."""
+        index, accepted = self.rows.index.cpu(), verdict.accepted.cpu()
+        if verdict.path is None:
+            self.policy.update(Step(index, proposal.gamma, proposal.drafted().cpu(), accepted, confidence,
+                                    draft_seconds, verify_seconds))
+        else:
+            self.policy.update_tree(TreeStep(index, self.step_nodes, proposal.parents.cpu(), proposal.mask().cpu(),
+                                             verdict.path.cpu(), accepted, draft_seconds, verify_seconds))
 
     def propose(self, gamma: int) -> tuple[Proposal | TreeProposal, torch.Tensor | None]:
         """The drafter's proposal (a tree of at most γ levels when the call asked for trees), with its
@@ -337,8 +377,8 @@ class _Loop:
         if not gamma:
             return Proposal.empty(self.rows.active, self.device), None
         ctx = self.context()
-        if self.nodes:
-            proposal = self.drafter.propose_tree(ctx, self.nodes, gamma)
+        if self.step_nodes:
+            proposal = self.drafter.propose_tree(ctx, self.step_nodes, gamma)
         else:
             proposal = self.drafter.propose(ctx, gamma, self.policy.stop)
         return proposal, ctx.confidence()

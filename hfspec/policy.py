@@ -14,6 +14,8 @@ from hfspec.acceptance import Acceptance
 from hfspec.config import check_gamma
 from hfspec.costs import Costs
 from hfspec.drafters.hybrid import HybridDrafter, Outcome
+from hfspec.tree import shape
+from hfspec.tree_acceptance import TreeAcceptance
 
 
 def predicted_speedup(alpha: float, gamma: int, cost: float, verify_cost: float = 1.0) -> float:
@@ -73,9 +75,25 @@ class Step:
     verify_seconds: float  # wall time of the verification forward, acceptance and rollback
 
 
+@dataclass(frozen=True)
+class TreeStep:
+    """What one tree step did (``hfspec.tree``), for the policy to learn from. Tensors are CPU, one row per
+    active row."""
+
+    rows: torch.Tensor  # (B,) long: each row's index in the call's batch
+    nodes: int  # the node budget asked for
+    parents: torch.Tensor  # (B, N) long: each node's parent, -1 for the root's children
+    real: torch.Tensor  # (B, N) bool: False for padding nodes
+    path: torch.Tensor  # (B, D) long: the kept nodes, -1 past accepted[b]
+    accepted: torch.Tensor  # (B,) long: nodes each row kept
+    draft_seconds: float
+    verify_seconds: float
+
+
 class GammaPolicy:
     """Chooses γ: ``begin(batch)`` once per call, ``gamma(rows)`` before a step, ``stop(i, confidence)``
-    while drafting, ``update(step)`` after it."""
+    while drafting, ``update(step)`` after it. A policy may answer a step with a tree instead of a chain:
+    ``tree_nodes()`` is then its node budget (γ its depth), and ``update_tree`` learns from it."""
 
     def begin(self, batch: int) -> None:
         """A generate call of ``batch`` rows starts."""
@@ -91,6 +109,13 @@ class GammaPolicy:
 
     def update(self, step: Step) -> None:
         """Learn from the step just taken."""
+
+    def tree_nodes(self) -> int:
+        """The node budget of a tree for the step the last ``gamma`` call chose; 0 drafts a chain."""
+        return 0
+
+    def update_tree(self, step: TreeStep) -> None:
+        """Learn from the tree step just taken."""
 
 
 @dataclass
@@ -222,6 +247,9 @@ class Tuning:
     costs: Costs | None = None
     memory: dict[Any, Acceptance] = field(default_factory=dict)
     calibration: dict[Any, Calibration] = field(default_factory=dict)
+    tree_memory: dict[Any, TreeAcceptance] = field(default_factory=dict)
+    trees: tuple[int, ...] = ()  # node budgets the current call may draft trees of (none: chains only)
+    probes_taken: int = 0  # probe steps so far; every other one drafts a tree where trees are allowed
     probes: dict[Any, list[int]] = field(default_factory=dict)  # [plain steps since the last probe, interval]
     setting: Any = None  # the current call's sampling setting, the key of memory and calibration
     maximum: int = 8  # largest γ considered; costs are measured for 1..maximum+1 new tokens
@@ -231,6 +259,15 @@ class Tuning:
         proposals) and "match" (how often it makes one)."""
         key = self.setting if source == "draft" else (self.setting, source)
         return self.memory.setdefault(key, Acceptance(prior=0.5, weight=2.0, decay=0.995))
+
+    def tree_probe(self) -> bool:
+        """Count a probe step; True when this one should draft the smallest tree (every other probe)."""
+        self.probes_taken += 1
+        return self.probes_taken % 2 == 0
+
+    def tree_evidence(self) -> TreeAcceptance:
+        """How this setting's tree steps fared (``hfspec.tree_acceptance``)."""
+        return self.tree_memory.setdefault(self.setting, TreeAcceptance())
 
     def calibrated(self) -> Calibration:
         return self.calibration.setdefault(self.setting, Calibration())
@@ -251,12 +288,20 @@ class AutoGamma(GammaPolicy):
     own running α) divided by the time the step will take (γ drafting steps plus a target
     forward over γ+1 tokens, from the measured and refined ``Costs``). γ = 0 is plain
     decoding. While plain decoding wins, a probe step with drafts now and then (ever rarer
-    while probes fail) notices when acceptance rises again.
+    while probes fail) notices when acceptance rises again; where trees are allowed, every
+    other probe drafts the smallest tree, so that trees gather evidence too.
 
     Within a step, drafting stops early when the drafter's probabilities, calibrated by
     what was accepted before, say that drafting on can no longer raise the step's
     expected tokens per second (the threshold is that comparison, not a constant).
     Only γ is chosen here; acceptance stays min(1, p/q), so every choice is lossless.
+
+    Where the call allows trees (``Tuning.trees``: ``generate(tree="auto")`` with a drafter that
+    builds them and nothing that makes a tree inexact), each budget N is priced beside the chains:
+    expected tokens per row from acceptance by depth and by rank among siblings, learnt from the
+    tree steps taken (``hfspec.tree_acceptance``), over the tree's drafting (one draft forward per
+    level until timed) plus a target forward over N+1 tokens. A tree is taken only where it beats
+    every chain; ``tree_nodes()`` tells the loop its budget, and γ is its depth.
 
     A hybrid drafter (``hfspec.drafters.hybrid``) can take two kinds of step, each priced
     by what it drafts. The lookup alone: row i finds a match with probability m_i and then
@@ -292,6 +337,7 @@ class AutoGamma(GammaPolicy):
         self.after_plain = True  # the next drafting step also catches up on every token since
         self.hybrid = self.costs.drafter if isinstance(self.costs.drafter, HybridDrafter) else None
         self.model = True  # whether the draft model may run in this step
+        self.nodes = 0  # the node budget of this step's tree; 0: a chain
 
     def begin(self, batch: int) -> None:
         # Each prompt accepts at its own rate: it starts from the generator's memory and learns apart.
@@ -333,7 +379,10 @@ class AutoGamma(GammaPolicy):
             rates.append(self.best(0)[1])
         self.start_step(*kinds[rates.index(max(rates))])  # a tie goes to the lookup alone: it runs no model
         gamma, self.rate = self.best(0)  # the rate: the step's expected tokens per second, as predicted
-        self.probing = False
+        self.probing, self.nodes = False, 0
+        nodes, rate = self.best_tree()
+        if rate > self.rate:  # a tree beats every chain: γ is its depth
+            self.nodes, self.rate, gamma = nodes, rate, shape(nodes)[1]
         if gamma == 0:
             self.probe[0] += 1
             if self.probe[0] >= self.probe[1]:  # probe: draft anyway, to learn whether it pays again
@@ -341,12 +390,46 @@ class AutoGamma(GammaPolicy):
                 self.probing = True
                 self.start_step(*kinds[-1])
                 gamma, self.rate = self.best(0, at_least=1)
+                if self.tuning.trees and self.tuning.tree_probe():  # trees learn only from tree steps
+                    self.nodes = min(self.tuning.trees)
+                    gamma = shape(self.nodes)[1]
         else:
             self.probe[:] = [0, self.probe_every]
         self.chosen = gamma
         if self.hybrid is not None:
             self.hybrid.price(self.costs, self.model)
         return gamma
+
+    def best_tree(self) -> tuple[int, float]:
+        """The tree budget with the best expected tokens per second, and that rate ((0, -1) without trees).
+
+        A tree of N nodes commits ``TreeAcceptance.expected_tokens`` per row (from acceptance by depth and
+        by rank among siblings) and costs its drafting (one draft forward per level until timed) plus a
+        target forward over N+1 tokens, v(N) single-token forwards."""
+        evidence, best = self.tuning.tree_evidence(), (0, -1.0)
+        for nodes in self.tuning.trees:
+            tokens = sum(evidence.expected_tokens(nodes, a) for a in self.alpha)
+            seconds = self.costs.tree_draft_seconds(self.batch, nodes, shape(nodes)[1]) + \
+                self.costs.verify_seconds(self.batch, nodes + 1)
+            if tokens / seconds > best[1]:
+                best = (nodes, tokens / seconds)
+        return best
+
+    def tree_nodes(self) -> int:
+        return self.nodes
+
+    def update_tree(self, step: TreeStep) -> None:
+        evidence = self.tuning.tree_evidence()
+        if self.probing and any(n == step.path.shape[1] for n in step.accepted.tolist()):
+            self.probe[1] = self.probe_every  # a tree probe kept a whole path: look again soon
+        for parents, real, path, n in zip(step.parents.tolist(), step.real.tolist(), step.path.tolist(),
+                                          step.accepted.tolist()):
+            evidence.add(step.nodes, parents, real, path, n)
+        batch = step.rows.numel()
+        self.costs.record_verify(batch, step.parents.shape[1] + 1, step.verify_seconds)
+        if not self.after_plain:  # after plain steps, drafting began with a long catch-up
+            self.costs.record_tree_draft(batch, step.nodes, step.draft_seconds)
+        self.after_plain = False
 
     def best(self, drafted: int, at_least: int = 0) -> tuple[int, float]:
         """The γ ≥ ``drafted`` (and ≥ ``at_least``) with the best expected tokens per second, and that rate."""

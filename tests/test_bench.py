@@ -134,17 +134,17 @@ def test_prompts_from_jsonl_and_text(tmp_path):
 
 
 def _tiny_settings(**kw) -> Settings:
-    base = dict(gamma=2, gammas=(1, 2), modes=(GREEDY,), warmup=0, batch_size=2, batch_repeats=1, cost_repeats=2,
-                progress=False)
+    base = dict(gamma=2, gammas=(1, 2), trees=(), modes=(GREEDY,), warmup=0, batch_size=2, batch_repeats=1,
+                cost_repeats=2, progress=False)
     return Settings(**{**base, **kw})
 
 
 class _Wrong(Bench):
-    """Changes the last token of one contender's output, as a broken implementation would."""
+    """Changes the last token of two contenders' outputs (one of the tree sweep), as a broken implementation would."""
 
     def _generate(self, contender, rows, mode, seed):
         tokens, stats = super()._generate(contender, rows, mode, seed)
-        if contender.name == "hfspec-heuristic":
+        if contender.name in ("hfspec-heuristic", "hfspec-t4"):
             tokens = [t[:-1] + [(t[-1] + 1) % 60 + 3] for t in tokens]
         return tokens, stats
 
@@ -153,9 +153,12 @@ def test_greedy_check_flags_a_wrong_contender(tiny_pair):
     target, draft, tok = tiny_pair("llama", sharpness=4.0)
     prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}, {"id": "b", "kind": "-", "prompt": "w20 w21"}]
     result = bench.run_bench(_Wrong(target, draft, tok, max_new_tokens=6, gamma=2), prompts,
-                             _tiny_settings(batch_size=0))
+                             _tiny_settings(batch_size=0, trees=(4, 6)))
     rows = result["modes"]["greedy"]["contenders"]
     assert len(rows["hfspec-heuristic"]["greedy_mismatches"]) == 2
+    trees = result["modes"]["greedy"]["tree_mismatches"]
+    assert len(trees["hfspec-t4"]) == 2 and trees["hfspec-t6"] == []
+    assert "tree sweep greedy mismatches: {'hfspec-t4': 2}" in bench.format_table(result)
     for name in ("plain", "hfspec-g0", "assisted", "assisted-default", "hfspec-auto", "hfspec", "hfspec-cost"):
         assert rows[name]["greedy_mismatches"] == [], name
     assert "mismatch" in bench.format_table(result)
@@ -182,11 +185,11 @@ def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
         "--target", str(target), "--draft", str(draft), "--prompts-file", str(prompts), "--num-prompts", "2",
         "--max-new-tokens", "6", "--gamma", "2", "--gammas", "1,2", "--warmup", "1", "--batch-size", "2",
         "--batch-repeats", "1", "--cost-repeats", "2", "--threads", "1", "--no-progress",
-        "--drafters", "useless", "--json", str(out), "--plot", str(png),
+        "--drafters", "useless", "--trees", "4,8", "--json", str(out), "--plot", str(png),
     ])
     assert status == 0
     table = capsys.readouterr().out
-    assert "hfspec-heuristic" in table and "machine:" in table and "steps by γ" in table
+    assert "hfspec-heuristic" in table and "machine:" in table and "steps by γ" in table and "tree sweep" in table
     result = json.loads(out.read_text())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(result) >= {"environment", "costs", "auto_costs", "modes", "prompts"}
@@ -204,6 +207,10 @@ def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
             assert set(row) - {"greedy_mismatches"} == CONTENDER_KEYS
             assert row["new_tokens"] > 0
         assert [s["gamma"] for s in mode["sweep"]] == [1, 2]
+        assert [t["nodes"] for t in mode["tree_sweep"]] == [4, 8]
+        for t in mode["tree_sweep"]:  # a tree step commits at least the target's own token, at most depth + 1
+            assert 1.0 <= t["tokens_per_pass"] <= 1 + 4 and t["speedup_vs_plain"] > 0 and t["nodes_per_pass"] > 0
+            assert sum(t["depth_histogram"]) > 0 and all(0.0 <= a <= 1.0 for a in t["acceptance_by_depth"])
         assert len(mode["per_prompt"]) == 2
         batch = mode["batch"]
         assert set(batch["tokens_per_second"]) == {"plain_batched", "hfspec_batched", "hfspec_serial"}
@@ -212,6 +219,7 @@ def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
     # Same target on both sides of every comparison: greedy outputs must agree token for token.
     assert all(row["greedy_mismatches"] == [] for row in greedy["contenders"].values())
     assert greedy["batch"]["greedy_mismatches"] == []
+    assert greedy["tree_mismatches"] == {"hfspec-t4": [], "hfspec-t8": []}
     assert greedy["contenders"]["hfspec"]["acceptance_rate"] is not None
 
 
@@ -220,7 +228,8 @@ def test_bench_reports_the_rollback_cost_of_a_recurrent_target(model_dir, tmp_pa
     draft, _ = tiny.load(model_dir("llama", vocab_size=64, seed=1))
     prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}]
     result = bench.run_bench(Bench(target, draft, tok, max_new_tokens=6, gamma=2), prompts,
-                             _tiny_settings(batch_size=0, gammas=(2,)))
+                             _tiny_settings(batch_size=0, gammas=(2,), trees=(4,)))
+    assert result["modes"]["greedy"]["tree_sweep"] == []  # one recurrent state cannot read a tree: no tree sweep
     row = result["rollback"]["2"]
     assert row["mechanism"] == "adapter" and row["v"] > 0 and len(row["replay"]) == 2
     assert row["modes"]["greedy"]["v_with_rollback"] >= row["v"]
@@ -235,6 +244,8 @@ def test_bench_subcommand_is_registered():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
     bench.add_parser(sub)
+    assert parser.parse_args(["bench", "--trees", "none"]).trees == ()
+    assert parser.parse_args(["bench"]).trees == (8, 16, 32)
     args = parser.parse_args(["bench", "--gammas", "1,3", "--json"])
     assert args.func is bench.run and args.gammas == (1, 3) and args.json == "-"
     with pytest.raises(SystemExit):

@@ -380,3 +380,11 @@ def test_bench_runs_a_pair_with_other_tokenizers_and_keeps_the_draft_whole(pair)
     assert draft.get_output_embeddings().weight.shape == head
     run = bench.run(Contender("hfspec", "hfspec", 2, "fixed"), [prompt], Mode("greedy", False), seed=0)
     assert run.tokens[0] == alone(target, prompt, 6)[: len(run.tokens[0])]
+
+
+def test_auto_trees_with_a_drafter_that_builds_none_take_the_chain(pair):
+    gen = generator(pair)
+    prompt = gen.tokenizer(TEXTS[2])["input_ids"]
+    out = gen.generate([prompt], max_new_tokens=12, gamma="auto", tree="auto")  # never refused
+    assert rows_of(out)[0] == alone(gen.target, prompt, 12)
+    assert gen.tuning.trees == () and out.stats.tree_nodes == 0

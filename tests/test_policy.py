@@ -11,7 +11,9 @@ from hfspec.acceptance import Acceptance
 from hfspec.costs import Costs
 from hfspec.drafters import Drafter, Proposal
 from hfspec.drafters.hybrid import HybridDrafter, Outcome
-from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, Tuning
+from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, TreeStep, Tuning
+from hfspec.tree import shape as tree_shape
+from hfspec.tree_acceptance import TreeAcceptance
 
 ROW = torch.tensor([0])
 
@@ -299,3 +301,81 @@ def test_the_model_runs_only_where_the_step_pays_for_it():
         assert proposal.drafted().tolist()[1] == (4 if runs else 0) and proposal.drafted().tolist()[0] > 0
         hybrid.commit(ctx, torch.tensor([0, 0]))
         assert hybrid.outcome.model_gamma == 4 * runs and hybrid.outcome.lookup[1] is None
+
+
+# -- trees: auto weighs trees of 8, 16 and 32 nodes against the chain -------------------------------
+
+def tree_costs(v: dict[int, float], draft_ms: float = 4.0) -> Costs:
+    """A 40 ms target step; a forward over k tokens costs v[k] times that (every chain size and N+1 of each tree)."""
+    return Costs({k: 0.040 * v.get(k, 1.0) for k in [*range(1, 10), 9, 17, 33]}, draft_ms / 1e3)
+
+
+def tree_auto(costs: Costs, chain_alpha: float) -> AutoGamma:
+    policy = auto(costs, prior=chain_alpha)
+    policy.tuning.trees = (8, 16, 32)
+    return policy
+
+
+def second_and_third_guesses_hold_the_target(policy: AutoGamma, steps: int = 40, nodes: int = 8) -> None:
+    """Tree steps of 8 nodes whose root has 4 children and node 1 the other 4: the target takes the root's
+    second child (node 1), then that node's third (node 6): the drafter's top-1 misses, its top-2/top-3 hold.
+    Each step took what the costs predict."""
+    parents = torch.tensor([[-1, -1, -1, -1, 1, 1, 1, 1]])
+    for _ in range(steps):
+        policy.update_tree(TreeStep(ROW, nodes, parents, torch.ones_like(parents, dtype=torch.bool),
+                                    torch.tensor([[1, 6]]), torch.tensor([2]), 2 * policy.costs.draft,
+                                    policy.costs.verify[9]))
+
+
+def test_tree_evidence_learns_acceptance_by_rank_and_depth():
+    evidence = TreeAcceptance()
+    assert evidence.expected_tokens(8, 0.0) == 1.0  # nothing accepted: the target's own token
+    for _ in range(60):
+        evidence.add(8, [-1, -1, -1, -1, 1, 1, 1, 1], [True] * 8, [1, 6], 2)
+    # The first guess never holds; the second at depth 1 only (half its trials); the third whenever tried.
+    assert evidence.rank(0, 0.5) < 0.1 and 0.4 < evidence.rank(1, 0.5) < 0.6 and evidence.rank(2, 0.0) > 0.8
+    assert evidence.depth(8, 1, 0.5) > 0.9 and evidence.depth(8, 2, 0.5) > 0.9
+    assert evidence.expected_tokens(8, 0.5) > 2.8  # both levels kept: close to depth + 1 = 3
+
+
+def test_auto_picks_a_tree_when_verification_is_flat_and_lower_guesses_hold_the_target():
+    policy = tree_auto(tree_costs({}), chain_alpha=0.3)
+    second_and_third_guesses_hold_the_target(policy)
+    depth = policy.gamma(ROW)
+    assert policy.tree_nodes() in (8, 16, 32) and depth == tree_shape(policy.tree_nodes())[1]
+
+
+def test_auto_keeps_the_chain_when_verifying_a_tree_is_dear():
+    # Short chains verify cheaply; from 4 tokens on, a forward costs k/2 single ones (trees verify 9+ tokens).
+    steep = {k: 1.0 + 0.1 * (k - 1) if k <= 3 else k / 2 for k in range(2, 34)}
+    policy = tree_auto(tree_costs(steep), chain_alpha=0.3)
+    second_and_third_guesses_hold_the_target(policy)
+    assert policy.gamma(ROW) >= 1 and policy.tree_nodes() == 0
+    assert tree_auto(tree_costs({}), chain_alpha=0.3).tuning.trees  # the same evidence, flat costs: trees offered
+    no_trees = auto(tree_costs({}), prior=0.3)  # a call that may not draft trees never gets one
+    second_and_third_guesses_hold_the_target(no_trees)
+    no_trees.gamma(ROW)
+    assert no_trees.tree_nodes() == 0
+
+
+def test_costs_of_tree_sizes_leave_the_chains_maximum_alone():
+    costs = tree_costs({})
+    assert costs.max_gamma == 8 and "16" in costs.to_dict()["v_tree"]
+    assert costs.tree_draft_seconds(1, 16, 4) == pytest.approx(4 * costs.draft)  # one draft forward per level
+
+
+def test_tree_probes_let_trees_win_once_they_prove_themselves():
+    # A poor chain: plain decoding wins, and the cautious prior keeps trees out too.
+    costs = tree_costs({k: 1.0 + 0.05 * k for k in range(2, 34)})
+    policy = tree_auto(costs, chain_alpha=0.05)
+    assert policy.gamma(ROW) == 0 and policy.tree_nodes() == 0
+    nodes = []
+    for _ in range(300):
+        g = policy.gamma(ROW)
+        nodes.append(policy.tree_nodes())
+        if policy.tree_nodes():  # the drafter's second and third guesses hold: every tree keeps two levels
+            second_and_third_guesses_hold_the_target(policy, steps=1, nodes=policy.tree_nodes())
+        else:
+            policy.update(step(g, [0], costs=costs))  # the chain's first guess never holds
+    assert 0 < nodes.index(8) < 40, "a probe drafts a tree within a few probes"
+    assert all(n > 0 for n in nodes[-20:]), "trees that pay are taken every step"

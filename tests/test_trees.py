@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from hfspec import SpeculativeGenerator, api, cli, sampling, tree
 from hfspec.cache import KVState
+from hfspec.costs import Costs
 from hfspec.drafters import ngram
 from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
@@ -270,12 +271,56 @@ def test_bad_tree_settings_are_refused(tiny_pair, bad, message):
         SpeculativeGenerator(target, draft, tok).generate([[5, 6, 7]], max_new_tokens=4, **bad)
 
 
-def test_auto_tree_is_the_chain_for_now(tiny_pair):
+def test_auto_tree_with_a_fixed_gamma_is_the_chain(tiny_pair):
     target, draft, tok = tiny_pair("llama")
     gen = SpeculativeGenerator(target, draft, tok)
     auto = gen.generate([[5, 6, 7]], max_new_tokens=12, gamma=3, tree="auto")
     assert auto.stats.tree_nodes == 0
     assert auto.sequences.tolist() == gen.generate([[5, 6, 7]], max_new_tokens=12, gamma=3).sequences.tolist()
+
+
+def flat_costs(draft_ms: float = 0.1) -> Costs:
+    """Costs given by hand: every verification as dear as one token, drafting next to free (trees pay)."""
+    return Costs({k: 0.010 for k in [*range(1, 10), 17, 33]}, draft_ms / 1e3)
+
+
+def test_auto_trees_equal_target_greedy(model_dir):
+    common = dict(vocab_size=64, eos=None)
+    target, tok = tiny.load(model_dir("llama", seed=0, **common))
+    draft, _ = tiny.load(model_dir("llama", seed=0, perturb=0.6, **common))
+    gen = SpeculativeGenerator(target, draft, tok)
+    gen.tuning.costs = flat_costs()
+    gen.tuning.costs.drafter = gen.drafter
+    prompts = [list(range(5, 25)), [7, 8, 9], list(range(30, 41))]
+    want = [reference(target, p, 24) for p in prompts]
+    out = gen.generate(prompts, max_new_tokens=24, gamma="auto", tree="auto")  # invariants checked every step
+    assert [row[-24:] for row in out.sequences.tolist()] == want
+    assert out.stats.tree_nodes > 0, "flat costs: auto drafts trees"
+    assert gen.tuning.tree_evidence().depth_trials, "tree steps taught acceptance by depth"
+
+
+def test_auto_trees_sample_with_the_invariants_kept(tiny_pair):
+    target, draft, tok = tiny_pair("llama")
+    gen = SpeculativeGenerator(target, target, tok)  # the target as its own draft: every guess is worth a tree
+    gen.tuning.costs = flat_costs()
+    out = gen.generate([[5, 6, 7], [9, 8]], max_new_tokens=16, gamma="auto", tree="auto", do_sample=True,
+                       temperature=0.8, seed=0)  # the caches' invariants are checked after every step
+    assert out.stats.tree_nodes > 0
+    assert all(r.committed == 16 or r.stop_reason == "eos" for r in out.stats.rows), out.stats.rows
+    assert sum(out.stats.depth_histogram[2:]) > 0, "a perfect drafter's trees are kept two deep and more"
+
+
+def test_auto_trees_pick_the_chain_where_trees_cannot_be_exact(tiny_pair):
+    target, draft, tok = tiny_pair("llama")
+    gen = SpeculativeGenerator(target, draft, tok)
+    gen.tuning.costs = flat_costs()
+    out = gen.generate([[5, 6, 7]], max_new_tokens=12, gamma="auto", tree="auto", repetition_penalty=1.3)
+    assert out.stats.tree_nodes == 0 and gen.tuning.trees == ()  # the penalty reads each path: chains only
+    want = target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=12, do_sample=False, repetition_penalty=1.3)
+    assert out.sequences.tolist() == want.tolist()
+    out = gen.generate([[5, 6, 7]], max_new_tokens=12, gamma="auto", tree="auto")
+    assert gen.tuning.trees == (8, 16, 32)  # the same generator without the penalty: trees allowed again
+    assert out.sequences[0, 3:].tolist() == reference(target, [5, 6, 7], 12)
 
 
 def test_every_tree_shape_fits_its_budget():

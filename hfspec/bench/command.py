@@ -47,7 +47,9 @@ target pass, γ per step, the predicted speed-up (1-α^(γ+1))/((1-α)(γc+1)), 
 with v(γ) for the 1, and efficiency (measured ÷ predicted with v). For every hfspec
 contender with gamma="auto": the costs it measured and the γ it chose, step by step
 (a histogram). At greedy, every contender's tokens are checked against plain's.
-Then a fixed-γ sweep (--gammas) and a batch row (--batch-size). The machine (CPU
+Then a fixed-γ sweep (--gammas), a tree sweep (--trees: generate(tree=N), a draft tree
+of N nodes per step; tokens per target pass, speed-ups and acceptance of tree steps by
+depth; greedy tokens checked against plain's) and a batch row (--batch-size). The machine (CPU
 model name, torch threads) is printed and saved with every result.
 
 Kernels: the pair runs hfspec's CPU linear kernel where it sits on CPU in float32 or
@@ -72,6 +74,13 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("γ values must be integers >= 1")
     return values
+
+
+def _tree_list(text: str) -> tuple[int, ...]:
+    """Node budgets of the tree sweep; "none" (or nothing) for no tree sweep."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    return _int_list(text)
 
 
 def _name_list(text: str) -> tuple[str, ...]:
@@ -127,6 +136,9 @@ def _workload_options(work: argparse._ArgumentGroup) -> None:
                            "(default: the preset's with --config, else 4)")
     work.add_argument("--gammas", type=_int_list, default=(1, 2, 3, 4, 6, 8),
                       help="γ values of the hfspec fixed-γ sweep, comma-separated (default: 1,2,3,4,6,8)")
+    work.add_argument("--trees", type=_tree_list, default=(8, 16, 32), metavar="LIST",
+                      help="node budgets of the hfspec tree sweep, comma-separated; 'none' skips it; pairs that "
+                           "cannot draft exact trees skip it too (default: 8,16,32)")
     work.add_argument("--modes", default="greedy,sample",
                       help="which of 'greedy' and 'sample' to run, comma-separated (default: both)")
     work.add_argument("--temperature", type=float, default=0.7, help="temperature of the sample mode (default: 0.7)")
@@ -234,7 +246,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             raise SystemExit(f"unknown mode {name!r}; use greedy, sample or greedy,sample")
     if args.gamma < 1 or args.max_new_tokens < 2 or args.num_prompts < 1:
         raise SystemExit("--gamma must be >= 1, --max-new-tokens >= 2 and --num-prompts >= 1")
-    return Settings(gamma=args.gamma, gammas=tuple(args.gammas), modes=tuple(modes), warmup=args.warmup,
+    return Settings(gamma=args.gamma, gammas=tuple(args.gammas), trees=tuple(args.trees), modes=tuple(modes),
+                    warmup=args.warmup,
                     batch_size=args.batch_size, batch_repeats=max(1, args.batch_repeats),
                     cost_repeats=max(1, args.cost_repeats), progress=not args.no_progress,
                     lookup_tokens=args.lookup_tokens, skip=tuple(args.skip))

@@ -48,8 +48,9 @@ class Contender:
     name: str  # key in the results, e.g. "hfspec" or "hfspec-g3"
     kind: str  # "plain", "assisted", "lookup" or "hfspec"
     gamma: int | None  # drafts per step; None for plain and for schedules that choose it
-    schedule: str  # "-", "constant", "transformers-default", "fixed", "heuristic", "cost-model" or "auto"
+    schedule: str  # "-", "constant", "transformers-default", "fixed", "heuristic", "cost-model", "auto" or "tree"
     drafter: str = MAIN  # which drafter: the main draft, or a name from --drafters
+    tree: int = 0  # a draft tree's node budget per step (schedule "tree"); 0 drafts chains
 
 
 def contenders(gamma: int, gammas: Sequence[int], drafters: Sequence[str] = (), assisted: bool = True,
@@ -81,12 +82,18 @@ def contenders(gamma: int, gammas: Sequence[int], drafters: Sequence[str] = (), 
     return main, sweep
 
 
+def tree_contenders(budgets: Sequence[int]) -> list[Contender]:
+    """The tree sweep: hfspec drafting a tree of each node budget every step (``generate(tree=N)``)."""
+    return [Contender(f"hfspec-t{n}", "hfspec", None, "tree", tree=n) for n in budgets]
+
+
 @dataclass(frozen=True)
 class Settings:
     """How much to measure and how: everything of a bench run but the models and the prompts."""
 
     gamma: int = 4
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    trees: tuple[int, ...] = (8, 16, 32)  # node budgets of the tree sweep (none: no tree sweep)
     modes: tuple[Mode, ...] = (Mode("greedy", False), Mode("sample", True, 0.7, 0.95, 0))
     warmup: int = 2  # passes over the field before measuring, per mode
     batch_size: int = 8  # 0 skips the batch row

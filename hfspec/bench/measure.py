@@ -163,6 +163,8 @@ class Bench:
             return HeuristicGamma(value=self.gamma)
         if contender.schedule == "cost-model":
             return CostModelGamma(self.cost, dict(self.verify_cost), maximum=max(self.verify_cost, default=8))
+        if contender.schedule == "tree":  # generate(tree=N) drafts the tree's depth: γ is unused
+            return FixedGamma(1)
         return FixedGamma(int(contender.gamma))
 
     def run(self, contender: Contender, rows: Sequence[Sequence[int]], mode: Mode, seed: int,
@@ -199,7 +201,8 @@ class Bench:
         if contender.kind == "hfspec":
             generator = torch.Generator(device=self.device).manual_seed(seed) if mode.do_sample else None
             out = self.specs[contender.drafter].generate(ids, mask, max_new_tokens=n, gamma=self.policy(contender),
-                                                         generator=generator, pad_token_id=self.pad, **mode.kwargs())
+                                                         generator=generator, pad_token_id=self.pad,
+                                                         tree=contender.tree or None, **mode.kwargs())
             new = out.sequences[:, out.prompt_length:].tolist()
             return [trim(t, self.eos, r.committed) for t, r in zip(new, out.stats.rows)], out.stats
         # transformers samples from torch's global generator.

@@ -82,8 +82,24 @@ def _mode_lines(name: str, mode: dict[str, Any]) -> list[str]:
     if "sweep_mismatches" in mode:
         bad = {k: len(v) for k, v in mode["sweep_mismatches"].items() if v}
         lines.append(f"sweep greedy mismatches: {bad or 'none'}")
+    lines += _tree_lines(mode)
     if "batch" in mode:
         lines += _batch_lines(mode["batch"])
+    return lines
+
+
+def _tree_lines(mode: dict[str, Any]) -> list[str]:
+    """The tree sweep: a fixed node budget per step, its speed, tokens per pass and acceptance by depth."""
+    if not mode.get("tree_sweep"):
+        return []
+    lines = ["", "tree sweep (hfspec, fixed node budget):  nodes  tok/s  ×plain   ×γ0  tok/pass  acceptance by depth"]
+    for t in mode["tree_sweep"]:
+        depths = " ".join(f"{a:.2f}" for a in t["acceptance_by_depth"])
+        lines.append(f"{'':40}{t['nodes']:>5}{_fmt(t['tokens_per_second'], '.1f'):>7}{_fmt(t['speedup_vs_plain']):>8}"
+                     f"{_fmt(t['speedup_vs_hfspec_g0']):>6}{_fmt(t['tokens_per_pass']):>10}  {depths}")
+    if "tree_mismatches" in mode:
+        bad = {k: len(v) for k, v in mode["tree_mismatches"].items() if v}
+        lines.append(f"tree sweep greedy mismatches: {bad or 'none'}")
     return lines
 
 
@@ -148,10 +164,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
             widest = max(mode["sweep"], key=lambda s: len(s["acceptance_by_position"]))
             by_pos = widest["acceptance_by_position"]
             right.plot(range(1, len(by_pos) + 1), by_pos, "o-", color=color, label=f"γ={widest['gamma']}, {name}")
+        if mode.get("tree_sweep"):  # the largest tree's steps: of those that reached depth d - 1, the share kept d
+            largest = max(mode["tree_sweep"], key=lambda t: t["nodes"])
+            by_depth = largest["acceptance_by_depth"]
+            right.plot(range(1, len(by_depth) + 1), by_depth, "s--", color=color,
+                       label=f"tree of {largest['nodes']} (by depth), {name}")
     left.set_xticks(sorted({s["gamma"] for mode in result["modes"].values() for s in mode["sweep"]}))
     left.axhline(1.0, color="grey", linewidth=0.8)
     left.set(xlabel="γ (drafts per step)", ylabel="speed-up vs target generate()", title="Speed-up vs γ")
-    right.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02),
+    right.set(xlabel="draft position (trees: depth)", ylabel="acceptance rate", ylim=(0, 1.02),
               title="Acceptance by draft position")
     for ax in (left, right):
         if ax.get_legend_handles_labels()[0]:  # a panel left empty by --skip gets no legend (and no warning)

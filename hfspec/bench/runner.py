@@ -1,4 +1,4 @@
-"""The benchmark: costs first, then per mode the field over every prompt, the γ sweep and the batch row.
+"""The benchmark: costs first, then per mode the field over every prompt, the γ and tree sweeps and the batch row.
 
 Contenders run interleaved per prompt (A B C A B C …) after warm-up runs, so slow drifts
 of the machine hit all of them alike.
@@ -12,9 +12,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from hfspec.bench.field import GAMMA0, MAIN, Contender, Mode, Settings, contenders, encode
+from hfspec.bench.field import GAMMA0, MAIN, Contender, Mode, Settings, contenders, encode, tree_contenders
 from hfspec.bench.measure import Bench, Run
-from hfspec.bench.summary import mismatches, summarize
+from hfspec.bench.summary import mismatches, summarize, tree_summary
 from hfspec.policy import predicted_speedup
 from hfspec.costs import rollback_cost
 from hfspec.recurrent import is_recurrent
@@ -32,10 +32,12 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
     main, sweep = field_of(bench, settings, gammas)
     # The main hfspec contender is the sweep's point at γ; without it the sweep has no point there.
     gammas = tuple(g for g in gammas if g != settings.gamma or any(c.name == "hfspec" for c in main))
+    # Trees where the main pair drafts and verifies them exactly; a chain-only pair gets no tree sweep.
+    trees = tree_contenders(settings.trees) if bench.spec.drafts_trees() else []
     result: dict[str, Any] = {"costs": costs, "auto_costs": bench.auto_costs(encoded[0]), "modes": {}}
     for m, mode in enumerate(settings.modes):
         seed = bench.seed + 1000 * m
-        runs = run_field(bench, main + sweep, encoded, mode, settings, seed)
+        runs = run_field(bench, main + sweep + trees, encoded, mode, settings, seed)
         greedy = not mode.do_sample
         table = {c.name: summarize(c, runs[c.name], runs["plain"], runs.get("assisted"), bench.cost,
                                    bench.verify_cost, greedy, runs.get("assisted-default"), runs.get(GAMMA0))
@@ -50,8 +52,11 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
                             **{c.name: round(runs[c.name][i].tokens_per_second, 3) for c in main}}
                            for i, (p, e) in enumerate(zip(prompts, encoded))],
         }
+        out["tree_sweep"] = [{"nodes": c.tree, **tree_summary(runs[c.name], runs["plain"], runs.get(GAMMA0), greedy)}
+                             for c in trees]
         if greedy:
             out["sweep_mismatches"] = {c.name: table[c.name]["greedy_mismatches"] for c in sweep}
+            out["tree_mismatches"] = {f"hfspec-t{t['nodes']}": t["greedy_mismatches"] for t in out["tree_sweep"]}
         if settings.batch_size:
             rows = [encoded[i % len(encoded)] for i in range(settings.batch_size)]
             out["batch"] = run_batch(bench, rows, mode, settings, seed)

@@ -76,6 +76,29 @@ def prediction(alpha: float | None, gamma: float | None, cost: float,
     return predicted_speedup(alpha, g, cost), predicted_speedup(alpha, g, cost, v or 1.0), g
 
 
+def tree_summary(runs: Sequence[Run], plain: Sequence[Run], gamma0: Sequence[Run] | None,
+                 greedy: bool) -> dict[str, Any]:
+    """One point of the tree sweep: speed, tokens per target pass, nodes verified per pass and the acceptance of
+    tree steps by depth (of the steps whose path reached depth d - 1, the share that kept a node at depth d)."""
+    stats = Stats.combine([r.stats for r in runs])
+    tps = [r.tokens_per_second for r in runs]
+    passes = stats.target_passes
+    hist = list(stats.depth_histogram)
+    reached = [sum(hist[d:]) for d in range(len(hist))]  # steps whose path is at least d deep
+    row = {
+        "tokens_per_second": statistics.median(tps) if tps else None,
+        "speedup_vs_plain": median_ratio(tps, [r.tokens_per_second for r in plain]),
+        "speedup_vs_hfspec_g0": median_ratio(tps, [r.tokens_per_second for r in gamma0]) if gamma0 else None,
+        "tokens_per_pass": stats.committed / passes if passes else None,
+        "nodes_per_pass": stats.tree_nodes / passes if passes else None,
+        "acceptance_by_depth": [reached[d] / reached[d - 1] for d in range(1, len(hist)) if reached[d - 1]],
+        "depth_histogram": hist,
+    }
+    if greedy:
+        row["greedy_mismatches"] = mismatches([r.tokens[0] for r in plain], [r.tokens[0] for r in runs])
+    return row
+
+
 def mismatches(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> list[dict[str, int]]:
     """Prompts whose tokens differ from the reference, with the first differing position."""
     found = []

@@ -181,3 +181,7 @@ def kept_fed_drafts(ctx: Context, drafts: torch.Tensor, num_accepted: torch.Tens
     committed = ctx.tokens.gather(1, ctx.lengths[:, None] + torch.arange(fed.shape[1], device=ctx.tokens.device))
     return fed, torch.minimum(sampling.first_rejection(fed == committed), num_accepted)
 
+
+def builds_trees(drafter: Drafter) -> bool:
+    """Whether ``drafter`` builds draft trees; one that does not proposes its chain from ``propose_tree``."""
+    return type(drafter).propose_tree is not Drafter.propose_tree
