@@ -417,13 +417,9 @@ class _Loop:
         depth = trees.depths(parents) - 1  # the root at depth 0
         positions = (rows.lengths - 1)[:, None] + depth
         self.kv.extend_mask(torch.ones_like(fed))
-        visible = trees.ancestry(parents)
-        window = sliding_window(self.target)
-        full = self.kv.tree_mask(visible, positions, positions, None)
-        sliding = self.kv.tree_mask(visible, positions, positions, window) if window else None
         real = torch.cat([torch.ones_like(fed[:, :1], dtype=torch.bool), proposal.mask()], dim=1)
         logits = self.target_forward(fed, None, positions, real, True,
-                                     attention=tree_attention(self.target, full, sliding))[..., : self.vocab]
+                                     attention=self.attention(trees.ancestry(parents), positions))[..., : self.vocab]
         p = self.scoring.checked(logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target",
                                  self.stats.target_passes + 1)  # (B, N+1, V); scores when greedy
         if not self.sample:
@@ -443,14 +439,21 @@ class _Loop:
             k = feed.shape[1]
             causal = torch.ones(k, k, dtype=torch.bool, device=valid.device).tril()
             visible = (causal & valid.bool()[:, None, :]) | torch.eye(k, dtype=torch.bool, device=valid.device)
-            full = self.kv.tree_mask(visible, positions, positions, None)
-            mask = tree_attention(self.target, full, self.kv.tree_mask(visible, positions, positions, self.sliding))
+            mask = self.attention(visible, positions)
         layers = self.drafter.feature_layers
         if not layers:
             return forward(self.target, feed, mask, positions, self.kv.cache, logits_to_keep)
         logits, values = forward_features(self.target, feed, mask, positions, self.kv.cache, layers, logits_to_keep)
         self.drafter.observe(self.context(), Features(values.to(feed.device), positions, real, verification))
         return logits
+
+    def attention(self, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The target's masks for new columns at ``positions`` (B, k) that see ``visible`` (B, k, k) of each
+        other and every valid cached column: full attention, plus the sliding window counted in positions
+        where the target has one (trees run only where ``self.sliding`` covers it: see check_tree_attention)."""
+        full = self.kv.tree_mask(visible, positions, positions, None)
+        sliding = self.kv.tree_mask(visible, positions, positions, self.sliding) if self.sliding else None
+        return tree_attention(self.target, full, sliding)
 
     def rollback(self, verdict: Verdict) -> None:
         """The drafter keeps what it needs of its drafts; the target keeps the pending token and the kept drafts.
