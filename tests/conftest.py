@@ -31,6 +31,17 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def library():
+    """hfspec's CPU kernel, built once; the test is skipped where no C++ compiler can build it."""
+    from hfspec import kernels
+
+    found = kernels.load()
+    if found is None:
+        pytest.skip(f"no C++ compiler: {kernels.build_failure()}")
+    return found
+
+
+@pytest.fixture(scope="session")
 def tiny_pair(model_dir):
     """``tiny_pair(arch, target_seed=0, draft_seed=1, **kw)`` -> (target, draft, tokenizer) loaded by path."""
     cache: dict[tuple, tuple] = {}

@@ -83,3 +83,12 @@ def sample_counts(gen, prompts: list[list[int]], settings: dict, seed: int, *, v
         for i in range(len(prompts)):
             np.add.at(counts[i], tuple(drawn[i:: len(prompts)].T), 1)
     return counts
+
+
+def joint_pvalues(gen, prompts: list[list[int]], settings: dict, seed: int, *, vocab: int, new: int,
+                  samples: int) -> list[float]:
+    """Per prompt, the p-value of ``samples`` rows' first ``new`` tokens against the exact joint of ``gen.target``,
+    the prompts' rows interleaved in one batch."""
+    counts = sample_counts(gen, prompts, settings, seed, vocab=vocab, new=new, samples=samples,
+                           batch=samples * len(prompts))
+    return [chi_square_pvalue(c, exact_joint(gen.target, p, settings, vocab, new)) for p, c in zip(prompts, counts)]

@@ -23,13 +23,18 @@ PROMPT_A = [7, 8, 7, 7]
 PROMPT_B = [8]
 
 
-@pytest.fixture(scope="module")
-def pair(model_dir):
+def chain_pair(model_dir) -> tuple:
+    """(target, draft, tokenizer), loaded afresh: the models these tests sample from."""
     common = dict(vocab_size=V, seed=10, sharpness=30.0, eos=None, hidden=16, layers=1)
     target, tok = tiny.load(model_dir("llama", **common))
     # The draft resembles the target (as a real one does): some drafts accepted, some not.
     draft, _ = tiny.load(model_dir("llama", perturb=0.5, **common))
     return target, draft, tok
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir):
+    return chain_pair(model_dir)
 
 
 def exact_joint(target, prompt: list[int], settings: dict) -> np.ndarray:

@@ -18,14 +18,6 @@ SHAPES = [(1, 1), (3, 5), (17, 33), (53, 37), (64, 128), (130, 15), (7, 300)]
 RTOL, ATOL = 1e-5, 1e-4
 
 
-@pytest.fixture(scope="module")
-def library():
-    found = kernels.load()
-    if found is None:
-        pytest.skip(f"no C++ compiler: {kernels.build_failure()}")
-    return found
-
-
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_equals_f_linear_for_1_to_48_rows(library, n, k, bias):

@@ -132,8 +132,8 @@ NEW, SAMPLES = 3, 6_000
 PROMPT = [7, 8, 7, 7]
 
 
-@pytest.fixture(scope="module")
-def pair(model_dir):
+def tree_pair(model_dir) -> tuple:
+    """(target, draft, tokenizer), loaded afresh: the models these tests draw trees with."""
     common = dict(vocab_size=V, sharpness=30.0, eos=None, hidden=16, layers=1)
     target, tok = tiny.load(model_dir("llama", seed=10, **common))
     # Far from the target (noise as large as the weights): many rejections, yet some paths two deep.
@@ -141,12 +141,17 @@ def pair(model_dir):
     return target, draft, tok
 
 
+@pytest.fixture(scope="module")
+def pair(model_dir):
+    return tree_pair(model_dir)
+
+
 def tree_pvalue(gen: SpeculativeGenerator, settings: dict, nodes: int, seed: int,
-                prompt: list[int] = PROMPT) -> tuple[float, list[int]]:
-    """The chi-square p-value of SAMPLES rows' first NEW tokens drawn with trees of ``nodes`` against the target's
-    exact joint, and the steps by accepted depth."""
+                prompt: list[int] = PROMPT, samples: int = SAMPLES) -> tuple[float, list[int]]:
+    """The chi-square p-value of ``samples`` rows' first NEW tokens drawn with trees of ``nodes`` against the
+    target's exact joint, and the steps by accepted depth."""
     g = torch.Generator().manual_seed(seed)
-    out = gen.generate([prompt] * SAMPLES, max_new_tokens=NEW, tree=nodes, do_sample=True, generator=g, **settings)
+    out = gen.generate([prompt] * samples, max_new_tokens=NEW, tree=nodes, do_sample=True, generator=g, **settings)
     counts = np.zeros([V] * NEW)
     np.add.at(counts, tuple(out.sequences[:, -NEW:].numpy().T), 1)
     depths = list(out.stats.depth_histogram)
