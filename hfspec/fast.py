@@ -51,14 +51,15 @@ class FastLinear(nn.Linear):
     max_rows: int = MAX_ROWS
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
+        w, b, k = self.weight, self.bias, self.in_features
         library = _KERNEL
-        if (library is None or input.device.type != "cpu" or w.device.type != "cpu" or input.dtype != w.dtype
-                or w.dtype not in _DTYPES or input.shape[-1] != self.in_features or not w.is_contiguous()
-                or input.numel() > self.max_rows * self.in_features
+        if (library is None or not (input.is_cpu and w.is_cpu) or input.dtype != w.dtype or w.dtype not in _DTYPES
+                or input.shape[-1] != k or input.numel() > self.max_rows * k or not w.is_contiguous()
                 or (torch.is_grad_enabled() and (w.requires_grad or input.requires_grad))):
             return F.linear(input, w, b)
-        x = input.reshape(-1, self.in_features)
+        if input.dtype is torch.float32 and input.is_contiguous() and (b is None or b.is_contiguous()):
+            return kernels.linear(library, input, w, b)  # the decoding path: no copy, no reshape
+        x = input.reshape(-1, k)
         if x.dtype != torch.float32 or x.stride(-1) != 1:  # bf16 activations are summed in fp32
             x = x.float().contiguous()
         bias = None if b is None else b.float().contiguous()

@@ -142,18 +142,19 @@ def build_failure() -> str | None:
 
 def linear(library: KernelLibrary, x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for 2-D fp32 ``x`` (M, K) on CPU, with an fp32 or bf16 ``weight`` (N, K).
+    """``F.linear(x, weight, bias)`` for fp32 ``x`` (M, K) or (..., K) on CPU, with an fp32 or bf16 ``weight`` (N, K).
 
-    ``x`` and ``weight`` need unit stride along K; ``bias`` is fp32 and contiguous. The caller checks the
-    device and dtypes (see :mod:`hfspec.fast`); the output is a new contiguous fp32 (M, N) tensor.
+    ``weight`` needs unit stride along K; ``x`` too, and its rows evenly spaced (any 2-D slice of
+    rows, or a contiguous tensor of more dimensions); ``bias`` is fp32 and contiguous. The caller
+    checks the device and dtypes (see :mod:`hfspec.fast`); the output is a new contiguous fp32
+    tensor (..., N). It runs a few hundred times per decoding step, so it checks little.
     """
-    m, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+    k, n = x.shape[-1], weight.shape[0]
+    if weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(1) != 1 or (x.dim() != 2 and not x.is_contiguous()):
         raise ValueError(f"linear needs x (M, K) and weight (N, K) with unit stride along K; got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}: pass .contiguous() tensors")
-    out = torch.empty((m, n), dtype=torch.float32)
-    library.entries[weight.dtype](x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-                                  None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    library.entries[weight.dtype](x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(), k,
+                                  None if bias is None else bias.data_ptr(), out.data_ptr(), n, x.numel() // k, n, k,
                                   torch.get_num_threads())
     return out
