@@ -128,7 +128,7 @@ def complete(
     chat: bool | None = None,
     system: str | None = None,
     streamer: Any = None,
-    tree: int | str | None = None,
+    tree: int | str | None = "auto",
 ) -> Completion:
     """Generate for text prompts with ``gen``; unset settings come from ``preset``."""
     if gen.tokenizer is None:
@@ -176,7 +176,7 @@ def generate(
     system: str | None = None,
     ngram: bool | None = None,
     streamer: Any = None,
-    tree: int | str | None = None,
+    tree: int | str | None = "auto",
     return_stats: bool = False,
     **load_kwargs: Any,
 ) -> str | list[str] | tuple[str | list[str], Stats]:
@@ -191,7 +191,8 @@ def generate(
     to greedy and ``chat`` to off (on for the default pair). ``gamma`` is γ, the drafts
     per step, ``"auto"`` (the default of every shipped preset: chosen at every step, see
     ``AutoGamma``) or a ``GammaPolicy``. ``tree``: a node budget drafts a tree per step, verified
-    in one target forward (``None``, the default: a chain; see ``SpeculativeGenerator.generate``).
+    in one target forward; ``None`` drafts chains; ``"auto"`` (the default) lets ``gamma="auto"`` choose
+    each step between the chain and trees (see ``SpeculativeGenerator.generate``).
     ``seed`` makes sampling reproducible. ``load_kwargs`` go to ``hfspec.loading.load_pair`` (``dtype``,
     ``device``, ``device_map``, ``fast_kernels=False`` to keep torch's own linears on CPU, ...).
     With ``return_stats`` the result is ``(text, stats)``.

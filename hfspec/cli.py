@@ -146,10 +146,10 @@ def _add_generate(sub) -> None:
                       help="add n-gram lookup to the draft model: each step, per prompt, the lookup's proposal "
                       "where it is expected to get more tokens accepted, the model's otherwise; no draft forward "
                       "when every prompt takes the lookup (default: the preset's, else off)")
-    spec.add_argument("--tree", type=tree_value, metavar="N|auto",
+    spec.add_argument("--tree", type=tree_value, metavar="N|auto", default="auto",
                       help="draft a tree of N nodes per step (several candidates per depth), verified in one target "
-                      "forward; 0 a chain; 'auto' lets hfspec choose (for now the chain); attention-only targets "
-                      "(default: a chain)")
+                      "forward; 0 a chain; 'auto' lets --gamma auto choose each step between the chain and trees "
+                      "where they pay (attention-only targets; default: auto)")
     spec.add_argument("--draft-cost", type=cost_value, metavar="C",
                       help="with --adaptive cost: time of one draft step / one target step (default: estimated "
                       "from the parameter counts)")

@@ -52,7 +52,7 @@ from hfspec.tree import TreeProposal
 
 log = logging.getLogger(__name__)
 
-AUTO_TREES = (8, 16, 32)  # the tree budgets tree="auto" weighs against the chain
+AUTO_TREES = (4, 6, 8, 16)  # the tree budgets tree="auto" weighs against the chain
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class SpeculativeGenerator:
         if self.tuning.costs is None or force:
             if window is not None:  # context plus the largest verification must fit the position embeddings
                 self.tuning.maximum = max(1, min(self.tuning.maximum, window // 2 - 1))
-                ids = ids[-(window - self.tuning.maximum - 1):]
+                ids = ids[-(window - max((self.tuning.maximum, *self.tuning.trees)) - 1):]
             self.tuning.costs = costs.measure(self.target, self.drafter, ids, self.tuning.maximum, device,
                                               extra=[n + 1 for n in self.tuning.trees])
             log.info("measured costs: %s", self.tuning.costs.to_dict())
@@ -162,7 +162,7 @@ class SpeculativeGenerator:
         seed: int | None = None,
         streamer: Any = None,
         on_context_limit: str = "error",
-        tree: int | str | None = None,
+        tree: int | str | None = "auto",
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` per row, distributed exactly as the target's own sampling.
 
@@ -179,7 +179,7 @@ class SpeculativeGenerator:
         context window; ``"stop"`` ends such rows there, with stop reason ``"context"``.
         ``tree``: ``None``/``0`` drafts a chain; a number drafts a tree of that many nodes per
         step, verified in one target forward (``hfspec.tree``; ``gamma`` is then unused);
-        ``"auto"`` with ``gamma="auto"`` lets hfspec choose each step between the chain and trees of
+        ``"auto"`` (the default) with ``gamma="auto"`` lets hfspec choose each step between the chain and trees of
         ``AUTO_TREES`` nodes by their expected tokens per second (``AutoGamma``); it means the chain
         with any other ``gamma``, and where a tree cannot be drafted or verified exactly (a recurrent
         model, a drafter that builds no trees, a processor that reads the text so far).

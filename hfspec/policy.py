@@ -15,7 +15,7 @@ from hfspec.config import check_gamma
 from hfspec.costs import Costs
 from hfspec.drafters.hybrid import HybridDrafter, Outcome
 from hfspec.tree import shape
-from hfspec.tree_acceptance import TreeAcceptance
+from hfspec.tree_acceptance import TreeAcceptance, first_children
 
 
 def predicted_speedup(alpha: float, gamma: int, cost: float, verify_cost: float = 1.0) -> float:
@@ -422,9 +422,14 @@ class AutoGamma(GammaPolicy):
         evidence = self.tuning.tree_evidence()
         if self.probing and any(n == step.path.shape[1] for n in step.accepted.tolist()):
             self.probe[1] = self.probe_every  # a tree probe kept a whole path: look again soon
+        chains = []
         for parents, real, path, n in zip(step.parents.tolist(), step.real.tolist(), step.path.tolist(),
                                           step.accepted.tolist()):
             evidence.add(step.nodes, parents, real, path, n)
+            chains.append(first_children(parents, real, path, n))
+        # The chain's α learns from the trees' first children too: while trees win, chain steps are rare, and
+        # a chain judged on a few of them alone can sink below the rate the trees' first guesses show.
+        self.learn(step.rows.tolist(), [d for d, _ in chains], [k for _, k in chains], None)
         batch = step.rows.numel()
         self.costs.record_verify(batch, step.parents.shape[1] + 1, step.verify_seconds)
         if not self.after_plain:  # after plain steps, drafting began with a long catch-up

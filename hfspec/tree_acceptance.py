@@ -87,6 +87,26 @@ class TreeAcceptance:
             counts[:] = [x * self.decay for x in counts]
 
 
+def first_children(parents: list[int], real: list[bool], path: list[int], accepted: int) -> tuple[int, int]:
+    """The chain inside one row of a tree step: ``(drafted, kept)``, the length of the path that takes each
+    node's first child (the drafter's first guess, drawn as a chain draft is) and how many of its leading
+    nodes the step kept. A chain step's acceptance, observed in a tree step: the rank-0 child is drafted
+    and tried exactly as a chain's draft at that depth, so chain estimates may learn from it."""
+    first: dict[int, int] = {}
+    for i, (p, r) in enumerate(zip(parents, real)):
+        if r:
+            first.setdefault(p, i)  # children are numbered in the order they were drafted
+    drafted, node = 0, -1
+    while node in first:
+        node = first[node]
+        drafted += 1
+    kept, node = 0, -1
+    while kept < accepted and path[kept] == first.get(node):
+        node = path[kept]
+        kept += 1
+    return drafted, kept
+
+
 def _grown(counts: list[float], size: int) -> list[float]:
     counts.extend([0.0] * (size - len(counts)))
     return counts

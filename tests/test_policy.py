@@ -13,7 +13,7 @@ from hfspec.drafters import Drafter, Proposal
 from hfspec.drafters.hybrid import HybridDrafter, Outcome
 from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, TreeStep, Tuning
 from hfspec.tree import shape as tree_shape
-from hfspec.tree_acceptance import TreeAcceptance
+from hfspec.tree_acceptance import TreeAcceptance, first_children
 
 ROW = torch.tensor([0])
 
@@ -303,7 +303,7 @@ def test_the_model_runs_only_where_the_step_pays_for_it():
         assert hybrid.outcome.model_gamma == 4 * runs and hybrid.outcome.lookup[1] is None
 
 
-# -- trees: auto weighs trees of 8, 16 and 32 nodes against the chain -------------------------------
+# -- trees: auto weighs trees against the chain -------------------------------
 
 def tree_costs(v: dict[int, float], draft_ms: float = 4.0) -> Costs:
     """A 40 ms target step; a forward over k tokens costs v[k] times that (every chain size and N+1 of each tree)."""
@@ -325,6 +325,34 @@ def second_and_third_guesses_hold_the_target(policy: AutoGamma, steps: int = 40,
         policy.update_tree(TreeStep(ROW, nodes, parents, torch.ones_like(parents, dtype=torch.bool),
                                     torch.tensor([[1, 6]]), torch.tensor([2]), 2 * policy.costs.draft,
                                     policy.costs.verify[9]))
+
+
+def first_then_second_guess_holds(policy: AutoGamma, steps: int = 40) -> None:
+    """Tree steps of 8 nodes (the root's 4 children, node 0's 4): the target takes node 0, the root's first
+    child, then node 5, node 0's second: a chain of first guesses keeps one draft of two (α about 1/2)."""
+    parents = torch.tensor([[-1, -1, -1, -1, 0, 0, 0, 0]])
+    for _ in range(steps):
+        policy.update_tree(TreeStep(ROW, 8, parents, torch.ones_like(parents, dtype=torch.bool),
+                                    torch.tensor([[0, 5]]), torch.tensor([2]), 2 * policy.costs.draft,
+                                    policy.costs.verify[9]))
+
+
+def test_the_chain_inside_a_tree_step_is_its_first_children():
+    parents, real = [-1, -1, 0, 0, 2, 1], [True] * 6
+    assert first_children(parents, real, [0, 2, 4], 3) == (3, 3)  # 0 → 2 → 4: the first guesses, all kept
+    assert first_children(parents, real, [0, 3], 2) == (3, 1)  # node 3 is node 0's second child
+    assert first_children(parents, real, [1, 5], 2) == (3, 0)  # the root's second child: the chain failed at once
+    assert first_children(parents, real, [0], 1) == (3, 1)
+    assert first_children(parents, [False, True, True, True, True, True], [1, 5], 2) == (2, 2)  # node 0 padding
+    assert first_children([], [], [], 0) == (0, 0)
+
+
+def test_the_chains_rate_learns_from_tree_steps():
+    # Trees win while the chain's estimate is low, so chain steps are rare: the trees' first guesses must
+    # move it, or a chain judged on a few failed steps would stay below what its drafts really do.
+    policy = tree_auto(tree_costs({}), chain_alpha=0.1)
+    first_then_second_guess_holds(policy)
+    assert 0.4 < policy.alphas(ROW)[0] < 0.6 and policy.tuning.evidence().alpha > 0.2  # the memory: from 0.1
 
 
 def test_tree_evidence_learns_acceptance_by_rank_and_depth():
@@ -349,7 +377,7 @@ def test_auto_keeps_the_chain_when_verifying_a_tree_is_dear():
     # Short chains verify cheaply; from 4 tokens on, a forward costs k/2 single ones (trees verify 9+ tokens).
     steep = {k: 1.0 + 0.1 * (k - 1) if k <= 3 else k / 2 for k in range(2, 34)}
     policy = tree_auto(tree_costs(steep), chain_alpha=0.3)
-    second_and_third_guesses_hold_the_target(policy)
+    first_then_second_guess_holds(policy)  # trees keep two drafts a step, chains one of two
     assert policy.gamma(ROW) >= 1 and policy.tree_nodes() == 0
     assert tree_auto(tree_costs({}), chain_alpha=0.3).tuning.trees  # the same evidence, flat costs: trees offered
     no_trees = auto(tree_costs({}), prior=0.3)  # a call that may not draft trees never gets one

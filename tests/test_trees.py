@@ -18,6 +18,7 @@ from hfspec.costs import Costs
 from hfspec.drafters import ngram
 from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
+from hfspec.generator import AUTO_TREES
 from hfspec.tree import TreeProposal
 
 V = 9
@@ -298,9 +299,9 @@ def test_auto_trees_equal_target_greedy(model_dir):
     gen.tuning.costs.drafter = gen.drafter
     prompts = [list(range(5, 25)), [7, 8, 9], list(range(30, 41))]
     want = [reference(target, p, 24) for p in prompts]
-    out = gen.generate(prompts, max_new_tokens=24, gamma="auto", tree="auto")  # invariants checked every step
+    out = gen.generate(prompts, max_new_tokens=24)  # the defaults, gamma="auto" and tree="auto"; invariants checked
     assert [row[-24:] for row in out.sequences.tolist()] == want
-    assert out.stats.tree_nodes > 0, "flat costs: auto drafts trees"
+    assert out.stats.tree_nodes > 0 and gen.tuning.trees == AUTO_TREES, "flat costs: auto drafts trees"
     assert gen.tuning.tree_evidence().depth_trials, "tree steps taught acceptance by depth"
 
 
@@ -324,7 +325,7 @@ def test_auto_trees_pick_the_chain_where_trees_cannot_be_exact(tiny_pair):
     want = target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=12, do_sample=False, repetition_penalty=1.3)
     assert out.sequences.tolist() == want.tolist()
     out = gen.generate([[5, 6, 7]], max_new_tokens=12, gamma="auto", tree="auto")
-    assert gen.tuning.trees == (8, 16, 32)  # the same generator without the penalty: trees allowed again
+    assert gen.tuning.trees == AUTO_TREES  # the same generator without the penalty: trees allowed again
     assert out.sequences[0, 3:].tolist() == reference(target, [5, 6, 7], 12)
 
 
@@ -406,6 +407,7 @@ def test_cli_tree_prints_the_api_text_and_the_tree_counts(capsys, model_dir):
     assert "tree nodes verified" in err and "steps by accepted depth" in err
     assert cli.main(["generate", "w10", "--target", target, "--draft", draft, "--tree", "-2"]) == 2
     assert "--tree: must be >= 0 or 'auto'" in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["generate", "w10"]).tree == "auto"  # the API's default
 
 
 # -- EAGLE-3 trees ----------------------------------------------------------------------------------

@@ -202,7 +202,7 @@ class Bench:
             generator = torch.Generator(device=self.device).manual_seed(seed) if mode.do_sample else None
             out = self.specs[contender.drafter].generate(ids, mask, max_new_tokens=n, gamma=self.policy(contender),
                                                          generator=generator, pad_token_id=self.pad,
-                                                         tree=contender.tree or None, **mode.kwargs())
+                                                         tree=contender.tree or "auto", **mode.kwargs())
             new = out.sequences[:, out.prompt_length:].tolist()
             return [trim(t, self.eos, r.committed) for t, r in zip(new, out.stats.rows)], out.stats
         # transformers samples from torch's global generator.
