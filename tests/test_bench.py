@@ -8,7 +8,7 @@ import tiny
 import torch
 
 from hfspec import bench, fast, kernels
-from hfspec.bench import Bench, Contender, Mode, Run, Settings
+from hfspec.bench import Bench, Contender, Mode, Run, Settings, report
 from hfspec.loading import load_pair, make_drafter
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.ngram import NgramDrafter
@@ -23,7 +23,7 @@ CONTENDER_KEYS = {
     "speedup_vs_assisted",
     "speedup_vs_assisted_default", "acceptance_rate", "alpha", "mean_accepted_length", "mean_gamma",
     "acceptance_by_position", "gamma_histogram", "prediction_gamma", "predicted_speedup", "predicted_speedup_v",
-    "efficiency", "new_tokens", "seconds",
+    "efficiency", "new_tokens", "seconds", "tree_steps", "tree_nodes",
 }
 
 
@@ -203,6 +203,9 @@ def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
                                            "hfspec", "hfspec-heuristic", "hfspec-cost", "auto:useless",
                                            "assisted-default:useless"}
         assert sum(mode["contenders"]["hfspec-auto"]["gamma_histogram"]) > 0
+        trees = mode["contenders"]["hfspec-auto"]["tree_steps"]  # auto may draft trees (tree="auto")
+        assert trees is not None and 0 <= trees <= sum(mode["contenders"]["hfspec-auto"]["gamma_histogram"])
+        assert mode["contenders"]["plain"]["tree_steps"] is None
         for row in mode["contenders"].values():
             assert set(row) - {"greedy_mismatches"} == CONTENDER_KEYS
             assert row["new_tokens"] > 0
@@ -410,3 +413,8 @@ def test_speedup_against_gamma_zero_is_a_paired_median():
     assert row["speedup_vs_hfspec_g0"] == pytest.approx(3.0)  # ratios 4 and 2
     assert bench.summarize(Contender("hfspec", "hfspec", 4, "fixed"), spec, g0, None, 0.1, {4: 1.5},
                            greedy=False)["speedup_vs_hfspec_g0"] is None
+
+
+def test_the_table_says_how_many_steps_drafted_trees():
+    assert report._trees({"tree_steps": 3, "tree_nodes": 24}) == " | trees: 3 steps, 8.0 nodes each"
+    assert report._trees({"tree_steps": 0, "tree_nodes": 0}) == report._trees({"tree_steps": None}) == ""

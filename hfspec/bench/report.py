@@ -61,6 +61,14 @@ def _step_lines(costs: dict[str, Any], label: str) -> list[str]:
             "v(γ) = " + ", ".join(f"{g}: {v:.2f}" for g, v in costs["v"].items()) + where]
 
 
+def _trees(row: dict[str, Any]) -> str:
+    """How many of a contender's steps drafted trees, and their nodes per step."""
+    steps = row.get("tree_steps")
+    if not steps:
+        return ""
+    return f" | trees: {steps} steps, {row['tree_nodes'] / steps:.1f} nodes each"
+
+
 def _mode_lines(name: str, mode: dict[str, Any]) -> list[str]:
     """One mode: the field, the γ that gamma="auto" chose, the sweep and the batch row."""
     title = name if mode["label"] == name else f"{name} ({mode['label']})"
@@ -71,8 +79,8 @@ def _mode_lines(name: str, mode: dict[str, Any]) -> list[str]:
     lines += [_contender_line(cname, row) for cname, row in mode["contenders"].items()]
     autos = {c: r for c, r in mode["contenders"].items() if r["schedule"] == "auto"}
     if autos:
-        lines += ["", "γ chosen by gamma=auto (steps by γ):"]
-        lines += [f"  {c:<22} {_histogram(r['gamma_histogram'])}" for c, r in autos.items()]
+        lines += ["", "γ chosen by gamma=auto (steps by γ; a tree step counts at its depth):"]
+        lines += [f"  {c:<22} {_histogram(r['gamma_histogram'])}{_trees(r)}" for c, r in autos.items()]
     lines += ["", "sweep (hfspec, fixed γ):  γ  tok/s  ×plain   ×γ0  acc     α  pred(v)  eff"]
     for s in mode["sweep"]:
         lines.append(f"{'':26}{s['gamma']:>2}{s['tokens_per_second']:>7.1f}{_fmt(s['speedup_vs_plain']):>8}"

@@ -44,14 +44,17 @@ def acceptance(contender: Contender, runs: Sequence[Run]) -> dict[str, Any]:
     """
     if contender.kind == "plain":
         return {"acceptance_rate": None, "mean_accepted_length": 1.0, "mean_gamma": 0.0,
-                "acceptance_by_position": [], "gamma_histogram": []}
+                "acceptance_by_position": [], "gamma_histogram": [], "tree_steps": None, "tree_nodes": None}
     histogram: list[int] = []
+    # hfspec's tree steps (counted in the histogram at their depth); transformers drafts no trees.
+    trees: dict[str, int | None] = {"tree_steps": None, "tree_nodes": None}
     if contender.kind == "hfspec":
         stats = Stats.combine([r.stats for r in runs])
         drafted, accepted, passes = stats.drafted, stats.accepted, stats.target_passes
         by_position = list(stats.acceptance_by_position)
         committed = stats.committed
         histogram = list(stats.gamma_histogram)
+        trees = {"tree_steps": sum(stats.depth_histogram), "tree_nodes": stats.tree_nodes}
     else:
         passes = sum(r.target_calls for r in runs)
         committed = sum(r.new_tokens for r in runs)
@@ -61,7 +64,7 @@ def acceptance(contender: Contender, runs: Sequence[Run]) -> dict[str, Any]:
     return {"acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_length": committed / passes if passes else None,
             "mean_gamma": drafted / passes if passes and drafted is not None else None,
-            "acceptance_by_position": by_position, "gamma_histogram": histogram}
+            "acceptance_by_position": by_position, "gamma_histogram": histogram, **trees}
 
 
 def prediction(alpha: float | None, gamma: float | None, cost: float,
