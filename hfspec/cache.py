@@ -112,10 +112,12 @@ class KVState:
             if layer.get_seq_length() == 0:
                 continue
             index = cols[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            kept_keys, kept_values = layer.keys.gather(2, index), layer.values.gather(2, index)
-            # DynamicLayer's keys and values are its public tensors; crop then reads the new length.
-            layer.keys = torch.cat([layer.keys[:, :, :start], kept_keys], dim=2)
-            layer.values = torch.cat([layer.values[:, :, :start], kept_values], dim=2)
+            kept_keys, kept_values = layer.keys.gather(2, index), layer.values.gather(2, index)  # copies
+            # Written over the tree's own columns in place, then cut: copying the whole cache would cost more
+            # than the tree's forward gains on long prompts. DynamicLayer's keys and values are public tensors.
+            layer.keys[:, :, start:start + width] = kept_keys
+            layer.values[:, :, start:start + width] = kept_values
+            layer.keys, layer.values = layer.keys[:, :, :start + width], layer.values[:, :, :start + width]
         self.mask = torch.cat([self.mask[:, :start], kept.to(self.mask)], dim=1)
 
     def tree_mask(self, visible: torch.Tensor, query_positions: torch.Tensor, tree_positions: torch.Tensor,
