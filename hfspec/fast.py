@@ -4,8 +4,8 @@ Verification feeds k + 1 tokens through the target in one forward; on CPU that s
 decoding step, since both stream the same weights once, but torch's small-M GEMMs are far from that.
 :func:`accelerate` turns every plain ``nn.Linear`` of a model the caller passes (attention, MLP, output
 head) into a :class:`FastLinear`, which runs :mod:`hfspec.kernels` for inputs of at most ``max_rows``
-rows on CPU with fp32 or bf16 weights and torch's ``F.linear`` for anything else (prefill, other
-devices and dtypes, autograd). Weights keep their tensors and layout: nothing is copied, and a head
+rows on CPU with fp32 or bf16 weights (fp32: up to 2048 rows, prompts included; bf16: up to 48) and
+torch's ``F.linear`` for anything else (longer bf16 prompts, other devices and dtypes, autograd). Weights keep their tensors and layout: nothing is copied, and a head
 tied to the embedding stays tied. :func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off.
 
 :func:`accelerate_loaded` is the policy ``hfspec.loading.load_pair`` applies to the models it loads
@@ -33,9 +33,12 @@ from hfspec import kernels
 __all__ = ["AccelerationReport", "FastLinear", "accelerate", "accelerate_loaded", "accelerated", "describe",
            "is_accelerated", "restore", "suspended"]
 
-# Up to 48 rows the kernel beat torch's GEMM on every layer of the offline target (1.3-2.1x at 17-48 rows, one
-# thread), so a verification of a 32-node tree (33 rows) runs on it; beyond, prefills go to torch's blocked GEMM.
+# Rows per call that run on the kernel, by weight dtype. Up to 48 rows it beat torch's GEMM on every layer of the
+# offline target (1.3-2.1x at 17-48 rows), enough for a 32-node tree's verification. With fp32 weights it also
+# beat or tied torch's blocked GEMM on whole prefills (a 64/400/2000-token prompt: 1.54x/1.20x/1.04x, 2 threads),
+# so prompts run on it too; with bf16 weights torch's own bf16 GEMM is twice as fast from a few hundred rows.
 MAX_ROWS = 48
+MAX_ROWS_F32 = 2048
 _DTYPES = (torch.float32, torch.bfloat16)
 # The kernel :func:`accelerate` loaded, read on every forward (finding it again would hash the source);
 # a FastLinear unpickled in a process that never called accelerate() runs torch's linear.
@@ -91,14 +94,15 @@ def _skip_reason(module: nn.Linear) -> str | None:
     return None
 
 
-def accelerate(model: nn.Module, *, max_rows: int = MAX_ROWS) -> AccelerationReport:
-    """Make ``model``'s plain ``nn.Linear`` layers run hfspec's kernel for inputs of at most ``max_rows`` rows.
+def accelerate(model: nn.Module, *, max_rows: int | None = None) -> AccelerationReport:
+    """Make ``model``'s plain ``nn.Linear`` layers run hfspec's kernel for inputs of at most ``max_rows`` rows
+    (by default ``MAX_ROWS_F32`` for fp32 weights, prompts included, and ``MAX_ROWS`` for bf16 ones).
 
     Builds the kernel on first use (seconds, cached afterwards). The model is changed in place; nothing
     else is touched, and :func:`restore` undoes it. Where the kernel cannot be built or ``HFSPEC_KERNELS=0``
     is set, the model is left as it is and the report says why.
     """
-    if not isinstance(max_rows, int) or max_rows < 1:
+    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
         raise ValueError(f"max_rows must be a positive int (rows per call to run on the kernel), got {max_rows!r}")
     if os.environ.get("HFSPEC_KERNELS", "1") == "0":
         return AccelerationReport((), (), 0, None, None, 0.0, reason="HFSPEC_KERNELS=0")
@@ -116,7 +120,7 @@ def accelerate(model: nn.Module, *, max_rows: int = MAX_ROWS) -> AccelerationRep
             skipped.append((name, why))
             continue
         module.__class__ = FastLinear
-        module.max_rows = max_rows
+        module.max_rows = max_rows or (MAX_ROWS_F32 if module.weight.dtype == torch.float32 else MAX_ROWS)
         layers.append(name)
     return AccelerationReport(tuple(layers), tuple(skipped), 0, library.isa, library.path, library.build_seconds)
 
@@ -138,7 +142,7 @@ def is_accelerated(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def accelerated(model: nn.Module, *, max_rows: int = MAX_ROWS) -> Iterator[AccelerationReport]:
+def accelerated(model: nn.Module, *, max_rows: int | None = None) -> Iterator[AccelerationReport]:
     """``with accelerated(model) as report:`` runs the kernel inside the block and restores the model after."""
     was_accelerated = is_accelerated(model)
     report = accelerate(model, max_rows=max_rows)

@@ -147,3 +147,21 @@ def test_switched_off_by_environment_and_bad_max_rows(monkeypatch):
     assert fast.accelerate(layer).reason == "HFSPEC_KERNELS=0" and type(layer) is nn.Linear
     with pytest.raises(ValueError, match="max_rows"):
         fast.accelerate(layer, max_rows=0)
+
+
+def test_float32_layers_take_prompts_on_the_kernel_and_bfloat16_ones_few_rows(library, monkeypatch):
+    calls = []
+    def counted(library, x, w, b=None):
+        calls.append(x.numel() // x.shape[-1])
+        return F.linear(x, w.float(), b)
+
+    monkeypatch.setattr(kernels, "linear", counted)
+    f32, bf16 = nn.Linear(16, 8), nn.Linear(16, 8).bfloat16()
+    fast.accelerate(f32)
+    fast.accelerate(bf16)
+    assert (f32.max_rows, bf16.max_rows) == (fast.MAX_ROWS_F32, fast.MAX_ROWS)
+    with torch.no_grad():
+        f32(torch.randn(1, 400, 16))  # a prompt: on the kernel
+        bf16(torch.randn(400, 16).bfloat16())  # torch's bf16 GEMM
+        bf16(torch.randn(40, 16).bfloat16())
+    assert calls == [400, 40]
