@@ -31,7 +31,7 @@ Measure one target with its draft (and other drafters) in one process. Contender
   assisted          transformers assisted generation, γ drafts per step, constant schedule
   assisted-default  transformers assisted generation with its defaults (what users get)
   prompt-lookup     transformers prompt lookup (prompt_lookup_num_tokens), with --drafters ngram
-  hfspec-auto       hfspec with its default settings (gamma="auto")
+  hfspec-auto       hfspec with its default settings (gamma="auto", tree="auto": a chain or a tree per step)
   hfspec            hfspec, fixed γ
   hfspec-heuristic  hfspec, γ +2 after a fully accepted step, -1 otherwise
   hfspec-cost       hfspec, γ chosen by the cost model from the bench's measured c and v(γ)
