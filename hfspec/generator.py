@@ -49,6 +49,7 @@ from hfspec.scoring import DraftContext, Scoring
 from hfspec.stats import Stats, StatsCollector
 from hfspec.timing import now, timed
 from hfspec.tree import TreeProposal
+from hfspec.tree_probe import reads_trees
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class SpeculativeGenerator:
             recurrent.check(self.draft, "draft")
         self.check_invariants = True
         self.tuning = Tuning()  # gamma="auto": the costs measured here and the acceptance seen so far
+        self._reads_trees: bool | None = None  # whether the target reads a tree exactly (probed once)
 
     def measure_costs(self, context: Sequence[int] | None = None, force: bool = False) -> Costs:
         """Time the target over 1..K+1 new tokens and one drafting step on this machine (once; ``force``
@@ -237,12 +239,26 @@ class SpeculativeGenerator:
                               "own path; use tree=None")
         if tree:
             check_tree_attention(self.target, "target")
+            if not self.target_reads_trees():
+                raise HfspecError(f"the target ({type(self.target).__name__}) did not read a draft tree exactly: its "
+                                  "logits for a small tree differ from chain forwards along each path (its attention "
+                                  "rebuilds the mask or positions it is given); use tree=None (a chain)")
         return tree
+
+    def target_reads_trees(self) -> bool:
+        """Whether the target reads a tree's 4-D mask and positions exactly (``hfspec.tree_probe``; once)."""
+        if self._reads_trees is None:
+            self._reads_trees = reads_trees(self.target)
+            if not self._reads_trees:
+                log.warning("the target %s does not read draft trees exactly; it verifies chains only",
+                            type(self.target).__name__)
+        return self._reads_trees
 
     def drafts_trees(self) -> bool:
         """Whether this pair drafts real trees and verifies them exactly (given processors that allow them)."""
         return builds_trees(self.drafter) and not (KVState.is_recurrent(self.target) or self.drafter.recurrent) \
-            and not (sliding_window(self.target) is not None and not takes_mask_mapping(self.target))
+            and not (sliding_window(self.target) is not None and not takes_mask_mapping(self.target)) \
+            and self.target_reads_trees()
 
     def _auto_trees(self, needs_context: bool) -> tuple[int, ...]:
         """The node budgets ``tree="auto"`` may choose: none where a tree cannot be exact or the drafter builds

@@ -12,7 +12,8 @@ import torch
 from stat_utils import ALPHA, chi_square_pvalue
 from transformers import DynamicCache
 
-from hfspec import SpeculativeGenerator, api, cli, sampling, tree
+from hfspec import SpeculativeGenerator, api, cli, models, sampling, tree, tree_probe
+from hfspec import generator as generator_module
 from hfspec.cache import KVState
 from hfspec.costs import Costs
 from hfspec.drafters import ngram
@@ -464,3 +465,32 @@ def test_hybrid_trees_equal_target_greedy(eagle_target, head, model_dir):
     assert [row[-24:] for row in out.sequences.tolist()] == want
     assert out.stats.tree_nodes > 0 and out.stats.accepted > 0
 
+
+
+# -- the probe: a target whose attention misreads the tree never verifies one ---------------------------------
+
+@pytest.mark.parametrize("arch, extra", [
+    ("llama", {}), ("gpt2", {}), ("qwen2", {}), ("gemma2", {"sliding_window": 4}),
+])
+def test_the_tree_probe_passes_targets_that_read_trees(arch, extra, model_dir):
+    target, _ = tiny.load(model_dir(arch, seed=0, vocab_size=64, eos=None, **extra))
+    assert tree_probe.reads_trees(target)
+
+
+def test_the_tree_probe_catches_a_mask_that_lets_siblings_see_each_other(model_dir, monkeypatch):
+    target, _ = tiny.load(model_dir("llama", seed=0, vocab_size=64, eos=None))
+    monkeypatch.setattr(tree_probe, "tree_attention", lambda model, full, sliding=None: models.tree_attention(
+        model, torch.ones_like(full)))  # every node sees every node: the attention a careless model would use
+    assert not tree_probe.reads_trees(target)
+
+
+def test_a_target_that_misreads_trees_keeps_chains(tiny_pair, monkeypatch):
+    target, draft, tok = tiny_pair("llama")
+    monkeypatch.setattr(generator_module, "reads_trees", lambda model: False)
+    gen = SpeculativeGenerator(target, draft, tok)
+    with pytest.raises(HfspecError, match="did not read a draft tree exactly"):
+        gen.generate([[5, 6, 7]], max_new_tokens=8, tree=4)
+    gen.tuning.costs = flat_costs()
+    out = gen.generate([[5, 6, 7]], max_new_tokens=12)  # tree="auto": the chain, exact
+    assert out.stats.tree_nodes == 0 and gen.tuning.trees == ()
+    assert out.sequences[0, 3:].tolist() == reference(target, [5, 6, 7], 12)
