@@ -5,8 +5,9 @@ decoding step, since both stream the same weights once, but torch's small-M GEMM
 :func:`accelerate` turns every plain ``nn.Linear`` of a model the caller passes (attention, MLP, output
 head) into a :class:`FastLinear`, which runs :mod:`hfspec.kernels` for inputs of at most ``max_rows``
 rows on CPU with fp32 or bf16 weights (fp32: up to 2048 rows, prompts included; bf16: up to 48) and
-torch's ``F.linear`` for anything else (longer bf16 prompts, other devices and dtypes, autograd). Weights keep their tensors and layout: nothing is copied, and a head
-tied to the embedding stays tied. :func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off.
+torch's ``F.linear`` for anything else (longer bf16 prompts, other devices and dtypes, autograd).
+Weights keep their tensors and layout: nothing is copied, and a head tied to the embedding stays tied.
+:func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off.
 
 :func:`accelerate_loaded` is the policy ``hfspec.loading.load_pair`` applies to the models it loads
 itself (CPU, fp32 or bf16, a vectorised kernel); :func:`describe` says what a model runs, for reports;

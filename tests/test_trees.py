@@ -10,7 +10,6 @@ import stat_utils
 import tiny
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
-from transformers import DynamicCache
 
 from hfspec import SpeculativeGenerator, api, cli, models, sampling, tree, tree_probe
 from hfspec import generator as generator_module
