@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from hfspec.models import tree_attention
 from hfspec.recurrent import RecurrentState, is_recurrent
 
 
@@ -136,6 +137,15 @@ class KVState:
             return allowed
         key_positions = torch.cat([self.mask[:, : self.length - tree].cumsum(dim=1) - 1, tree_positions], dim=1)
         return allowed & (query_positions[:, :, None] - key_positions[:, None, :] < window)
+
+    def tree_attention(self, model: Any, visible: torch.Tensor, query_positions: torch.Tensor,
+                       tree_positions: torch.Tensor, window: int | None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """What ``model``'s forward takes as the mask of k new columns seeing ``visible`` of the tree (as in
+        ``tree_mask``) and every valid cached column: full attention, plus, with ``window``, the sliding-window
+        layers' mask counted in positions (``models.tree_attention``)."""
+        full = self.tree_mask(visible, query_positions, tree_positions, None)
+        sliding = self.tree_mask(visible, query_positions, tree_positions, window) if window else None
+        return tree_attention(model, full, sliding)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (1-D long) of the batch, e.g. after others finished."""

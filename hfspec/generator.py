@@ -42,7 +42,7 @@ from hfspec.errors import HfspecError
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import draft_module, load_pair, make_drafter
 from hfspec.models import (check_causal_lm, check_tree_attention, forward, forward_features, shared_vocab_size,
-                           sliding_window, takes_mask_mapping, tree_attention)
+                           sliding_window, takes_mask_mapping, window_in_columns)
 from hfspec.policy import GammaPolicy, Step, TreeStep, Tuning, as_policy
 from hfspec.rows import Rows, right_pad
 from hfspec.scoring import DraftContext, Scoring
@@ -107,16 +107,16 @@ class SpeculativeGenerator:
         ids = (ids * (64 // len(ids) + 1))[-64:]  # costs depend on the cache length a little: a realistic one
         window = self._context_window()
         device = self.target.get_output_embeddings().weight.device
-        if self.tuning.costs is None or force:
-            if window is not None:  # context plus the largest verification must fit the position embeddings
+        measuring = self.tuning.costs is None or force
+        if window is not None:  # context plus the largest verification must fit the position embeddings
+            if measuring:
                 self.tuning.maximum = max(1, min(self.tuning.maximum, window // 2 - 1))
-                ids = ids[-(window - max((self.tuning.maximum, *self.tuning.trees)) - 1):]
+            ids = ids[-(window - max((self.tuning.maximum, *self.tuning.trees)) - 1):]
+        if measuring:
             self.tuning.costs = costs.measure(self.target, self.drafter, ids, self.tuning.maximum, device,
                                               extra=[n + 1 for n in self.tuning.trees])
             log.info("measured costs: %s", self.tuning.costs.to_dict())
         elif self.tuning.trees:  # trees asked for after the chain's costs were measured
-            if window is not None:
-                ids = ids[-(window - max(self.tuning.trees) - 1):]
             self.tuning.costs.measure_more(self.target, ids, [n + 1 for n in self.tuning.trees], device)
         return self.tuning.costs
 
@@ -213,8 +213,7 @@ class SpeculativeGenerator:
             generator = torch.Generator(device=device).manual_seed(int(seed))
         # A recurrent state cannot skip padding or a masked hole, nor can a sliding window that transformers counts
         # in cache columns (a model without a mask per layer type, such as Mistral): then each prompt runs alone.
-        alone = KVState.is_recurrent(self.target) or self.drafter.recurrent or \
-            (sliding_window(self.target) is not None and not takes_mask_mapping(self.target))
+        alone = KVState.is_recurrent(self.target) or self.drafter.recurrent or window_in_columns(self.target)
         rows = [(r[m.bool()][None], m[m.bool()][None]) for r, m in zip(ids, mask)] if alone else [(ids, mask)]
         try:
             parts = [_Loop(self, conf, processors, policy, generator, streamer, window, nodes)
@@ -257,8 +256,7 @@ class SpeculativeGenerator:
     def drafts_trees(self) -> bool:
         """Whether this pair drafts real trees and verifies them exactly (given processors that allow them)."""
         return builds_trees(self.drafter) and not (KVState.is_recurrent(self.target) or self.drafter.recurrent) \
-            and not (sliding_window(self.target) is not None and not takes_mask_mapping(self.target)) \
-            and self.target_reads_trees()
+            and not window_in_columns(self.target) and self.target_reads_trees()
 
     def _auto_trees(self, needs_context: bool) -> tuple[int, ...]:
         """The node budgets ``tree="auto"`` may choose: none where a tree cannot be exact or the drafter builds
@@ -331,7 +329,7 @@ class _Loop:
             self.rollback(verdict)  # 4. both caches forget what was not kept
             t2 = now(device)
             drafted = proposal.drafted()
-            self.learn(proposal, verdict, confidence, t1 - t0, t2 - t1)
+            self.learn(proposal, drafted, verdict, confidence, t1 - t0, t2 - t1)
             block = verdict.tokens()
             committed, has_eos = rows.commit(block, verdict.accepted + 1)  # 5. cut at budgets and EOS
             self.stream(block, committed)
@@ -376,12 +374,13 @@ class _Loop:
             self.step_nodes = self.policy.tree_nodes()
         return max(0, min(wanted, int(self.rows.left.max()) - 1))
 
-    def learn(self, proposal: Proposal | TreeProposal, verdict: Verdict, confidence: torch.Tensor | None,
-              draft_seconds: float, verify_seconds: float) -> None:
-        """Tell the policy what the step did: a chain's drafts and acceptance, or a tree's accepted path."""
+    def learn(self, proposal: Proposal | TreeProposal, drafted: torch.Tensor, verdict: Verdict,
+              confidence: torch.Tensor | None, draft_seconds: float, verify_seconds: float) -> None:
+        """Tell the policy what the step did: a chain's drafts (``drafted`` (B,) per row) and acceptance, or a
+        tree's accepted path."""
         index, accepted = self.rows.index.cpu(), verdict.accepted.cpu()
         if verdict.path is None:
-            self.policy.update(Step(index, proposal.gamma, proposal.drafted().cpu(), accepted, confidence,
+            self.policy.update(Step(index, proposal.gamma, drafted.cpu(), accepted, confidence,
                                     draft_seconds, verify_seconds))
         else:
             self.policy.update_tree(TreeStep(index, self.step_nodes, proposal.parents.cpu(), proposal.mask().cpu(),
@@ -467,9 +466,7 @@ class _Loop:
         """The target's masks for new columns at ``positions`` (B, k) that see ``visible`` (B, k, k) of each
         other and every valid cached column: full attention, plus the sliding window counted in positions
         where the target has one (trees run only where ``self.sliding`` covers it: see check_tree_attention)."""
-        full = self.kv.tree_mask(visible, positions, positions, None)
-        sliding = self.kv.tree_mask(visible, positions, positions, self.sliding) if self.sliding else None
-        return tree_attention(self.target, full, sliding)
+        return self.kv.tree_attention(self.target, visible, positions, positions, self.sliding)
 
     def rollback(self, verdict: Verdict) -> None:
         """The drafter keeps what it needs of its drafts; the target keeps the pending token and the kept drafts.

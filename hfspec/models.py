@@ -88,9 +88,15 @@ def takes_mask_mapping(model: PreTrainedModel) -> bool:
         return False
 
 
+def window_in_columns(model: PreTrainedModel) -> bool:
+    """True when ``model`` has sliding-window layers and takes no mask per layer type (Mistral): transformers
+    then counts the window in cache columns, so neither a masked hole nor a tree can be read exactly."""
+    return sliding_window(model) is not None and not takes_mask_mapping(model)
+
+
 def check_tree_attention(model: PreTrainedModel, role: str) -> None:
     """Refuse a model that cannot read a tree in one forward (a prepared 4-D mask and explicit positions)."""
-    if sliding_window(model) is not None and not takes_mask_mapping(model):
+    if window_in_columns(model):
         raise HfspecError(f"the {role} ({type(model).__name__}) has sliding-window layers and takes no mask per "
                           "layer type, so a draft tree cannot be verified exactly; use tree=None (a chain)")
 

@@ -25,6 +25,7 @@ a model or a cache.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -232,6 +233,36 @@ def expand(cum: torch.Tensor, alive: torch.Tensor, q: torch.Tensor, width: int, 
     q_token = q[rows, frontier, tokens]
     real = alive.gather(1, frontier) & (q_token > 0)
     return frontier, tokens, cum.gather(1, frontier) * q_token, real
+
+
+# next_level(new, frontier, parents, depth): a drafter's forward over a level's new nodes (B, w) at ``depth``,
+# ``frontier`` their parents' index in the level before and ``parents`` (B, N) every node's parent so far;
+# returns the next-token distributions (B, w, V) of the new nodes.
+NextLevel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def grow(q: torch.Tensor, alive: torch.Tensor, nodes: int, depth: int, sample: bool,
+         generator: torch.Generator | None, next_level: NextLevel) -> TreeProposal:
+    """An EAGLE-2 dynamic tree of at most ``nodes`` nodes in at most ``depth`` levels, from the root's draft
+    distribution ``q`` (B, 1, V): each level the ``shape(nodes)`` width of best new children (``expand``), one
+    ``next_level`` call (one draft forward) between levels. ``alive`` (B, 1): rows that may draft at all."""
+    batch, device = q.shape[0], q.device
+    width, _ = shape(nodes)
+    worth = torch.ones(batch, 1, device=device)
+    ids = torch.full((batch, 1), -1, dtype=torch.long, device=device)  # the frontier's node numbers
+    parts: list[tuple[torch.Tensor, ...]] = []  # (tokens, parents, q, real) per level
+    for level in range(depth):
+        used = sum(part[0].shape[1] for part in parts)
+        frontier, new, worth, alive = expand(worth, alive, q, min(width, nodes - used), sample, generator)
+        parts.append((new, ids.gather(1, frontier), q.gather(1, frontier[..., None].expand(-1, -1, q.shape[-1])),
+                      alive))
+        ids = torch.arange(used, used + new.shape[1], device=device).expand(batch, -1)
+        if level + 1 == depth or used + new.shape[1] >= nodes:
+            break
+        q = next_level(new, frontier, torch.cat([part[1] for part in parts], 1), level + 1)
+    tokens, parents, real = (torch.cat([part[i] for part in parts], 1) for i in (0, 1, 3))
+    return TreeProposal(tokens, parents, torch.cat([part[2] for part in parts], 1) if sample else None, real,
+                        forwards=len(parts))
 
 
 def graft(main: TreeProposal, extra: TreeProposal) -> TreeProposal:

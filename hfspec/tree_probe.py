@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hfspec.cache import KVState
-from hfspec.models import forward, sliding_window, takes_mask_mapping, tree_attention
+from hfspec.models import forward, sliding_window, takes_mask_mapping
 from hfspec.tree import ancestry
 
 # The probe: a context, then the pending token (the root) with children x and y, and z under x.
@@ -40,9 +40,8 @@ def reads_trees(model: PreTrainedModel) -> bool:
     positions = n + torch.tensor([_DEPTHS], device=device)
     visible = ancestry(torch.tensor([_PARENTS], device=device))
     window = sliding_window(model) if takes_mask_mapping(model) else None
-    full = kv.tree_mask(visible, positions, positions, None)
-    sliding = kv.tree_mask(visible, positions, positions, window) if window else None
-    tree_logits = forward(model, nodes, tree_attention(model, full, sliding), positions, kv.cache)[0]
+    tree_logits = forward(model, nodes, kv.tree_attention(model, visible, positions, positions, window), positions,
+                          kv.cache)[0]
     scale = 1e-3 if tree_logits.dtype == torch.float32 and model.dtype == torch.float32 else 3e-2
     for node, path in _PATHS.items():
         chain = torch.cat([context, nodes[:, list(path)]], dim=1)

@@ -11,7 +11,7 @@ import tiny
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import SpeculativeGenerator, api, cli, models, sampling, tree, tree_probe
+from hfspec import SpeculativeGenerator, api, cache, cli, models, sampling, tree, tree_probe
 from hfspec import generator as generator_module
 from hfspec.cache import KVState
 from hfspec.costs import Costs
@@ -478,7 +478,7 @@ def test_the_tree_probe_passes_targets_that_read_trees(arch, extra, model_dir):
 
 def test_the_tree_probe_catches_a_mask_that_lets_siblings_see_each_other(model_dir, monkeypatch):
     target, _ = tiny.load(model_dir("llama", seed=0, vocab_size=64, eos=None))
-    monkeypatch.setattr(tree_probe, "tree_attention", lambda model, full, sliding=None: models.tree_attention(
+    monkeypatch.setattr(cache, "tree_attention", lambda model, full, sliding=None: models.tree_attention(
         model, torch.ones_like(full)))  # every node sees every node: the attention a careless model would use
     assert not tree_probe.reads_trees(target)
 

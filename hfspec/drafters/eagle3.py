@@ -226,28 +226,17 @@ class Eagle3Drafter(Drafter):
         self.features = self.features[:, :0]
         self.start_col = self.kv.length
         q = ctx.dists(self._full(self.head.logits(h)).to(ctx.tokens.device))  # (B, 1, V) at the root
-        batch, device = q.shape[0], q.device
-        width, _ = tree.shape(nodes)
-        cum, alive = torch.ones(batch, 1, device=device), can_draft[:, None]
-        parts: list[tuple[torch.Tensor, ...]] = []  # (tokens, parents, q, real) per level
-        ids = torch.full((batch, 1), -1, dtype=torch.long, device=device)
-        for level in range(depth):
-            used = sum(part[0].shape[1] for part in parts)
-            frontier, new, cum, alive = tree.expand(cum, alive, q, min(width, nodes - used), ctx.sample, ctx.generator)
-            parts.append((new, ids.gather(1, frontier), q.gather(1, frontier[..., None].expand(-1, -1, q.shape[-1])),
-                          alive))
-            ids = torch.arange(used, used + new.shape[1], device=device).expand(batch, -1)
-            if level + 1 == depth or used + new.shape[1] >= nodes:
-                break
-            parents = torch.cat([part[1] for part in parts], 1)
-            node_positions = (ctx.lengths[:, None] - 2 + level + 1).expand_as(new).to(self.device)
-            h = cached_step(self.head, self._embed(new), h.gather(1, frontier.to(self.device)[..., None].expand(
-                -1, -1, h.shape[-1])), node_positions, self.kv, torch.ones_like(new, device=self.device),
-                tree.ancestry(parents)[:, -new.shape[1]:].to(self.device))
-            q = ctx.dists(self._full(self.head.logits(h)).to(device))
-        return TreeProposal(*(torch.cat([part[i] for part in parts], 1) for i in range(2)),
-                            torch.cat([part[2] for part in parts], 1) if ctx.sample else None,
-                            torch.cat([part[3] for part in parts], 1), forwards=len(parts))
+
+        def next_level(new: torch.Tensor, frontier: torch.Tensor, parents: torch.Tensor, level: int) -> torch.Tensor:
+            nonlocal h  # each node reads its parent's pre-norm output
+            positions = (ctx.lengths[:, None] - 2 + level).expand_as(new).to(self.device)
+            parent_h = h.gather(1, frontier.to(self.device)[..., None].expand(-1, -1, h.shape[-1]))
+            h = cached_step(self.head, self._embed(new), parent_h, positions, self.kv,
+                            torch.ones_like(new, device=self.device),
+                            tree.ancestry(parents)[:, -new.shape[1]:].to(self.device))
+            return ctx.dists(self._full(self.head.logits(h)).to(q.device))
+
+        return tree.grow(q, can_draft[:, None], nodes, depth, ctx.sample, ctx.generator, next_level)
 
     def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         self.kv.rollback(torch.zeros_like(self.fed), self.start_col)  # the head's own entries go

@@ -17,8 +17,7 @@ from hfspec import sampling, tree
 from hfspec.cache import KVState
 from hfspec.costs import forward_seconds
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
-from hfspec.models import check_causal_lm, check_tree_attention, forward, model_vocab_size, sliding_window, \
-    tree_attention
+from hfspec.models import check_causal_lm, check_tree_attention, forward, model_vocab_size, sliding_window
 from hfspec.tree import TreeProposal
 
 
@@ -32,8 +31,7 @@ class ModelDrafter(Drafter):
         self.kv: KVState | None = None
         self.fed = torch.zeros(0, dtype=torch.long)  # committed tokens in the cache, per row
         self.drafts: torch.Tensor | None = None  # (B, k) the last proposal, until it is committed
-        self.tree: TreeProposal | None = None  # the last tree and how many of its nodes the cache holds
-        self.tree_fed = 0
+        self.tree_fed = 0  # how many nodes of the last tree the cache holds (every level but the last)
 
     @property
     def recurrent(self) -> bool:
@@ -80,28 +78,14 @@ class ModelDrafter(Drafter):
         logits = self._forward(*self._unfed(ctx))
         self.fed, self.start_col = ctx.lengths.clone(), self.kv.length
         q = ctx.dists(logits[:, None].to(ctx.tokens.device))  # (B, 1, V) at the root
-        batch, device = q.shape[0], q.device
-        width, _ = tree.shape(nodes)
-        ids = torch.full((batch, 1), -1, dtype=torch.long, device=device)  # the frontier's node numbers
-        cum, alive = torch.ones(batch, 1, device=device), torch.ones(batch, 1, dtype=torch.bool, device=device)
-        tokens, parents, qs, real, forwards = [], [], [], [], 1
-        for level in range(depth):
-            frontier, new, cum, alive = tree.expand(cum, alive, q, min(width, nodes - sum(t.shape[1] for t in tokens)),
-                                                    ctx.sample, ctx.generator)
-            tokens.append(new)
-            parents.append(ids.gather(1, frontier))
-            qs.append(q.gather(1, frontier[:, :, None].expand(-1, -1, q.shape[-1])))
-            real.append(alive)
-            count = sum(t.shape[1] for t in tokens)
-            ids = torch.arange(count - new.shape[1], count, device=device).expand(batch, -1)
-            if level + 1 == depth or count >= nodes:
-                break
-            q = ctx.dists(self._tree_forward(ctx, torch.cat(parents, 1), new, level + 1).to(device))
-            forwards += 1
-        self.tree = TreeProposal(torch.cat(tokens, 1), torch.cat(parents, 1),
-                                 torch.cat(qs, 1) if ctx.sample else None, torch.cat(real, 1), forwards)
-        self.tree_fed = self.tree.nodes - tokens[-1].shape[1]
-        return self.tree
+        self.tree_fed = 0
+
+        def next_level(new: torch.Tensor, frontier: torch.Tensor, parents: torch.Tensor, level: int) -> torch.Tensor:
+            self.tree_fed += new.shape[1]
+            return ctx.dists(self._tree_forward(ctx, parents, new, level).to(q.device))
+
+        alive = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device)
+        return tree.grow(q, alive, nodes, depth, ctx.sample, ctx.generator, next_level)
 
     def _tree_forward(self, ctx: Context, parents: torch.Tensor, new: torch.Tensor, depth: int) -> torch.Tensor:
         """Logits (B, w, V) after the ``new`` (B, w) nodes at ``depth``, the last of the tree so far."""
@@ -109,10 +93,8 @@ class ModelDrafter(Drafter):
         self.kv.extend_mask(torch.ones_like(new))
         visible = tree.ancestry(parents)[:, -new.shape[1]:]  # (B, w, nodes so far): themselves and ancestors
         tree_positions = ctx.lengths[:, None] - 1 + tree.depths(parents)
-        window = sliding_window(self.model)
-        full = self.kv.tree_mask(visible, positions, tree_positions, None)
-        sliding = self.kv.tree_mask(visible, positions, tree_positions, window) if window else None
-        return forward(self.model, new, tree_attention(self.model, full, sliding), positions, self.kv.cache)
+        mask = self.kv.tree_attention(self.model, visible, positions, tree_positions, sliding_window(self.model))
+        return forward(self.model, new, mask, positions, self.kv.cache)
 
     def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         # The accepted path's nodes that were fed (all but a last-level leaf) are kept, gathered in order.
