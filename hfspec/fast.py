@@ -7,7 +7,9 @@ head) into a :class:`FastLinear`, which runs :mod:`hfspec.kernels` for inputs of
 rows on CPU with fp32 or bf16 weights (fp32: up to 2048 rows, prompts included; bf16: up to 48) and
 torch's ``F.linear`` for anything else (longer bf16 prompts, other devices and dtypes, autograd).
 Weights keep their tensors and layout: nothing is copied, and a head tied to the embedding stays tied.
-:func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off.
+:func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off. A model running transformers' ``sdpa``
+attention also switches to :mod:`hfspec.cpu_attention`'s, which reads grouped key/value heads in place for
+masked (verification) queries instead of copying the cache per layer.
 
 :func:`accelerate_loaded` is the policy ``hfspec.loading.load_pair`` applies to the models it loads
 itself (CPU, fp32 or bf16, a vectorised kernel); :func:`describe` says what a model runs, for reports;
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hfspec import kernels
+from hfspec import cpu_attention, kernel_plan, kernels
 
 __all__ = ["AccelerationReport", "FastLinear", "accelerate", "accelerate_loaded", "accelerated", "describe",
            "is_accelerated", "restore", "suspended"]
@@ -53,6 +55,7 @@ class FastLinear(nn.Linear):
     """
 
     max_rows: int = MAX_ROWS
+    plan: tuple[int, ...] | None = None  # the block shape per row count (kernel_plan); None: the default
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w, b, k = self.weight, self.bias, self.in_features
@@ -62,12 +65,12 @@ class FastLinear(nn.Linear):
                 or (torch.is_grad_enabled() and (w.requires_grad or input.requires_grad))):
             return F.linear(input, w, b)
         if input.dtype is torch.float32 and input.is_contiguous() and (b is None or b.is_contiguous()):
-            return kernels.linear(library, input, w, b)  # the decoding path: no copy, no reshape
+            return kernels.linear(library, input, w, b, self.plan)  # the decoding path: no copy, no reshape
         x = input.reshape(-1, k)
         if x.dtype != torch.float32 or x.stride(-1) != 1:  # bf16 activations are summed in fp32
             x = x.float().contiguous()
         bias = None if b is None else b.float().contiguous()
-        out = kernels.linear(library, x, w, bias)
+        out = kernels.linear(library, x, w, bias, self.plan)
         return out.to(input.dtype).reshape(*input.shape[:-1], self.out_features)
 
 
@@ -82,6 +85,7 @@ class AccelerationReport:
     library: Path | None
     build_seconds: float             # compile time paid by this call (0.0 from the cache)
     reason: str | None = None        # why nothing was converted, if so
+    attention: bool = False          # whether the model's sdpa attention switched to hfspec.cpu_attention
 
 
 def _skip_reason(module: nn.Linear) -> str | None:
@@ -99,7 +103,8 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None) -> Acceleration
     """Make ``model``'s plain ``nn.Linear`` layers run hfspec's kernel for inputs of at most ``max_rows`` rows
     (by default ``MAX_ROWS_F32`` for fp32 weights, prompts included, and ``MAX_ROWS`` for bf16 ones).
 
-    Builds the kernel on first use (seconds, cached afterwards). The model is changed in place; nothing
+    Builds the kernel on first use (seconds, cached afterwards), and times its block shapes on the model's
+    layers the first time this machine sees their shapes (seconds, cached: :mod:`hfspec.kernel_plan`). The model is changed in place; nothing
     else is touched, and :func:`restore` undoes it. Where the kernel cannot be built or ``HFSPEC_KERNELS=0``
     is set, the model is left as it is and the report says why.
     """
@@ -112,7 +117,7 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None) -> Acceleration
     if library is None:
         return AccelerationReport((), (), 0, None, None, 0.0, reason=kernels.build_failure())
     _KERNEL = library
-    layers, skipped = [], []
+    layers, converted, skipped = [], [], []
     for name, module in model.named_modules():
         if type(module) not in (nn.Linear, FastLinear):  # subclasses (quantised, LoRA...) have their own forward
             continue
@@ -123,16 +128,25 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None) -> Acceleration
         module.__class__ = FastLinear
         module.max_rows = max_rows or (MAX_ROWS_F32 if module.weight.dtype == torch.float32 else MAX_ROWS)
         layers.append(name)
-    return AccelerationReport(tuple(layers), tuple(skipped), 0, library.isa, library.path, library.build_seconds)
+        converted.append(module)
+    plan = kernel_plan.plan_for(library, converted)
+    for module in converted:
+        module.plan = plan
+    attention = bool(converted) and cpu_attention.use(model)
+    return AccelerationReport(tuple(layers), tuple(skipped), 0, library.isa, library.path, library.build_seconds,
+                              attention=attention)
 
 
 def restore(model: nn.Module) -> int:
-    """Turn ``model``'s :class:`FastLinear` layers back into ``nn.Linear``; the number restored."""
+    """Turn ``model``'s :class:`FastLinear` layers back into ``nn.Linear`` and its attention back to ``sdpa``;
+    the number of layers restored."""
+    cpu_attention.unuse(model)
     count = 0
     for module in model.modules():
         if type(module) is FastLinear:
             module.__class__ = nn.Linear
             module.__dict__.pop("max_rows", None)
+            module.__dict__.pop("plan", None)
             count += 1
     return count
 
@@ -205,6 +219,7 @@ def suspended(*models: nn.Module | None) -> Iterator[None]:
     """``with suspended(target, draft):`` runs torch's own linears inside the block; the same layers run
     the kernel again afterwards (a benchmark's eager baseline on an accelerated model)."""
     layers = [m for model in models if model is not None for m in model.modules() if type(m) is FastLinear]
+    switched = [model for model in models if model is not None and cpu_attention.unuse(model)]
     for layer in layers:
         layer.__class__ = nn.Linear
     try:
@@ -212,3 +227,5 @@ def suspended(*models: nn.Module | None) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.__class__ = FastLinear
+        for model in switched:
+            cpu_attention.use(model)

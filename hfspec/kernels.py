@@ -8,10 +8,15 @@ CPU into ``$HFSPEC_CACHE/kernels`` (default ``~/.cache/hfspec``), keyed by a has
 compiler, its flags and the CPU's flags, under a file lock so that concurrent processes build it once.
 Where no compiler exists or the build fails, :func:`load` logs one warning and returns ``None``, and
 callers keep torch's own ``F.linear``.
+
+The library offers a few block shapes (rows by weight rows, :attr:`KernelLibrary.shapes`); every one gives
+the same bits. A *plan* says which to use for M rows (``plan[min(M, len(plan) - 1)]``): :func:`default_plan`
+before anything is measured, :mod:`hfspec.kernel_plan` once the shapes were timed on a model's own layers.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -30,7 +35,8 @@ try:  # POSIX file locks; elsewhere concurrent first builds are not serialised
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-__all__ = ["KernelLibrary", "build", "build_failure", "compiler", "library_path", "linear", "load"]
+__all__ = ["PLAN_ROWS", "KernelLibrary", "build", "build_failure", "compiler", "default_plan", "library_path",
+           "linear", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +48,7 @@ BUILD_TIMEOUT_S = 120
 
 # Weight dtypes the kernel reads; inputs, bias and output are fp32 (bf16 activations are widened).
 _ENTRY = {torch.float32: "hfspec_linear_f32", torch.bfloat16: "hfspec_linear_bf16w"}
-_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+_ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
              ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
 
 
@@ -53,6 +59,7 @@ class KernelLibrary:
     path: Path
     isa: str                     # "avx512", "avx2" or "scalar"
     build_seconds: float         # 0.0 when it came from the cache
+    shapes: tuple[tuple[int, int], ...]  # (rows, weight rows) per block, by shape index
     entries: dict = field(repr=False, compare=False)  # weight dtype -> ctypes function
 
     def __deepcopy__(self, memo: dict) -> KernelLibrary:
@@ -116,7 +123,30 @@ def _open(path: Path, seconds: float) -> KernelLibrary:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, _ARGTYPES
         entries[dtype] = fn
-    return KernelLibrary(path=path, isa=lib.hfspec_isa().decode(), build_seconds=seconds, entries=entries)
+    shapes = []
+    for i in range(lib.hfspec_shape_count()):
+        mb, nb = ctypes.c_int(), ctypes.c_int()
+        lib.hfspec_shape(i, ctypes.byref(mb), ctypes.byref(nb))
+        shapes.append((mb.value, nb.value))
+    return KernelLibrary(path=path, isa=lib.hfspec_isa().decode(), build_seconds=seconds, shapes=tuple(shapes),
+                         entries=entries)
+
+
+# Plans cover 0..PLAN_ROWS rows one by one; the last entry serves every larger call (prompts).
+PLAN_ROWS = 48
+
+
+@functools.cache
+def default_plan(library: KernelLibrary) -> tuple[int, ...]:
+    """The shape per row count before any timing: what measured best on one AMD EPYC with AVX-512 (1-2 rows
+    one weight row at a time; 9-12 rows one pass of 12 over 2 weight rows; otherwise passes of up to 8 over 3),
+    and the one AVX2 shape that was measured (2 rows over 4 weight rows)."""
+    index = {shape: i for i, shape in enumerate(library.shapes)}
+    if library.isa != "avx512":
+        return (index.get((2, 4), 0),) * (PLAN_ROWS + 1)
+    def shape(m: int) -> tuple[int, int]:
+        return (16, 1) if m <= 2 else (12, 2) if 9 <= m <= 12 else (8, 3)
+    return tuple(index[shape(m)] for m in range(PLAN_ROWS + 1))
 
 
 def load() -> KernelLibrary | None:
@@ -141,8 +171,9 @@ def build_failure() -> str | None:
 
 
 def linear(library: KernelLibrary, x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for fp32 ``x`` (M, K) or (..., K) on CPU, with an fp32 or bf16 ``weight`` (N, K).
+           bias: torch.Tensor | None = None, plan: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for fp32 ``x`` (M, K) or (..., K) on CPU, with an fp32 or bf16 ``weight`` (N, K),
+    in the block shape ``plan`` names for M rows (by default :func:`default_plan`'s).
 
     ``weight`` needs unit stride along K; ``x`` too, and its rows evenly spaced (any 2-D slice of
     rows, or a contiguous tensor of more dimensions); ``bias`` is fp32 and contiguous. The caller
@@ -154,7 +185,9 @@ def linear(library: KernelLibrary, x: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"linear needs x (M, K) and weight (N, K) with unit stride along K; got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}: pass .contiguous() tensors")
     out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-    library.entries[weight.dtype](x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(), k,
-                                  None if bias is None else bias.data_ptr(), out.data_ptr(), n, x.numel() // k, n, k,
+    m = x.numel() // k
+    plan = plan or default_plan(library)
+    library.entries[weight.dtype](plan[min(m, len(plan) - 1)], x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(), k,
+                                  None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
                                   torch.get_num_threads())
     return out

@@ -9,7 +9,6 @@ import json
 import math
 
 import eagle3_heads as eh
-import numpy as np
 import pytest
 import stat_utils
 import tiny

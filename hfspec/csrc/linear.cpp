@@ -5,7 +5,7 @@
 // range of output features and, for each block of NB weight rows, runs every block of MB input rows over
 // it while it is still in L1, so M rows cost about what one row costs (the ggml micro-GEMM shape).
 // The vector width is chosen when this file is compiled (-march=native): AVX-512, AVX2+FMA or scalar;
-// the block shape (MB, NB) per call, from M (see ``linear``). Every output is the same dot product summed
+// the block shape (MB, NB) per call, by the caller (see SHAPES). Every output is the same dot product summed
 // in the same order whatever the shape, so a row gets the same bits whatever rows come with it.
 #include <stdint.h>
 #include <string.h>
@@ -19,7 +19,7 @@
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int VW = 16;  // 32 registers: shapes up to 24 accumulators + NB weight + 1 input (``linear``)
+constexpr int VW = 16;  // 32 registers (SHAPES)
 typedef __m512 vec;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -36,7 +36,7 @@ inline vec vload_bf16_tail(const uint16_t* p, int n) {
 }
 const char* ISA = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int VW = 8;  // 16 registers: 8 accumulators + 4 weight + 1 input (MB = 2, NB = 4)
+constexpr int VW = 8;  // 16 registers (SHAPES)
 typedef __m256 vec;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
@@ -81,6 +81,15 @@ inline void keep_in_register(vec& v) { asm volatile("" : "+v"(v)); }
 inline void keep_in_register(vec&) {}
 #endif
 
+// Each block shape is a function of its own: inlined into the threads' loop, all of them shared one register
+// allocation there, and some (3 rows over 1 weight row) reloaded their row pointers from the stack in the inner
+// loop (measured: a forward's linears over 3 rows 22 ms where 4 rows took 19).
+#if defined(__GNUC__)
+#define NOINLINE __attribute__((noinline))
+#else
+#define NOINLINE
+#endif
+
 inline vec wload(const float* p) { return vload(p); }
 inline vec wload(const uint16_t* p) { return vload_bf16(p); }
 inline vec wload_tail(const float* p, int n) { return vload_tail(p, n); }
@@ -91,7 +100,7 @@ inline vec wload_tail(const uint16_t* p, int n) { return vload_bf16_tail(p, n); 
 // keeps streaming while the other passes of input rows run over this block from L1. (Spreading the
 // prefetches over all passes measured slower.)
 template <int R, int C, int NB, typename W>
-void block(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* sums, const W* next) {
+NOINLINE void block(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* sums, const W* next) {
     vec acc[R][C];
     for (int i = 0; i < R; ++i)
         for (int j = 0; j < C; ++j) acc[i][j] = vzero();
@@ -156,20 +165,25 @@ void linear_shaped(const float* x, int64_t ldx, const W* w, int64_t ldw, const f
     }
 }
 
-// The block shape for M rows, measured on the offline target (SmolLM2-135M, AMD EPYC, AVX-512, 2 threads):
-// one or two rows stream the weights fastest one weight row at a time (a forward 10% faster than in blocks
-// of 3); 9-12 rows run in one pass of 12 over pairs of weight rows (13% faster than two passes of 8 over 3);
-// elsewhere passes of up to 8 rows over 3 weight rows (24 accumulators) did best.
-template <typename W>
-void linear(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b, float* y, int64_t ldy,
-            int64_t M, int64_t N, int64_t K, int threads) {
+// The block shapes a caller chooses from, by index (``hfspec_shape``): which is fastest for M rows depends on
+// the CPU more than on the arithmetic (one AMD EPYC streamed 3-6 rows fastest one weight row at a time, another
+// over 3 weight rows at once), so hfspec times them on the model's own layers where it runs (kernel_plan.py).
+// Each holds MB * NB accumulators, NB weight registers and one input register.
 #if defined(__AVX512F__)
-    if (M <= 2) return linear_shaped<2, 1>(x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
-    if (M > 8 && M <= 12) return linear_shaped<12, 2>(x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
-    return linear_shaped<8, 3>(x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
+constexpr int SHAPES[][2] = {{16, 1}, {12, 2}, {8, 3}};  // up to 24 + 3 + 1 of 32 registers
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int SHAPES[][2] = {{12, 1}, {4, 2}, {2, 4}};   // up to 13 + 1 of 16 registers
 #else
-    return linear_shaped<2, 4>(x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
+constexpr int SHAPES[][2] = {{2, 4}};
 #endif
+constexpr int SHAPE_COUNT = sizeof(SHAPES) / sizeof(SHAPES[0]);
+
+template <int I, typename W>
+void linear_at(int shape, const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b, float* y,
+               int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    if constexpr (I + 1 < SHAPE_COUNT)
+        if (shape != I) return linear_at<I + 1>(shape, x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
+    linear_shaped<SHAPES[I][0], SHAPES[I][1]>(x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
 }
 
 }  // namespace
@@ -178,15 +192,24 @@ extern "C" {
 
 const char* hfspec_isa() { return ISA; }
 
-void hfspec_linear_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b, float* y,
+int hfspec_shape_count() { return SHAPE_COUNT; }
+
+// Rows and weight rows per block of shape ``i``.
+void hfspec_shape(int i, int* mb, int* nb) {
+    *mb = SHAPES[i][0];
+    *nb = SHAPES[i][1];
+}
+
+// ``shape`` indexes SHAPES (out of range: the last); every shape gives the same bits.
+void hfspec_linear_f32(int shape, const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b, float* y,
                        int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
-    linear<float>(x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
+    linear_at<0>(shape, x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
 }
 
 // bf16 weights (as raw uint16 bits) with fp32 inputs, bias and output.
-void hfspec_linear_bf16w(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, const float* b, float* y,
+void hfspec_linear_bf16w(int shape, const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, const float* b, float* y,
                          int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
-    linear<uint16_t>(x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
+    linear_at<0>(shape, x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
 }
 
 }

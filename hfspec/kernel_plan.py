@@ -1,0 +1,130 @@
+"""Which of the kernel's block shapes to use for M rows, timed on a model's own layers where it runs.
+
+The shape that streams M rows fastest depends on the CPU (its prefetchers, caches and memory) more than on
+the arithmetic: on one AMD EPYC a forward over 3-4 rows ran fastest over 3 weight rows at once, on another
+25% faster one weight row at a time. So :func:`plan_for` times every shape the library offers at the row
+counts that verification uses (``TUNED_ROWS``), on the layers it will serve, in interleaved rounds so that
+a passing load hits all shapes alike, and takes a shape over :func:`hfspec.kernels.default_plan`'s only
+where it is faster by ``MARGIN``. The plan is cached on disk per library (source, compiler, CPU flags),
+thread count and layer shapes (``$HFSPEC_CACHE/kernels/plan-*.json``; delete it to time again): a few
+seconds once per machine and model. Every shape gives the same bits, so a plan changes speed, never output.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from hfspec import kernels
+
+__all__ = ["MARGIN", "ROUNDS", "TUNED_ROWS", "choose", "plan_for", "plan_path", "time_shapes"]
+
+# Rows per call that verification feeds: chains of gamma + 1, trees of 4-16 nodes + 1, small batches of them.
+TUNED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24)
+ROUNDS = 5
+MARGIN = 0.97  # a shape replaces the default only when its median time is at most this fraction of the default's
+
+# Plans this process has made or read, by their file.
+_PLANS: dict[Path, tuple[int, ...]] = {}
+
+
+def _signature(layers: Sequence[nn.Linear]) -> str:
+    """The layers' shapes and weight dtypes, in order: what a plan was timed on."""
+    return ";".join(f"{m.out_features}x{m.in_features}:{str(m.weight.dtype).replace('torch.', '')}" for m in layers)
+
+
+def plan_path(library: kernels.KernelLibrary, layers: Sequence[nn.Linear], threads: int) -> Path:
+    """Where the plan for these layers, this library and this many threads is cached."""
+    key = hashlib.sha256(f"{library.path.name}\0{threads}\0{_signature(layers)}".encode()).hexdigest()[:16]
+    return library.path.parent / f"plan-{key}.json"
+
+
+def choose(default: Sequence[int], medians: dict[int, Sequence[float]]) -> tuple[int, ...]:
+    """The plan from the median seconds per shape at each timed row count (``medians[m][shape]``).
+
+    At a timed row count the fastest shape wins if it beats the default plan's shape there by ``MARGIN``;
+    row counts between timed ones take the choice of the nearest timed count below; row counts beyond the
+    last timed one (and the last entry, which serves prompts) keep the default.
+    """
+    plan = list(default)
+    timed = sorted(m for m in medians if 0 < m < len(plan))
+    for i, m in enumerate(timed):
+        times = medians[m]
+        best = min(range(len(times)), key=times.__getitem__)
+        pick = best if times[best] <= MARGIN * times[default[m]] else default[m]
+        end = timed[i + 1] if i + 1 < len(timed) else m + 1
+        plan[m:min(end, len(plan) - 1)] = [pick] * (min(end, len(plan) - 1) - m)
+    return tuple(plan)
+
+
+def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Linear], rows: Sequence[int] = TUNED_ROWS,
+                rounds: int = ROUNDS, *, clock: Callable[[], float] = time.perf_counter,
+                progress: bool | None = None) -> dict[int, list[float]]:
+    """Median seconds to run every layer once in each shape, at each row count in ``rows``."""
+    threads = torch.get_num_threads()
+    inputs = {k: torch.randn(max(rows), k) for k in {m.in_features for m in layers}}
+    outputs = {n: torch.empty(max(rows), n) for n in {m.out_features for m in layers}}
+    calls = [(library.entries[m.weight.dtype], m.weight.data_ptr(), m.in_features, m.out_features,
+              None if m.bias is None else m.bias.float().contiguous()) for m in layers]
+
+    def run(shape: int, m: int) -> float:
+        start = clock()
+        for fn, w, k, n, bias in calls:
+            fn(shape, inputs[k].data_ptr(), k, w, k, None if bias is None else bias.data_ptr(),
+               outputs[n].data_ptr(), n, m, n, k, threads)
+        return clock() - start
+
+    shapes = range(len(library.shapes))
+    seconds = {m: [[] for _ in shapes] for m in rows}
+    with tqdm(total=len(rows) * rounds, desc="hfspec: timing kernel shapes", unit="round", leave=False,
+              disable=None if progress is None else not progress) as bar:
+        for m in rows:
+            for shape in shapes:
+                run(shape, m)  # warm-up: caches, page faults
+            for r in range(rounds):
+                for i in shapes:
+                    shape = (i + r) % len(shapes)  # rotate the order so that no shape always runs first
+                    seconds[m][shape].append(run(shape, m))
+                bar.update()
+    return {m: [statistics.median(s) for s in by_shape] for m, by_shape in seconds.items()}
+
+
+def plan_for(library: kernels.KernelLibrary, layers: Sequence[nn.Linear], *,
+             progress: bool | None = None) -> tuple[int, ...]:
+    """The plan for ``layers`` (a model's linears, in forward order): cached, or timed now and cached."""
+    default = kernels.default_plan(library)
+    if len(library.shapes) < 2 or not layers:
+        return default
+    path = plan_path(library, layers, torch.get_num_threads())
+    if path in _PLANS:
+        return _PLANS[path]
+    plan = None
+    try:
+        found = json.loads(path.read_text())["plan"]
+        if len(found) == len(default) and all(0 <= s < len(library.shapes) for s in found):
+            plan = tuple(found)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if plan is None:
+        t0 = time.perf_counter()
+        medians = time_shapes(library, layers, progress=progress)
+        plan = choose(default, medians)
+        record = {"plan": plan, "shapes": library.shapes, "threads": torch.get_num_threads(),
+                  "seconds": round(time.perf_counter() - t0, 2),
+                  "ms": {m: [round(s * 1e3, 3) for s in times] for m, times in medians.items()}}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a read-only cache: the plan still serves this process
+    _PLANS[path] = plan
+    return plan
