@@ -7,7 +7,8 @@ counts that verification uses (``TUNED_ROWS``), on the layers it will serve, in 
 a passing load hits all shapes alike, and takes a shape over :func:`hfspec.kernels.default_plan`'s only
 where it is faster by ``MARGIN``. The plan is cached on disk per library (source, compiler, CPU flags),
 thread count and layer shapes (``$HFSPEC_CACHE/kernels/plan-*.json``; delete it to time again): a few
-seconds once per machine and model. Every shape gives the same bits, so a plan changes speed, never output.
+seconds once per machine and model. ``HFSPEC_KERNEL_PLAN=default`` skips the timing and keeps the default plan
+(the test suite does, to stay short). Every shape gives the same bits, so a plan changes speed, never output.
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def plan_for(library: kernels.KernelLibrary, layers: Sequence[nn.Linear], *,
              progress: bool | None = None) -> tuple[int, ...]:
     """The plan for ``layers`` (a model's linears, in forward order): cached, or timed now and cached."""
     default = kernels.default_plan(library)
-    if len(library.shapes) < 2 or not layers:
+    if len(library.shapes) < 2 or not layers or os.environ.get("HFSPEC_KERNEL_PLAN") == "default":
         return default
     path = plan_path(library, layers, torch.get_num_threads())
     if path in _PLANS:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,9 @@ import tiny  # noqa: E402
 # than it saves (two test files took 241 s with two threads on two busy cores, 20 s with one); even the real
 # pair gains under 10% from a second idle core.
 torch.set_num_threads(1)
+# The kernel's block shapes are not timed per model here (seconds per real model and thread count): every shape
+# gives the same bits (test_kernel_plan.py, which times them on its own), so the default plan tests the same.
+os.environ.setdefault("HFSPEC_KERNEL_PLAN", "default")
 
 
 @pytest.fixture(scope="session")

@@ -62,6 +62,12 @@ def test_a_plan_is_timed_once_then_read_from_disk(library, tmp_path, monkeypatch
     lib = dataclasses.replace(library, path=tmp_path / library.path.name)
     layers = [nn.Linear(64, 48), nn.Linear(48, 64)]
     monkeypatch.setattr(kernel_plan, "_PLANS", {})
+    monkeypatch.setenv("HFSPEC_KERNEL_PLAN", "default")  # the suite's setting: nothing timed, nothing written
+    monkeypatch.setattr(kernel_plan, "time_shapes", lambda *a, **k: pytest.fail("timed"))
+    assert kernel_plan.plan_for(lib, layers) == kernels.default_plan(lib) and not list(tmp_path.iterdir())
+    monkeypatch.undo()
+    monkeypatch.delenv("HFSPEC_KERNEL_PLAN", raising=False)
+    monkeypatch.setattr(kernel_plan, "_PLANS", {})
     if len(lib.shapes) < 2:
         assert kernel_plan.plan_for(lib, layers) == kernels.default_plan(lib)
         return
