@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hfspec import cpu_attention, fast
+from hfspec.models import cache_kwarg
 
 
 @pytest.fixture
@@ -31,8 +32,9 @@ def logits_both_ways(model, prefix, new, mask=None, prefix_mask=None):
         switch(model)
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(prefix, attention_mask=prefix_mask, past_key_values=cache)
-            out.append(model(new, attention_mask=mask, past_key_values=cache).logits)
+            key = cache_kwarg(type(model))  # the forward's own name for the cache
+            model(prefix, attention_mask=prefix_mask, **{key: cache})
+            out.append(model(new, attention_mask=mask, **{key: cache}).logits)
     cpu_attention.unuse(model)
     return out
 
@@ -74,8 +76,9 @@ def test_a_tree_mask_gets_the_same_bits(tiny_pair, gqa_calls):
         switch(target)
         cache = DynamicCache(config=target.config)
         with torch.no_grad():
-            target(prefix, past_key_values=cache)
-            out.append(target(new, attention_mask=mask, position_ids=positions, past_key_values=cache).logits)
+            key = cache_kwarg(type(target))
+            target(prefix, **{key: cache})
+            out.append(target(new, attention_mask=mask, position_ids=positions, **{key: cache}).logits)
     cpu_attention.unuse(target)
     assert torch.equal(out[0], out[1]) and gqa_calls.count(True) == target.config.num_hidden_layers
 
