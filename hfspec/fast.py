@@ -104,9 +104,9 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None) -> Acceleration
     (by default ``MAX_ROWS_F32`` for fp32 weights, prompts included, and ``MAX_ROWS`` for bf16 ones).
 
     Builds the kernel on first use (seconds, cached afterwards), and times its block shapes on the model's
-    layers the first time this machine sees their shapes (seconds, cached: :mod:`hfspec.kernel_plan`). The model is changed in place; nothing
-    else is touched, and :func:`restore` undoes it. Where the kernel cannot be built or ``HFSPEC_KERNELS=0``
-    is set, the model is left as it is and the report says why.
+    layers the first time this machine sees their shapes (seconds, cached: :mod:`hfspec.kernel_plan`). The
+    model is changed in place; nothing else is touched, and :func:`restore` undoes it. Where the kernel
+    cannot be built or ``HFSPEC_KERNELS=0`` is set, the model is left as it is and the report says why.
     """
     if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
         raise ValueError(f"max_rows must be a positive int (rows per call to run on the kernel), got {max_rows!r}")

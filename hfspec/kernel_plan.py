@@ -61,8 +61,8 @@ def choose(default: Sequence[int], medians: dict[int, Sequence[float]]) -> tuple
         times = medians[m]
         best = min(range(len(times)), key=times.__getitem__)
         pick = best if times[best] <= MARGIN * times[default[m]] else default[m]
-        end = timed[i + 1] if i + 1 < len(timed) else m + 1
-        plan[m:min(end, len(plan) - 1)] = [pick] * (min(end, len(plan) - 1) - m)
+        stop = min(timed[i + 1] if i + 1 < len(timed) else m + 1, len(plan) - 1)
+        plan[m:stop] = [pick] * (stop - m)
     return tuple(plan)
 
 
@@ -70,17 +70,13 @@ def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Linear], row
                 rounds: int = ROUNDS, *, clock: Callable[[], float] = time.perf_counter,
                 progress: bool | None = None) -> dict[int, list[float]]:
     """Median seconds to run every layer once in each shape, at each row count in ``rows``."""
-    threads = torch.get_num_threads()
     inputs = {k: torch.randn(max(rows), k) for k in {m.in_features for m in layers}}
-    outputs = {n: torch.empty(max(rows), n) for n in {m.out_features for m in layers}}
-    calls = [(library.entries[m.weight.dtype], m.weight.data_ptr(), m.in_features, m.out_features,
-              None if m.bias is None else m.bias.float().contiguous()) for m in layers]
+    weights = [(m.weight, None if m.bias is None else m.bias.float().contiguous()) for m in layers]
 
     def run(shape: int, m: int) -> float:
         start = clock()
-        for fn, w, k, n, bias in calls:
-            fn(shape, inputs[k].data_ptr(), k, w, k, None if bias is None else bias.data_ptr(),
-               outputs[n].data_ptr(), n, m, n, k, threads)
+        for w, bias in weights:
+            kernels.linear(library, inputs[w.shape[1]][:m], w, bias, (shape,))
         return clock() - start
 
     shapes = range(len(library.shapes))

@@ -144,9 +144,7 @@ def default_plan(library: KernelLibrary) -> tuple[int, ...]:
     index = {shape: i for i, shape in enumerate(library.shapes)}
     if library.isa != "avx512":
         return (index.get((2, 4), 0),) * (PLAN_ROWS + 1)
-    def shape(m: int) -> tuple[int, int]:
-        return (16, 1) if m <= 2 else (12, 2) if 9 <= m <= 12 else (8, 3)
-    return tuple(index[shape(m)] for m in range(PLAN_ROWS + 1))
+    return tuple(index[(16, 1) if m <= 2 else (12, 2) if 9 <= m <= 12 else (8, 3)] for m in range(PLAN_ROWS + 1))
 
 
 def load() -> KernelLibrary | None:
@@ -187,7 +185,7 @@ def linear(library: KernelLibrary, x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
     m = x.numel() // k
     plan = plan or default_plan(library)
-    library.entries[weight.dtype](plan[min(m, len(plan) - 1)], x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(), k,
-                                  None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
-                                  torch.get_num_threads())
+    library.entries[weight.dtype](plan[min(m, len(plan) - 1)], x.data_ptr(), x.stride(0) if x.dim() == 2 else k,
+                                  weight.data_ptr(), k, None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                                  m, n, k, torch.get_num_threads())
     return out

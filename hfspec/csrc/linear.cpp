@@ -206,14 +206,14 @@ void hfspec_shape(int i, int* mb, int* nb) {
 }
 
 // ``shape`` indexes SHAPES (out of range: the last); every shape gives the same bits.
-void hfspec_linear_f32(int shape, const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b, float* y,
-                       int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+void hfspec_linear_f32(int shape, const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b,
+                       float* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
     linear_at<0>(shape, x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
 }
 
 // bf16 weights (as raw uint16 bits) with fp32 inputs, bias and output.
-void hfspec_linear_bf16w(int shape, const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, const float* b, float* y,
-                         int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+void hfspec_linear_bf16w(int shape, const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, const float* b,
+                         float* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
     linear_at<0>(shape, x, ldx, w, ldw, b, y, ldy, M, N, K, threads);
 }
 
