@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from hfspec.api import generate
+from hfspec.cpu import fast  # hfspec.fast: the CPU kernel's public face
 from hfspec.errors import HfspecError, NumericalFault
 from hfspec.generator import GenerateOutput, SpeculativeGenerator
 from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma
@@ -10,6 +11,6 @@ from hfspec.stats import RowStats, Stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "CostModelGamma", "FixedGamma", "GammaPolicy", "GenerateOutput", "generate", "HeuristicGamma", "HfspecError",
+    "CostModelGamma", "FixedGamma", "fast", "GammaPolicy", "GenerateOutput", "generate", "HeuristicGamma", "HfspecError",
     "NumericalFault", "RowStats", "SpeculativeGenerator", "Stats", "__version__",
 ]

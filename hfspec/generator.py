@@ -33,7 +33,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import config as cfg
-from hfspec import costs, fast, recurrent, sampling, tree as trees
+from hfspec import costs, recurrent, sampling, tree as trees
+from hfspec.cpu import fast
 from hfspec.cache import KVState
 from hfspec.costs import Costs
 from hfspec.drafters import Drafter, Features, Proposal, builds_trees, cross_tokenizer
@@ -48,8 +49,8 @@ from hfspec.rows import Rows, right_pad
 from hfspec.scoring import DraftContext, Scoring
 from hfspec.stats import Stats, StatsCollector
 from hfspec.timing import now, timed
-from hfspec.tree import TreeProposal
-from hfspec.tree_probe import reads_trees
+from hfspec.tree.proposal import TreeProposal
+from hfspec.tree.probe import reads_trees
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class SpeculativeGenerator:
         return tree
 
     def target_reads_trees(self) -> bool:
-        """Whether the target reads a tree's 4-D mask and positions exactly (``hfspec.tree_probe``; once)."""
+        """Whether the target reads a tree's 4-D mask and positions exactly (``hfspec.tree.probe``; once)."""
         if self._reads_trees is None:
             self._reads_trees = reads_trees(self.target)
             if not self._reads_trees:

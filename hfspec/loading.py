@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec import assets, fast
+from hfspec import assets
+from hfspec.cpu import fast
 from hfspec.drafters import Drafter
 from hfspec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from hfspec.drafters.eagle3 import Eagle3Drafter

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hfspec import SpeculativeGenerator, fast, kernels  # noqa: E402
+from hfspec import SpeculativeGenerator  # noqa: E402
+from hfspec.cpu import fast, kernels  # noqa: E402
 from hfspec.assets import offline_target_path  # noqa: E402
 from hfspec.bench import encode  # noqa: E402
 from hfspec.cache import KVState  # noqa: E402

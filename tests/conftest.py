@@ -37,7 +37,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def library():
     """hfspec's CPU kernel, built once; the test is skipped where no C++ compiler can build it."""
-    from hfspec import kernels
+    from hfspec.cpu import kernels
 
     found = kernels.load()
     if found is None:

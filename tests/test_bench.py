@@ -7,7 +7,8 @@ import pytest
 import tiny
 import torch
 
-from hfspec import bench, fast, kernels
+from hfspec import bench
+from hfspec.cpu import fast, kernels
 from hfspec.bench import Bench, Contender, Mode, Run, Settings, report
 from hfspec.loading import load_pair, make_drafter
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram

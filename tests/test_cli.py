@@ -13,7 +13,8 @@ import pytest
 import tiny
 
 import hfspec.generator
-from hfspec import api, cli, fast, kernels
+from hfspec import api, cli
+from hfspec.cpu import fast, kernels
 from hfspec.drafters import Drafter
 from hfspec.errors import HfspecError
 from hfspec.loading import Preset

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from hfspec import cpu_attention, fast
+from hfspec.cpu import attention as cpu_attention, fast
 from hfspec.models import cache_kwarg
 
 

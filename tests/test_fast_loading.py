@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import eagle3_heads
-from hfspec import SpeculativeGenerator, api, fast, kernels
+from hfspec import SpeculativeGenerator, api
+from hfspec.cpu import fast, kernels
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import save_head
 from hfspec.loading import draft_module, load_pair, load_preset

@@ -24,7 +24,8 @@ from test_ngram import NGRAM_PROMPTS
 from test_trees import NEW, NGRAM_PROMPT, SETTINGS, V, reference, tree_pair, tree_pvalue
 from torch import nn
 
-from hfspec import SpeculativeGenerator, fast, kernels, sampling, tree
+from hfspec import SpeculativeGenerator, sampling, tree
+from hfspec.cpu import fast, kernels
 from hfspec.drafters.eagle3 import Eagle3Drafter
 
 # More rows than any forward here feeds (the largest: a prefill of 6000 rows of 5 tokens).

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hfspec import fast, kernel_plan, kernels
+from hfspec.cpu import fast, kernels, plan as kernel_plan
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

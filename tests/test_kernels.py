@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from hfspec import SpeculativeGenerator, fast, kernels
+from hfspec import SpeculativeGenerator
+from hfspec.cpu import fast, kernels
 
 # (N, K) with N and K off the vector widths (8, 16) and the 4-row blocks, and a few aligned ones.
 SHAPES = [(1, 1), (3, 5), (17, 33), (53, 37), (64, 128), (130, 15), (7, 300)]
@@ -133,7 +134,7 @@ def test_without_a_compiler_the_model_keeps_torch_and_says_why(cxx, tmp_path, mo
     monkeypatch.setenv("HFSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(kernels, "_LOADED", {})
     layer = nn.Linear(8, 4)
-    with caplog.at_level(logging.WARNING, logger="hfspec.kernels"):
+    with caplog.at_level(logging.WARNING, logger="hfspec.cpu.kernels"):
         first, second = fast.accelerate(layer), fast.accelerate(layer)
     assert first.layers == () and first.isa is None and "cannot build the CPU kernel" in first.reason
     assert second.reason == first.reason

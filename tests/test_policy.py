@@ -13,7 +13,7 @@ from hfspec.drafters import Drafter, Proposal
 from hfspec.drafters.hybrid import HybridDrafter, Outcome
 from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, TreeStep, Tuning
 from hfspec.tree import shape as tree_shape
-from hfspec.tree_acceptance import TreeAcceptance, first_children
+from hfspec.tree.acceptance import TreeAcceptance, first_children
 
 ROW = torch.tensor([0])
 

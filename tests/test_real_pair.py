@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hfspec import SpeculativeGenerator, kernels
+from hfspec import SpeculativeGenerator
+from hfspec.cpu import kernels
 from hfspec.assets import cache_dir, offline_target_path, shipped_draft_path, shipped_head_path
 
 PROMPTS = [

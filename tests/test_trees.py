@@ -11,7 +11,8 @@ import tiny
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import SpeculativeGenerator, api, cache, cli, models, sampling, tree, tree_probe
+from hfspec import SpeculativeGenerator, api, cache, cli, models, sampling, tree
+from hfspec.tree import probe as tree_probe
 from hfspec import generator as generator_module
 from hfspec.cache import KVState
 from hfspec.costs import Costs

@@ -14,7 +14,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hfspec import fast
+from hfspec.cpu import fast
 from hfspec.bench.field import HYBRID, MAIN, USELESS, Mode, Settings, load_prompts
 from hfspec.bench.measure import Bench
 from hfspec.bench.report import format_table, plot

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from hfspec import costs, fast
+from hfspec import costs
+from hfspec.cpu import fast
 from hfspec.bench.field import MAIN, Contender, Mode
 from hfspec.bench.stores import LookupStores
 from hfspec.generator import SpeculativeGenerator

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from hfspec import sampling
-from hfspec.tree import TreeProposal
+from hfspec.tree.proposal import TreeProposal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -36,7 +36,7 @@ from hfspec.heads.checkpoint import load_head
 from hfspec.heads.eagle3 import Eagle3Head, default_layer_ids
 from hfspec.models import decoder_layers, model_vocab_size
 from hfspec.timing import timed
-from hfspec.tree import TreeProposal
+from hfspec.tree.proposal import TreeProposal
 
 __all__ = ["Eagle3Drafter", "cached_step"]
 

@@ -52,7 +52,7 @@ from hfspec.acceptance import Acceptance
 from hfspec.costs import Costs
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
-from hfspec.tree import TreeProposal
+from hfspec.tree.proposal import TreeProposal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -18,7 +18,7 @@ from hfspec.cache import KVState
 from hfspec.costs import forward_seconds
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
 from hfspec.models import check_causal_lm, check_tree_attention, forward, model_vocab_size, sliding_window
-from hfspec.tree import TreeProposal
+from hfspec.tree.proposal import TreeProposal
 
 
 class ModelDrafter(Drafter):

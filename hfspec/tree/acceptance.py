@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from hfspec.tree import shape
+from hfspec.tree.build import shape
 
 RANKS = 8  # sibling ranks learnt apart; later ones count as never accepted (a cautious price)
 

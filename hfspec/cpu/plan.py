@@ -4,7 +4,7 @@ The shape that streams M rows fastest depends on the CPU (its prefetchers, cache
 the arithmetic: on one AMD EPYC a forward over 3-4 rows ran fastest over 3 weight rows at once, on another
 25% faster one weight row at a time. So :func:`plan_for` times every shape the library offers at the row
 counts that verification uses (``TUNED_ROWS``), on the layers it will serve, in interleaved rounds so that
-a passing load hits all shapes alike, and takes a shape over :func:`hfspec.kernels.default_plan`'s only
+a passing load hits all shapes alike, and takes a shape over :func:`hfspec.cpu.kernels.default_plan`'s only
 where it is faster by ``MARGIN``. The plan is cached on disk per library (source, compiler, CPU flags),
 thread count and layer shapes (``$HFSPEC_CACHE/kernels/plan-*.json``; delete it to time again): a few
 seconds once per machine and model. ``HFSPEC_KERNEL_PLAN=default`` skips the timing and keeps the default plan
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from hfspec import kernels
+from hfspec.cpu import kernels
 
 __all__ = ["MARGIN", "ROUNDS", "TUNED_ROWS", "choose", "plan_for", "plan_path", "time_shapes"]
 

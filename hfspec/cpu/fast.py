@@ -3,12 +3,12 @@
 Verification feeds k + 1 tokens through the target in one forward; on CPU that should cost about one
 decoding step, since both stream the same weights once, but torch's small-M GEMMs are far from that.
 :func:`accelerate` turns every plain ``nn.Linear`` of a model the caller passes (attention, MLP, output
-head) into a :class:`FastLinear`, which runs :mod:`hfspec.kernels` for inputs of at most ``max_rows``
+head) into a :class:`FastLinear`, which runs :mod:`hfspec.cpu.kernels` for inputs of at most ``max_rows``
 rows on CPU with fp32 or bf16 weights (fp32: up to 2048 rows, prompts included; bf16: up to 48) and
 torch's ``F.linear`` for anything else (longer bf16 prompts, other devices and dtypes, autograd).
 Weights keep their tensors and layout: nothing is copied, and a head tied to the embedding stays tied.
 :func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off. A model running transformers' ``sdpa``
-attention also switches to :mod:`hfspec.cpu_attention`'s, which reads grouped key/value heads in place for
+attention also switches to :mod:`hfspec.cpu.attention`'s, which reads grouped key/value heads in place for
 masked (verification) queries instead of copying the cache per layer.
 
 :func:`accelerate_loaded` is the policy ``hfspec.loading.load_pair`` applies to the models it loads
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hfspec import cpu_attention, kernel_plan, kernels
+from hfspec.cpu import attention as cpu_attention, kernels, plan as kernel_plan
 
 __all__ = ["AccelerationReport", "FastLinear", "accelerate", "accelerate_loaded", "accelerated", "describe",
            "is_accelerated", "restore", "suspended"]
@@ -85,7 +85,7 @@ class AccelerationReport:
     library: Path | None
     build_seconds: float             # compile time paid by this call (0.0 from the cache)
     reason: str | None = None        # why nothing was converted, if so
-    attention: bool = False          # whether the model's sdpa attention switched to hfspec.cpu_attention
+    attention: bool = False          # whether the model's sdpa attention switched to hfspec.cpu.attention
 
 
 def _skip_reason(module: nn.Linear) -> str | None:
@@ -104,7 +104,7 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None) -> Acceleration
     (by default ``MAX_ROWS_F32`` for fp32 weights, prompts included, and ``MAX_ROWS`` for bf16 ones).
 
     Builds the kernel on first use (seconds, cached afterwards), and times its block shapes on the model's
-    layers the first time this machine sees their shapes (seconds, cached: :mod:`hfspec.kernel_plan`). The
+    layers the first time this machine sees their shapes (seconds, cached: :mod:`hfspec.cpu.plan`). The
     model is changed in place; nothing else is touched, and :func:`restore` undoes it. Where the kernel
     cannot be built or ``HFSPEC_KERNELS=0`` is set, the model is left as it is and the report says why.
     """

@@ -11,7 +11,7 @@ callers keep torch's own ``F.linear``.
 
 The library offers a few block shapes (rows by weight rows, :attr:`KernelLibrary.shapes`); every one gives
 the same bits. A *plan* says which to use for M rows (``plan[min(M, len(plan) - 1)]``): :func:`default_plan`
-before anything is measured, :mod:`hfspec.kernel_plan` once the shapes were timed on a model's own layers.
+before anything is measured, :mod:`hfspec.cpu.plan` once the shapes were timed on a model's own layers.
 """
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def linear(library: KernelLibrary, x: torch.Tensor, weight: torch.Tensor,
 
     ``weight`` needs unit stride along K; ``x`` too, and its rows evenly spaced (any 2-D slice of
     rows, or a contiguous tensor of more dimensions); ``bias`` is fp32 and contiguous. The caller
-    checks the device and dtypes (see :mod:`hfspec.fast`); the output is a new contiguous fp32
+    checks the device and dtypes (see :mod:`hfspec.cpu.fast`); the output is a new contiguous fp32
     tensor (..., N). It runs a few hundred times per decoding step, so it checks little.
     """
     k, n = x.shape[-1], weight.shape[0]

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from hfspec.cache import KVState
 from hfspec.models import forward, sliding_window, takes_mask_mapping
-from hfspec.tree import ancestry
+from hfspec.tree.proposal import ancestry
 
 # The probe: a context, then the pending token (the root) with children x and y, and z under x.
 _CONTEXT = (5, 6, 7)
