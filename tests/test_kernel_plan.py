@@ -54,8 +54,20 @@ def test_time_shapes_times_every_shape_at_every_row_count(library):
     ticks = iter(range(10**6))
     medians = kernel_plan.time_shapes(library, layers, rows=(1, 3), rounds=3, clock=lambda: next(ticks),
                                       progress=False)
-    assert set(medians) == {1, 3}
-    assert all(len(times) == len(library.shapes) and all(t == 1 for t in times) for times in medians.values())
+    assert set(medians) == {1, 3}  # each layer's call takes one tick: a pass, two
+    assert all(len(times) == len(library.shapes) and all(t == 2 for t in times) for times in medians.values())
+
+
+def test_a_few_layers_per_distinct_shape_are_timed_for_all_of_them(monkeypatch):
+    # A 1.5B model has 197 linears of 7 shapes; timing every one of them took minutes.
+    monkeypatch.setattr(kernel_plan, "SAMPLE_ROWS", 16)
+    layers = [nn.Linear(8, 12) for _ in range(10)] + [nn.Linear(12, 8, bias=False)] + [nn.Linear(8, 40)]
+    picked = kernel_plan.sample(layers)
+    assert len(picked) == kernel_plan.SAMPLE_LAYERS + 2
+    # Weighted back, the sample stands for every layer and every weight row.
+    assert sum(count * w.shape[0] for w, _, count in picked) == pytest.approx(10 * 12 + 8 + 40)
+    head = [(w, b) for w, b, _ in picked if w.shape[1] == 8 and b is not None and b.numel() == 16]
+    assert head and head[0][0].shape == (16, 8) and head[0][0].data_ptr() == layers[-1].weight.data_ptr()
 
 
 def test_a_plan_is_timed_once_then_read_from_disk(library, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""hfspec's CPU linear kernel: built from ``hfspec/csrc/linear.cpp`` at first use and loaded with ctypes.
+"""hfspec's CPU linear kernel: built from ``hfspec/cpu/csrc/*.cpp`` at first use and loaded with ctypes.
 
 A decoding step (one row) or the verification of k drafts (k + 1 rows) on CPU is bound by streaming the
 weights from memory once, but torch's small-M GEMMs run far below that bound. The kernel streams each
@@ -40,7 +40,9 @@ __all__ = ["PLAN_ROWS", "KernelLibrary", "build", "build_failure", "compiler", "
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "linear.cpp"
+# Every C++ file in csrc/ is compiled into the one library (the linears here; other modules bind their own entries
+# through KernelLibrary.function).
+SOURCES = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp")))
 # -march=native picks AVX-512 or AVX2+FMA for this CPU (the cache key holds the CPU's flags);
 # no -ffast-math, so every sum is IEEE fp32 (FMA contraction aside).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -61,9 +63,16 @@ class KernelLibrary:
     build_seconds: float         # 0.0 when it came from the cache
     shapes: tuple[tuple[int, int], ...]  # (rows, weight rows) per block, by shape index
     entries: dict = field(repr=False, compare=False)  # weight dtype -> ctypes function
+    handle: ctypes.CDLL | None = field(default=None, repr=False, compare=False)  # the loaded library itself
 
     def __deepcopy__(self, memo: dict) -> KernelLibrary:
         return self  # a loaded shared library is process state, not data
+
+    def function(self, name: str, argtypes: list, restype: object = None) -> ctypes._CFuncPtr:
+        """The library's C entry ``name`` with its argument and result types set (for modules beside the linears)."""
+        fn = getattr(self.handle, name)
+        fn.argtypes, fn.restype = argtypes, restype
+        return fn
 
 
 # Per process and per library path: the loaded library, or the reason it could not be built.
@@ -89,13 +98,13 @@ def _cpu_flags() -> str:
 def library_path(cxx: str | None = None) -> Path:
     """Where the library for this source, compiler, flags and CPU is cached."""
     cxx = cxx or compiler()
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cxx.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES), cxx.encode(), " ".join(FLAGS).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     return cache_dir() / "kernels" / f"linear-{key}.so"
 
 
 def build(path: Path, cxx: str) -> float:
-    """Compile the source to ``path`` (atomically, under a lock) unless it exists; the seconds it took."""
+    """Compile the sources to ``path`` (atomically, under a lock) unless it exists; the seconds it took."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         if fcntl is not None:
@@ -105,7 +114,7 @@ def build(path: Path, cxx: str) -> float:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run([cxx, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
+            proc = subprocess.run([cxx, *FLAGS, "-o", str(tmp), *map(str, SOURCES)], capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cxx} exited with {proc.returncode}: {proc.stderr.strip()[-500:]}")
@@ -129,7 +138,7 @@ def _open(path: Path, seconds: float) -> KernelLibrary:
         lib.hfspec_shape(i, ctypes.byref(mb), ctypes.byref(nb))
         shapes.append((mb.value, nb.value))
     return KernelLibrary(path=path, isa=lib.hfspec_isa().decode(), build_seconds=seconds, shapes=tuple(shapes),
-                         entries=entries)
+                         entries=entries, handle=lib)
 
 
 # Plans cover 0..PLAN_ROWS rows one by one; the last entry serves every larger call (prompts).

@@ -3,8 +3,8 @@
 The shape that streams M rows fastest depends on the CPU (its prefetchers, caches and memory) more than on
 the arithmetic: on one AMD EPYC a forward over 3-4 rows ran fastest over 3 weight rows at once, on another
 25% faster one weight row at a time. So :func:`plan_for` times every shape the library offers at the row
-counts that verification uses (``TUNED_ROWS``), on the layers it will serve, in interleaved rounds so that
-a passing load hits all shapes alike, and takes a shape over :func:`hfspec.cpu.kernels.default_plan`'s only
+counts that verification uses (``TUNED_ROWS``), on a sample of the layers it will serve (a few per distinct
+layer shape, weighted back to all of them), in interleaved rounds so that a passing load hits all shapes alike, and takes a shape over :func:`hfspec.cpu.kernels.default_plan`'s only
 where it is faster by ``MARGIN``. The plan is cached on disk per library (source, compiler, CPU flags),
 thread count and layer shapes (``$HFSPEC_CACHE/kernels/plan-*.json``; delete it to time again): a few
 seconds once per machine and model. ``HFSPEC_KERNEL_PLAN=default`` skips the timing and keeps the default plan
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import statistics
 import time
@@ -26,7 +27,10 @@ from tqdm.auto import tqdm
 
 from hfspec.cpu import kernels
 
-__all__ = ["MARGIN", "ROUNDS", "TUNED_ROWS", "choose", "plan_for", "plan_path", "time_shapes"]
+__all__ = ["MARGIN", "ROUNDS", "SAMPLE_LAYERS", "SAMPLE_ROWS", "TUNED_ROWS", "choose", "plan_for", "plan_path", "sample",
+           "time_shapes"]
+
+log = logging.getLogger(__name__)
 
 # Rows per call that verification feeds: chains of gamma + 1, trees of 4-16 nodes + 1, small batches of them.
 TUNED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24)
@@ -66,18 +70,45 @@ def choose(default: Sequence[int], medians: dict[int, Sequence[float]]) -> tuple
     return tuple(plan)
 
 
+# What is timed of a model: per distinct layer shape, at most SAMPLE_LAYERS of its layers (spread over the depth),
+# each cut to at most SAMPLE_ROWS weight rows, weighted back to the whole model. Timing every layer took 192 s on a
+# 1.5B model (197 layers); a few distinct weights per shape still stream from memory as a forward does.
+SAMPLE_LAYERS = 3
+SAMPLE_ROWS = 8192
+
+
+def sample(layers: Sequence[nn.Linear]) -> list[tuple[torch.Tensor, torch.Tensor | None, float]]:
+    """The weights to time for ``layers``: (weight rows, fp32 bias, weight) per sampled layer, where the weight is
+    how many such calls a pass over all of ``layers`` makes (so that weighted sums estimate the whole pass)."""
+    groups: dict[tuple, list[nn.Linear]] = {}
+    for m in layers:
+        groups.setdefault((m.out_features, m.in_features, m.weight.dtype, m.bias is not None), []).append(m)
+    picked = []
+    for (n, _, _, _), group in groups.items():
+        take = min(SAMPLE_LAYERS, len(group))
+        rows = min(n, SAMPLE_ROWS)
+        for i in range(take):
+            m = group[(i * len(group)) // take]
+            bias = None if m.bias is None else m.bias[:rows].float().contiguous()
+            picked.append((m.weight[:rows], bias, len(group) / take * n / rows))
+    return picked
+
+
 def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Linear], rows: Sequence[int] = TUNED_ROWS,
                 rounds: int = ROUNDS, *, clock: Callable[[], float] = time.perf_counter,
                 progress: bool | None = None) -> dict[int, list[float]]:
-    """Median seconds to run every layer once in each shape, at each row count in ``rows``."""
-    inputs = {k: torch.randn(max(rows), k) for k in {m.in_features for m in layers}}
-    weights = [(m.weight, None if m.bias is None else m.bias.float().contiguous()) for m in layers]
+    """Median seconds a pass over ``layers`` takes in each shape, at each row count in ``rows`` (estimated from
+    :func:`sample`'s layers, weighted back to all of them)."""
+    weights = sample(layers)
+    inputs = {k: torch.randn(max(rows), k) for k in {w.shape[1] for w, _, _ in weights}}
 
     def run(shape: int, m: int) -> float:
-        start = clock()
-        for w, bias in weights:
+        total = 0.0
+        for w, bias, count in weights:
+            start = clock()
             kernels.linear(library, inputs[w.shape[1]][:m], w, bias, (shape,))
-        return clock() - start
+            total += (clock() - start) * count
+        return total
 
     shapes = range(len(library.shapes))
     seconds = {m: [[] for _ in shapes] for m in rows}
@@ -112,6 +143,10 @@ def plan_for(library: kernels.KernelLibrary, layers: Sequence[nn.Linear], *,
         pass
     if plan is None:
         t0 = time.perf_counter()
+        shapes = len({(m.out_features, m.in_features, m.weight.dtype) for m in layers})
+        log.info("hfspec: timing the CPU kernel's %d block shapes on %d distinct layer shapes of this model (once per "
+                 "machine, threads and model; cached in %s): which one streams each row count fastest depends on "
+                 "the CPU", len(library.shapes), shapes, path)
         medians = time_shapes(library, layers, progress=progress)
         plan = choose(default, medians)
         record = {"plan": plan, "shapes": library.shapes, "threads": torch.get_num_threads(),
