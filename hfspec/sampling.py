@@ -34,6 +34,12 @@ from transformers import (
 _WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
 
+# The logit of an id a drafter cannot propose (outside an EAGLE-3 head's or a cut head's vocabulary): finite, so
+# a row's sum stays finite (the loop refuses inf in raw logits), yet exp(OUTSIDE - max) underflows to exactly 0 in
+# float32 after any temperature or penalty: q is 0 there.
+OUTSIDE = -1e30
+
+
 def build_processors(
     config: GenerationConfig,
     extra: Sequence[LogitsProcessor] | None = None,

@@ -35,14 +35,12 @@ from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head
 from hfspec.heads.eagle3 import Eagle3Head, default_layer_ids
 from hfspec.models import decoder_layers, model_vocab_size
+from hfspec.sampling import OUTSIDE
 from hfspec.timing import timed
 from hfspec.tree.proposal import TreeProposal
 
 __all__ = ["Eagle3Drafter", "cached_step"]
 
-# Logit of ids outside the draft vocabulary: finite, and so is a row's sum (the loop refuses
-# inf in raw logits), yet exp(OUTSIDE - max) underflows to exactly 0 in float32: q is 0 there.
-OUTSIDE = -1e30
 
 
 def cached_step(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
