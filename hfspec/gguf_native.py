@@ -241,8 +241,9 @@ def load(source: str, gguf_file: str, role: str, *, dtype: torch.dtype | str = "
     _tie_head(model)
     missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if missing:
-        raise HfspecError(f"the {role} {gguf_file!r} lacks {len(missing)} weight(s) the model needs "
-                          f"({', '.join(missing[:5])}); load it with gguf_native=False to see transformers' report")
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise HfspecError(f"the {role} {str(source)!r} lacks {len(missing)} weight(s) that transformers would "
+                          f"initialise at random ({shown}): {gguf_file} is incomplete; pass a complete GGUF file")
     model.config.name_or_path = source
     log.info("%s %s: kept in GGUF blocks (%s)", role, gguf_file, ", ".join(f"{n} {k}" for k, n in sorted(kept.items())))
     return model.eval()

@@ -171,7 +171,12 @@ def load_pair(
     if device_map is not None:
         target_kwargs["device_map"] = device_map
     native = gguf_native and fast_kernels and device_map is None
-    target_model = _load_lm(target_path, "target", gguf_file, native=native and _on_cpu(target_dev), **target_kwargs)
+    target_gguf = gguf_file
+    if gguf_file is None and str(target) == OFFLINE_TARGET and Path(target_path) == assets.offline_target_dir() \
+            and native and _on_cpu(target_dev):
+        target_gguf = assets.offline_target_gguf().name  # the offline target's own GGUF, kept beside its copy
+    target_model = _load_lm(target_path, "target", target_gguf, native=native and _on_cpu(target_dev),
+                            **target_kwargs)
     if target_dev is not None:
         target_model.to(target_dev)
 

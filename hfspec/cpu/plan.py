@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from hfspec.cpu import kernels
 
 __all__ = ["MARGIN", "ROUNDS", "SAMPLE_LAYERS", "SAMPLE_ROWS", "TUNED_ROWS", "choose", "plan_for", "plan_path", "sample",
-           "time_shapes"]
+           "sample_layers", "time_shapes"]
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ SAMPLE_LAYERS = 3
 SAMPLE_ROWS = 8192
 
 
-def _sample(layers: Sequence[nn.Module]) -> list[tuple[nn.Module, torch.Tensor, torch.Tensor | None, float]]:
+def sample_layers(layers: Sequence[nn.Module]) -> list[tuple[nn.Module, torch.Tensor, torch.Tensor | None, float]]:
+    """:func:`sample` with each sampled layer: (layer, weight rows, fp32 bias, weight)."""
     groups: dict[tuple, list[nn.Module]] = {}
     for m in layers:
         groups.setdefault((m.out_features, m.in_features, _kind(m), m.bias is not None), []).append(m)
@@ -107,7 +108,7 @@ def _sample(layers: Sequence[nn.Module]) -> list[tuple[nn.Module, torch.Tensor, 
 def sample(layers: Sequence[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor | None, float]]:
     """The weights to time for ``layers``: (weight rows, fp32 bias, weight) per sampled layer, where the weight is
     how many such calls a pass over all of ``layers`` makes (so that weighted sums estimate the whole pass)."""
-    return [(w, bias, count) for _, w, bias, count in _sample(layers)]
+    return [(w, bias, count) for _, w, bias, count in sample_layers(layers)]
 
 
 def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Module], rows: Sequence[int] = TUNED_ROWS,
@@ -116,7 +117,7 @@ def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Module], row
                 shapes: Sequence[tuple[int, int]] | None = None) -> dict[int, list[float]]:
     """Median seconds a pass over ``layers`` takes in each shape (the library's, or ``shapes`` for layers of another
     kernel), at each row count in ``rows`` (estimated from :func:`sample`'s layers, weighted back to all of them)."""
-    weights = _sample(layers)
+    weights = sample_layers(layers)
     inputs = {k: torch.randn(max(rows), k) for k in {layer.in_features for layer, _, _, _ in weights}}
 
     def run(shape: int, m: int) -> float:
