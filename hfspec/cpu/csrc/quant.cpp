@@ -156,7 +156,8 @@ inline float f16(const uint8_t* p) {
 
 // -- the block formats ---------------------------------------------------------------------------------------------
 // Each: QK weights in BYTES bytes; GROUP weights share a Scale (``scales(block)`` reads a block's, once, and
-// ``at(scales, g)`` is group g's); ``codes(block, g, c)`` are the integer codes of the c-th VW weights of group g
+// ``at(scales, g)`` is group g's); ``codes(block, scales, g, c)`` are the integer codes of the c-th VW weights of
+// group g
 // (CODES values they can take); ``value(scale, q)`` is the weight a code (as a float) stands for, in
 // gguf/quants.py's order of operations. A format of one group per block has Scales = Scale.
 
@@ -210,7 +211,7 @@ struct Q4_0 {
     using Scales = Scale;
     static Scales scales(const uint8_t* b) { return {f16(b)}; }
     static Scale at(const Scales& s, int) { return s; }
-    static ivec codes(const uint8_t* b, int, int c) { return low4(nibbles32(b + 2, c)); }
+    static ivec codes(const uint8_t* b, const Scales&, int, int c) { return low4(nibbles32(b + 2, c)); }
     static vec value(const Scale& s, vec q) { return vmul(vset(s.d), vsub(q, vset(8.0f))); }
 };
 
@@ -221,7 +222,7 @@ struct Q4_1 {
     using Scales = Scale;
     static Scales scales(const uint8_t* b) { return {f16(b), f16(b + 2)}; }
     static Scale at(const Scales& s, int) { return s; }
-    static ivec codes(const uint8_t* b, int, int c) { return low4(nibbles32(b + 4, c)); }
+    static ivec codes(const uint8_t* b, const Scales&, int, int c) { return low4(nibbles32(b + 4, c)); }
     static vec value(const Scale& s, vec q) { return vadd(vmul(vset(s.d), q), vset(s.m)); }
 };
 
@@ -232,7 +233,7 @@ struct Q5_0 {
     using Scales = Scale;
     static Scales scales(const uint8_t* b) { return {f16(b)}; }
     static Scale at(const Scales& s, int) { return s; }
-    static ivec codes(const uint8_t* b, int, int c) {
+    static ivec codes(const uint8_t* b, const Scales&, int, int c) {
         uint32_t qh;
         memcpy(&qh, b + 2, 4);
         return with_bit4(iand(nibbles32(b + 6, c), 0x0F), qh, c * VW);
@@ -247,7 +248,7 @@ struct Q5_1 {
     using Scales = Scale;
     static Scales scales(const uint8_t* b) { return {f16(b), f16(b + 2)}; }
     static Scale at(const Scales& s, int) { return s; }
-    static ivec codes(const uint8_t* b, int, int c) {
+    static ivec codes(const uint8_t* b, const Scales&, int, int c) {
         uint32_t qh;
         memcpy(&qh, b + 4, 4);
         return with_bit4(iand(nibbles32(b + 8, c), 0x0F), qh, c * VW);
@@ -262,7 +263,7 @@ struct Q8_0 {
     using Scales = Scale;
     static Scales scales(const uint8_t* b) { return {f16(b)}; }
     static Scale at(const Scales& s, int) { return s; }
-    static ivec codes(const uint8_t* b, int, int c) { return iload_i8(b + 2 + c * VW); }
+    static ivec codes(const uint8_t* b, const Scales&, int, int c) { return iload_i8(b + 2 + c * VW); }
     static vec value(const Scale& s, vec q) { return vmul(q, vset(s.d)); }
 };
 
@@ -295,7 +296,7 @@ struct Q4_K {
         return s;
     }
     static Scale at(const Scales& s, int g) { return {s.dl[g], s.ml[g]}; }
-    static ivec codes(const uint8_t* b, int g, int c) {
+    static ivec codes(const uint8_t* b, const Scales&, int g, int c) {
         return low4(isrl(iload_u8(b + 16 + (g / 2) * 32 + c * VW), 4 * (g % 2)));
     }
     static vec value(const Scale& s, vec q) { return vsub(vmul(vset(s.dl), q), vset(s.ml)); }
@@ -308,7 +309,7 @@ struct Q5_K {
     using Scales = Q4_K::Scales;
     static Scales scales(const uint8_t* b) { return Q4_K::scales(b); }
     static Scale at(const Scales& s, int g) { return Q4_K::at(s, g); }
-    static ivec codes(const uint8_t* b, int g, int c) {
+    static ivec codes(const uint8_t* b, const Scales&, int g, int c) {
         const ivec low = iand(isrl(iload_u8(b + 48 + (g / 2) * 32 + c * VW), 4 * (g % 2)), 0x0F);
         return with_bit4_of(low, iload_u8(b + 16 + c * VW), g);
     }
@@ -317,25 +318,50 @@ struct Q5_K {
 
 // Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 weights), f16 d.
 // Weight e: h = e / 128, r = e % 128; low nibble of byte h*64 + r%64 (shifted by 4 * (r / 64)); high bits of byte
-// 128 + h*32 + r%32 (shifted by 2 * (r / 32)). w = (d * sc) * (q - 32).
+// 128 + h*32 + r%32 (shifted by 2 * (r / 32)). w = (d * sc) * (q - 32). A block's 256 codes minus 32 are
+// assembled once per block as bytes, 64 at a time on AVX-512 (``six_bit_codes``), and widened per chunk.
+inline void six_bit_codes(const uint8_t* b, int8_t* q) {
+#if defined(__AVX512BW__)
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(32);
+    // 16-bit lanes 0-15 shift by a, 16-31 by b: each 32-byte half of the codes reads its own bit pair.
+    const __m512i shifts_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i shifts_hi = _mm512_add_epi16(shifts_lo, _mm512_set1_epi16(4));
+    for (int h = 0; h < 2; ++h) {
+        const __m512i ql = _mm512_loadu_si512((const void*)(b + h * 64));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + h * 32)));
+        const __m512i hi_lo = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shifts_lo), m2), 4);
+        const __m512i hi_hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shifts_hi), m2), 4);
+        const __m512i low = _mm512_or_si512(_mm512_and_si512(ql, m4), hi_lo);
+        const __m512i high = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hi_hi);
+        _mm512_storeu_si512((void*)(q + h * 128), _mm512_sub_epi8(low, bias));
+        _mm512_storeu_si512((void*)(q + h * 128 + 64), _mm512_sub_epi8(high, bias));
+    }
+#else
+    for (int e = 0; e < 256; ++e) {
+        const int h = e / 128, r = e % 128;
+        const int low = (b[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0F;
+        const int high = (b[128 + h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+        q[e] = (int8_t)((low | (high << 4)) - 32);
+    }
+#endif
+}
+
 struct Q6_K {
-    static constexpr int TYPE = 14, QK = 256, BYTES = 210, GROUP = 16, CODES = 64;
+    static constexpr int TYPE = 14, QK = 256, BYTES = 210, GROUP = 16, CODES = 256;  // codes minus 32, as int8
     struct Scale { float dl; };
-    struct Scales { float dl[16]; };
+    struct Scales { float dl[16]; int8_t q[256]; };
     static Scales scales(const uint8_t* b) {
         Scales s;
         const float d = f16(b + 208);
         for (int g = 0; g < 16; ++g) s.dl[g] = d * (float)(int8_t)b[192 + g];
+        six_bit_codes(b, s.q);
         return s;
     }
     static Scale at(const Scales& s, int g) { return {s.dl[g]}; }
-    static ivec codes(const uint8_t* b, int g, int c) {
-        const int e = g * 16 + c * VW, h = e / 128, r = e % 128;
-        const ivec low = iand(isrl(iload_u8(b + h * 64 + r % 64), 4 * (r / 64)), 0x0F);
-        const ivec high = iand(isrl(iload_u8(b + 128 + h * 32 + r % 32), 2 * (r / 32)), 3);
-        return ior(low, isll(high, 4));
+    static ivec codes(const uint8_t*, const Scales& s, int g, int c) {
+        return iload_i8((const uint8_t*)s.q + g * 16 + c * VW);
     }
-    static vec value(const Scale& s, vec q) { return vmul(vset(s.dl), vsub(q, vset(32.0f))); }
+    static vec value(const Scale& s, vec q) { return vmul(vset(s.dl), q); }  // q - 32 is exact in fp32
 };
 
 // fp32 weights (the scratch rows of a many-row call): VW floats per "block", loaded as they are.
@@ -372,15 +398,15 @@ inline Prepared<F> prepare(const typename F::Scales& scales, int g) {
 
 // The c-th VW weights of group g of block b, as floats.
 template <class F>
-inline vec weights(const uint8_t* b, int g, int c, const Prepared<F>& p) {
+inline vec weights(const uint8_t* b, const typename F::Scales& s, int g, int c, const Prepared<F>& p) {
     if constexpr (F::TYPE == 0) {
         return vload((const float*)b + g * F::GROUP + c * VW);
     } else {
 #if defined(__AVX512F__)
-        if constexpr (F::CODES <= 16) return _mm512_permutexvar_ps(F::codes(b, g, c), p.t0);
-        if constexpr (F::CODES <= 32) return _mm512_permutex2var_ps(p.t0, F::codes(b, g, c), p.t1);
+        if constexpr (F::CODES <= 16) return _mm512_permutexvar_ps(F::codes(b, s, g, c), p.t0);
+        if constexpr (F::CODES <= 32) return _mm512_permutex2var_ps(p.t0, F::codes(b, s, g, c), p.t1);
 #endif
-        return F::value(p.s, vcvt(F::codes(b, g, c)));
+        return F::value(p.s, vcvt(F::codes(b, s, g, c)));
     }
 }
 
@@ -391,7 +417,8 @@ void dequantize_row(const uint8_t* w, int64_t K, float* out) {
         const typename F::Scales scales = F::scales(w);
         UNROLL for (int g = 0; g < F::QK / F::GROUP; ++g) {
             const Prepared<F> p = prepare<F>(scales, g);
-            UNROLL for (int c = 0; c < F::GROUP / VW; ++c) vstore(out + g * F::GROUP + c * VW, weights<F>(w, g, c, p));
+            UNROLL for (int c = 0; c < F::GROUP / VW; ++c)
+                vstore(out + g * F::GROUP + c * VW, weights<F>(w, scales, g, c, p));
         }
     }
 }
@@ -410,7 +437,7 @@ NOINLINE void block(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, 
             for (int j = 0; j < C; ++j) p[j] = prepare<F>(scales[j], g);
             UNROLL for (int c = 0; c < F::GROUP / VW; ++c) {
                 vec wv[C];
-                for (int j = 0; j < C; ++j) wv[j] = weights<F>(w + j * ldw, g, c, p[j]);
+                for (int j = 0; j < C; ++j) wv[j] = weights<F>(w + j * ldw, scales[j], g, c, p[j]);
                 for (int i = 0; i < R; ++i) {
                     vec xv = vload(x + i * ldx + g * F::GROUP + c * VW);
                     keep_in_register(xv);
