@@ -3,7 +3,8 @@
 For a GGUF target and draft loaded by path with hfspec's defaults (blocks kept, gamma="auto"), in one run:
 
 1. ``rss``: the peak resident memory of a fresh process that loads the pair
-   (``SpeculativeGenerator.from_pretrained(dir, dir, gguf_file=..., draft_gguf_file=...)``), against the files;
+   (``SpeculativeGenerator.from_pretrained(dir, dir, gguf_file=..., draft_gguf_file=...)``) and generates 16
+   tokens, against the files (the bar: twice the files and 1 GB);
 2. ``exact``: on every prompt, hfspec's greedy tokens against the target loaded by transformers with
    ``gguf_native=False, dtype=float32`` on hfspec's fp32 kernel (what the blocks are computed exactly as);
 3. ``speed``: interleaved prompt by prompt, tokens per second of hfspec's defaults, of plain transformers
@@ -47,10 +48,11 @@ def chat_ids(tokenizer, text: str) -> torch.Tensor:
 
 
 def peak_rss(args: argparse.Namespace) -> float:
-    """GB of peak RSS of a fresh process loading the pair with defaults."""
+    """GB of peak RSS of a fresh process loading the pair with defaults and generating 16 tokens (which maps in
+    every page of both files)."""
     code = ("import sys, torch; from hfspec import SpeculativeGenerator; torch.set_num_threads(int(sys.argv[4])); "
-            "SpeculativeGenerator.from_pretrained(sys.argv[1], sys.argv[1], gguf_file=sys.argv[2], "
-            "draft_gguf_file=sys.argv[3])")
+            "gen = SpeculativeGenerator.from_pretrained(sys.argv[1], sys.argv[1], gguf_file=sys.argv[2], "
+            "draft_gguf_file=sys.argv[3]); gen.generate(torch.tensor([[9707, 11, 1879, 0]]), max_new_tokens=16)")
     subprocess.run([sys.executable, "-c", code, args.dir, args.target_file, args.draft_file, str(args.threads)],
                    check=True, capture_output=True)
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # kB -> GB
