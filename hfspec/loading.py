@@ -350,8 +350,14 @@ def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: s
         if gguf_file is not None:
             kwargs["gguf_file"] = gguf_file
     try:
-        return AutoTokenizer.from_pretrained(source, **kwargs)
-    except (OSError, ValueError, TypeError) as exc:
+        try:
+            return AutoTokenizer.from_pretrained(source, **kwargs)
+        except KeyError:  # a GGUF file without a tokenizer: the directory's own tokenizer files, if any
+            if "gguf_file" not in kwargs:
+                raise
+            kwargs.pop("gguf_file")
+            return AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
         where = f"tokenizer {source!r}" if tokenizer is not None else f"the target {str(target)!r}'s tokenizer"
         raise HfspecError(f"could not load {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
                           "pass tokenizer= (a path or a loaded tokenizer)") from None

@@ -133,3 +133,31 @@ def test_the_real_qwen_gguf_decodes_as_its_float32_load(library):
         assert torch.equal(got(ids).logits, want(ids).logits)
     assert torch.equal(got.generate(ids, max_new_tokens=12, do_sample=False),
                        want.generate(ids, max_new_tokens=12, do_sample=False))
+
+
+def test_the_cli_and_presets_load_gguf_pairs(files, capsys, tmp_path):
+    import json
+
+    from hfspec import api, cli
+    from hfspec.loading import load_preset
+
+    target, draft = files["llama-q8_0"], files["llama-k-mix-tied"]
+    argv = ["generate", "w10 w11", "--target", str(target.parent), "--draft", str(draft.parent), "--gguf-file",
+            target.name, "--draft-gguf-file", draft.name, "--max-new-tokens", "8", "--json", "--stats"]
+    api.clear_cache()
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    native = json.loads(out)
+    described = native["settings"]["fast_kernels"]
+    assert described["target"]["quantized"]["formats"] == {"Q8_0": 15, "Q8_0 embedding": 1}
+    assert "GGUF blocks kept" in err
+    assert cli.main([*argv, "--no-gguf-native"]) == 0
+    dense = json.loads(capsys.readouterr()[0])
+    assert "quantized" not in dense["settings"]["fast_kernels"]["target"]
+    assert dense["tokens"] == native["tokens"]  # the dequantized float32 pair, on the fp32 kernel
+    api.clear_cache()
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"name": "p", "target": str(target.parent), "draft": str(draft.parent),
+                                "gguf_file": target.name, "draft_gguf_file": draft.name, "gguf_native": False}))
+    assert load_preset(path).load_kwargs() == {"dtype": "auto", "trust_remote_code": False, "gguf_native": False,
+                                               "gguf_file": target.name, "draft_gguf_file": draft.name}

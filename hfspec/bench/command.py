@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hfspec.cpu import fast
 from hfspec.bench.field import HYBRID, MAIN, USELESS, Mode, Settings, load_prompts
-from hfspec.bench.formats import format_costs, format_table
+from hfspec.bench.formats import format_costs, formats_table
 from hfspec.bench.measure import Bench
 from hfspec.bench.report import format_table, plot
 from hfspec.bench.runner import run_bench
@@ -289,7 +289,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "formats", None):
         for role, model in (("target", target), ("draft", draft_module(draft))):
             costs = format_costs(model) if model is not None else []
-            print(format_table(costs, f"{role}: GGUF block formats, ms per forward (1 row) and v(k)"), file=sys.stderr)
+            title = f"{role}: GGUF block formats, ms per forward (1 row) and v(k)"
+            print(formats_table(costs, title), file=sys.stderr)
             formats[role] = [dataclasses.asdict(c) for c in costs]
         if args.formats == "only":
             write_json({"environment": {"cpu": cpu_model(), "threads": torch.get_num_threads()}, "formats": formats},

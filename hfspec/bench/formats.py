@@ -18,7 +18,7 @@ from torch import nn
 
 from hfspec.cpu import kernels, plan as kernel_plan, quant
 
-__all__ = ["PATHS", "ROWS", "FormatCost", "format_costs", "format_table"]
+__all__ = ["PATHS", "ROWS", "FormatCost", "format_costs", "formats_table"]
 
 ROWS = (1, 2, 4, 8, 16)
 PATHS = ("quantized", "fp32", "bf16")
@@ -79,7 +79,7 @@ def format_costs(model: nn.Module, rows: Sequence[int] = ROWS, rounds: int = 5) 
     return out
 
 
-def format_table(costs: Sequence[FormatCost], title: str = "") -> str:
+def formats_table(costs: Sequence[FormatCost], title: str = "") -> str:
     """A text table: per format, its layers and bits per weight, then per path the step and v(k)."""
     if not costs:
         return f"{title}: no quantized layers" if title else "no quantized layers"
