@@ -57,7 +57,7 @@ def _string(blob: np.ndarray, pos: int) -> tuple[str, int]:
     return bytes(blob[pos + 8:pos + 8 + n]).decode("utf-8"), pos + 8 + n
 
 
-def _skip_value(blob: np.ndarray, pos: int, kind: int) -> tuple[Any, int]:
+def _value(blob: np.ndarray, pos: int, kind: int) -> tuple[Any, int]:
     """The value of metadata type ``kind`` at ``pos`` (scalars and strings; arrays are skipped) and where it ends."""
     if kind in _SIZES:
         fmt = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}[_SIZES[kind]]
@@ -70,7 +70,7 @@ def _skip_value(blob: np.ndarray, pos: int, kind: int) -> tuple[Any, int]:
         if inner in _SIZES:
             return None, pos + count * _SIZES[inner]
         for _ in range(count):
-            _, pos = _skip_value(blob, pos, inner)
+            _, pos = _value(blob, pos, inner)
         return None, pos
     raise HfspecError(f"GGUF metadata value of unknown type {kind}")
 
@@ -89,7 +89,7 @@ def read_tensors(path: str | Path) -> tuple[str, list[GgufTensor]]:
     for _ in range(n_kv):
         key, pos = _string(blob, pos)
         (kind,) = struct.unpack_from("<I", blob, pos)
-        meta[key], pos = _skip_value(blob, pos + 4, kind)
+        meta[key], pos = _value(blob, pos + 4, kind)
     table = []
     for _ in range(n_tensors):
         name, pos = _string(blob, pos)

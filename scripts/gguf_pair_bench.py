@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import statistics
 import subprocess
@@ -116,6 +117,8 @@ def pair_bench(args: argparse.Namespace) -> dict:
                             eos_token_id=None)
         got = gen.generate(ids, max_new_tokens=args.new, eos_token_id=[])
         row["exact"] = bool(torch.equal(got.sequences, want))
+        row["auto"] = {"mean_gamma": got.stats.mean_gamma, "acceptance": got.stats.acceptance_rate,
+                       "tokens_per_pass": got.stats.mean_accepted_length, "tree_nodes": got.stats.tree_nodes}
         if "speed" in args.parts:
             runs = {"hfspec": lambda x, n: gen.generate(x, max_new_tokens=n, eos_token_id=[])}
 
@@ -211,6 +214,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     args.parts = {p.strip() for p in args.parts.split(",")}
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("hfspec.generator").setLevel(logging.INFO)  # the costs gamma="auto" measured
     torch.set_num_threads(args.threads)
     out = offline_bench(args) if args.offline else pair_bench(args)
     text = json.dumps({k: v for k, v in out.items() if k not in ("rows", "described")}, indent=2)

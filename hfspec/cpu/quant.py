@@ -137,7 +137,7 @@ def default_plan(qk: QuantKernel) -> tuple[int, ...]:
     4 rows on AVX-512, 2 rows on AVX2), then more rows over fewer weight rows."""
     index = {shape: i for i, shape in enumerate(qk.shapes)}
     if qk.library.isa == "avx512":
-        pick = [(4, 4) if m <= 4 else (8, 2) if m <= 8 else (16, 1) for m in range(kernels.PLAN_ROWS + 1)]
+        pick = [(4, 4) if m <= 4 else (8, 2) for m in range(kernels.PLAN_ROWS + 1)]
     else:
         pick = [(2, 4) if m <= 2 else (4, 2) if m <= 4 else (8, 1) for m in range(kernels.PLAN_ROWS + 1)]
     return tuple(index.get(shape, 0) for shape in pick)
