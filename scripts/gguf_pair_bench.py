@@ -56,11 +56,14 @@ def peak_rss(args: argparse.Namespace) -> float:
             "draft_gguf_file=sys.argv[3]); gen.generate(torch.tensor([[9707, 11, 1879, 0]]), max_new_tokens=16)")
     subprocess.run([sys.executable, "-c", code, args.dir, args.target_file, args.draft_file, str(args.threads)],
                    check=True, capture_output=True)
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # kB -> GB
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9  # KiB -> GB
 
 
-def timed_generate(run, ids: torch.Tensor, new: int) -> tuple[float, float]:
-    """(seconds for 1 new token: the prompt and the first token; seconds for ``new``)."""
+def timed_generate(run, ids: torch.Tensor, new: int, warm: bool = False) -> tuple[float, float]:
+    """(seconds for 1 new token: the prompt and the first token; seconds for ``new``), after an untimed run when
+    ``warm`` (the first prompt: gamma="auto" measures its costs on its first call)."""
+    if warm:
+        run(ids, new)
     start = time.perf_counter()
     run(ids, 1)
     one = time.perf_counter() - start
@@ -98,7 +101,7 @@ def median(rows: list[dict], key: str) -> float:
 def pair_bench(args: argparse.Namespace) -> dict:
     out: dict = {"cpu": cpu_model(), "threads": torch.get_num_threads()}
     files = [Path(args.dir) / f for f in (args.target_file, args.draft_file)]
-    out["files_gb"] = sum(f.stat().st_size for f in files) / 2**30
+    out["files_gb"] = sum(f.stat().st_size for f in files) / 1e9
     if "rss" in args.parts:
         out["peak_rss_gb"] = peak_rss(args)
         out["rss_bar_gb"] = 2 * out["files_gb"] + 1
@@ -127,7 +130,8 @@ def pair_bench(args: argparse.Namespace) -> dict:
                     ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                                  eos_token_id=None)
 
-            runs["transformers"] = plain
+            if "transformers" not in args.skip:
+                runs["transformers"] = plain
             order = list(runs) + (["llama.cpp"] if llama else [])
             for name in order[i % len(order):] + order[: i % len(order)]:  # rotate: no contender always first
                 if name == "llama.cpp":
@@ -135,7 +139,7 @@ def pair_bench(args: argparse.Namespace) -> dict:
                     row["llama.cpp"] = {"tok_s": res["tok_s"], "tok_s_with_prompt": res["tok_s_with_prompt"]}
                     row["llama_agrees"] = _agreement(res["tokens"], want[0, ids.shape[1]:].tolist())
                 else:
-                    row[name] = rates(*timed_generate(runs[name], ids, args.new), args.new)
+                    row[name] = rates(*timed_generate(runs[name], ids, args.new, warm=i == 0), args.new)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     if llama:
@@ -189,7 +193,7 @@ def offline_bench(args: argparse.Namespace) -> dict:
 
         runs = {"hfspec": lambda x, n: gen.generate(x, max_new_tokens=n, eos_token_id=[]), "transformers": plain}
         for name in list(runs)[:: 1 if i % 2 else -1]:
-            row[name] = rates(*timed_generate(runs[name], x, args.new), args.new)
+            row[name] = rates(*timed_generate(runs[name], x, args.new, warm=i == 0), args.new)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     out["rows"] = rows
@@ -205,6 +209,7 @@ def main() -> int:
     parser.add_argument("--draft-file", default="qwen-0.5b.gguf")
     parser.add_argument("--llama-python", default=None, help="an interpreter with llama-cpp-python")
     parser.add_argument("--parts", default="rss,exact,speed", help="comma-separated: rss, exact, speed")
+    parser.add_argument("--skip", default="", help="contenders to leave out of speed, e.g. transformers")
     parser.add_argument("--offline", action="store_true", help="the offline SmolLM2 pair instead")
     parser.add_argument("--prompts-file", type=Path, default=None, help="default: the package's bench prompts")
     parser.add_argument("--prompts", type=int, default=6)
