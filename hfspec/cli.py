@@ -131,6 +131,13 @@ def _add_generate(sub) -> None:
     pair.add_argument("--fast-kernels", action=argparse.BooleanOptionalAction, default=None,
                       help="run both models on hfspec's CPU linear kernel where they sit on CPU in float32 or "
                       "bfloat16 (default: on; --no-fast-kernels keeps torch's own linears)")
+    pair.add_argument("--gguf-file", metavar="FILE", help="the target's GGUF file, inside --target's directory or "
+                      "repository (default: the preset's)")
+    pair.add_argument("--draft-gguf-file", metavar="FILE", help="the draft's GGUF file, inside --draft's directory or "
+                      "repository (default: the preset's)")
+    pair.add_argument("--gguf-native", action=argparse.BooleanOptionalAction, default=None,
+                      help="on CPU, keep GGUF models' quantized blocks and run hfspec's quantized kernel, exactly as "
+                      "the float32 dequantized model (default: on; --no-gguf-native dequantizes as transformers does)")
 
     spec = p.add_argument_group("speculation")
     spec.add_argument("--gamma", type=gamma_value, metavar="N|auto", help="γ: draft tokens per verification step, >= 1, "
@@ -322,6 +329,9 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["dtype"] = args.dtype
     if args.fast_kernels is not None:
         kwargs["fast_kernels"] = args.fast_kernels
+    for name in ("gguf_file", "draft_gguf_file", "gguf_native"):
+        if getattr(args, name, None) is not None:
+            kwargs[name] = getattr(args, name)
     if args.device == "auto":
         kwargs["device_map"] = "auto"
     elif args.device is not None:
@@ -348,10 +358,18 @@ def _policy(args: argparse.Namespace, preset: Preset, gen) -> int | GammaPolicy 
     return CostModelGamma(cost=cost, maximum=max(8, start))
 
 
+def _quantized(kernel: dict[str, Any]) -> str:
+    held = kernel.get("quantized")
+    if not held:
+        return ""
+    formats = " ".join(f"{n} {name}" for name, n in held["formats"].items())
+    return f"; GGUF blocks kept: {formats}, {held['bytes'] / 2**20:.0f} MiB"
+
+
 def _stats_line(stats, gen) -> str:
     histogram = " ".join(f"{g}:{n}" for g, n in enumerate(stats.gamma_histogram) if n)
-    kernels = ", ".join(f"{role} {k['isa']} ({k['layers']} layers)" if k["on"] else f"{role} {k['reason']}"
-                        for role, k in gen.describe()["fast_kernels"].items())
+    kernels = ", ".join(f"{role} {k['isa']} ({k['layers']} layers{_quantized(k)})" if k["on"]
+                        else f"{role} {k['reason']}" for role, k in gen.describe()["fast_kernels"].items())
     trees = ""
     if stats.tree_nodes:
         depths = " ".join(f"{d}:{n}" for d, n in enumerate(stats.depth_histogram) if n)

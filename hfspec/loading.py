@@ -18,7 +18,9 @@ above every drafter and beside the loaders it needs for a path, so that
 
 The models loaded here run hfspec's CPU kernel (``hfspec.fast.accelerate_loaded``: on CPU with
 fp32 or bf16 weights) unless ``fast_kernels=False``; a model a caller built and passed in is
-never changed (``make_drafter`` loads a draft path as it is).
+never changed (``make_drafter`` loads a draft path as it is). A GGUF target or draft
+(``gguf_file``, ``draft_gguf_file``) on CPU keeps its quantized blocks (``hfspec.gguf_native``)
+unless ``gguf_native=False`` or ``fast_kernels=False``, which dequantize it as transformers does.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec import assets
+from hfspec import assets, gguf_native
 from hfspec.cpu import fast
 from hfspec.drafters import Drafter
 from hfspec.drafters.cross_tokenizer import CrossTokenizerDrafter
@@ -44,7 +46,7 @@ from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head
 from hfspec.heads.eagle3 import Eagle3Head
 from hfspec.heads.files import is_eagle3_dir
-from hfspec.models import load_model, same_tokenizer
+from hfspec.models import check_causal_lm, load_model, same_tokenizer
 
 __all__ = ["Preset", "draft_module", "load_draft", "load_pair", "load_preset", "make_drafter", "parse_dtype",
            "preset_names", "resolve_model"]
@@ -131,6 +133,8 @@ def load_pair(
     revision: str | None = None,
     trust_remote_code: bool = False,
     gguf_file: str | None = None,
+    draft_gguf_file: str | None = None,
+    gguf_native: bool = True,
     tokenizer: PreTrainedTokenizerBase | str | Path | None = None,
     fast_kernels: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
@@ -139,8 +143,12 @@ def load_pair(
     ``dtype`` applies to both models unless ``draft_dtype`` is given. ``device_map``
     (e.g. ``"auto"``) spreads the target with accelerate; the draft then goes to
     ``draft_device``, else ``device``, else the device of the target's embeddings.
-    ``revision`` and ``gguf_file`` apply to the target and its tokenizer. The
-    tokenizer is the target's unless ``tokenizer`` (an object or a path) is given.
+    ``revision`` and ``gguf_file`` apply to the target and its tokenizer,
+    ``draft_gguf_file`` to the draft and its tokenizer. On CPU a GGUF model keeps
+    its quantized blocks and runs hfspec's quantized kernel (``gguf_native``, default
+    on: the file's size in memory, every output as the float32 dequantized model's
+    on the kernel); ``gguf_native=False`` dequantizes it to ``dtype`` as transformers
+    does. The tokenizer is the target's unless ``tokenizer`` (an object or a path) is given.
     A draft model that ships a tokenizer other than that one comes back as a
     ``CrossTokenizerDrafter``, which drafts the tokens both tokenizers share.
     ``fast_kernels`` (default on) makes the target and the draft (model or EAGLE-3
@@ -148,6 +156,7 @@ def load_pair(
     (``hfspec.fast``); ``False`` keeps torch's own linears.
     """
     _check_fast_kernels(fast_kernels)
+    _check_bool("gguf_native", gguf_native, "False dequantizes GGUF weights as transformers does")
     if device is not None and device_map is not None:
         raise HfspecError("pass device or device_map, not both (device_map='auto' places the target itself)")
     target_dev = _check_device(device, "target")
@@ -159,21 +168,27 @@ def load_pair(
     target_kwargs: dict[str, Any] = {"dtype": parse_dtype(dtype), **common}
     if revision is not None:
         target_kwargs["revision"] = revision
-    if gguf_file is not None:
-        target_kwargs["gguf_file"] = gguf_file
     if device_map is not None:
         target_kwargs["device_map"] = device_map
-    target_model = load_model(target_path, "target", **target_kwargs)
+    native = gguf_native and fast_kernels and device_map is None
+    target_gguf = gguf_file
+    if gguf_file is None and str(target) == OFFLINE_TARGET and Path(target_path) == assets.offline_target_dir() \
+            and native and _on_cpu(target_dev):
+        target_gguf = assets.offline_target_gguf().name  # the offline target's own GGUF, kept beside its copy
+    target_model = _load_lm(target_path, "target", target_gguf, native=native and _on_cpu(target_dev),
+                            **target_kwargs)
     if target_dev is not None:
         target_model.to(target_dev)
 
+    draft_dev = draft_dev if draft_dev is not None else _input_device(target_model)
     draft_model = _load_draft(draft_path, target_model,
                               dtype=parse_dtype(draft_dtype if draft_dtype is not None else dtype),
-                              device=draft_dev if draft_dev is not None else _input_device(target_model), **common)
+                              device=draft_dev, gguf_file=draft_gguf_file,
+                              gguf_native=native and _on_cpu(draft_dev), **common)
 
     tok = _target_tokenizer(tokenizer, target, target_path, revision, gguf_file, trust_remote_code)
     if isinstance(draft_model, PreTrainedModel):
-        draft_tok = _draft_tokenizer(draft, draft_path, trust_remote_code)
+        draft_tok = _draft_tokenizer(draft, draft_path, trust_remote_code, draft_gguf_file)
         if draft_tok is not None and not same_tokenizer(tok, draft_tok):
             draft_model = _cross_tokenizer_drafter(draft_model, draft_tok, tok, target, draft)
     if fast_kernels:
@@ -184,8 +199,31 @@ def load_pair(
 
 
 def _check_fast_kernels(value: Any) -> None:
+    _check_bool("fast_kernels", value, "False keeps torch's own linears")
+
+
+def _check_bool(name: str, value: Any, meaning: str) -> None:
     if not isinstance(value, bool):
-        raise HfspecError(f"fast_kernels must be True or False (False keeps torch's own linears), got {value!r}")
+        raise HfspecError(f"{name} must be True or False ({meaning}), got {value!r}")
+
+
+def _on_cpu(device: torch.device | None) -> bool:
+    return device is None or device.type == "cpu"
+
+
+def _load_lm(path: str, role: str, gguf_file: str | None, *, native: bool, **kwargs: Any) -> PreTrainedModel:
+    """A causal LM by path or hub name; a GGUF one with its blocks kept where ``native`` and hfspec can
+    (``hfspec.gguf_native``), else dequantized by transformers."""
+    if gguf_file is not None and native:
+        model = gguf_native.load(path, gguf_file, role, dtype=kwargs.get("dtype", "auto"),
+                                 revision=kwargs.get("revision"), trust_remote_code=kwargs.get("trust_remote_code",
+                                                                                                False))
+        if model is not None:
+            check_causal_lm(model, role)
+            return model
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    return load_model(path, role, **kwargs)
 
 
 def _accelerate(model: torch.nn.Module | None, role: str) -> None:
@@ -193,7 +231,10 @@ def _accelerate(model: torch.nn.Module | None, role: str) -> None:
     if model is None:
         return
     report = fast.accelerate_loaded(model)
-    if report.layers:
+    if report.quantized:
+        log.info("%s: %d quantized and %d other linear layers on the %s kernel", role, report.quantized,
+                 len(report.layers), report.isa)
+    elif report.layers:
         log.info("%s: %d linear layers on the %s kernel", role, len(report.layers), report.isa)
     else:
         log.info("%s: fast kernels %s", role, report.reason)
@@ -211,34 +252,43 @@ def draft_module(draft: PreTrainedModel | Drafter | None) -> torch.nn.Module | N
 
 
 def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.dtype | str, device: torch.device,
-                trust_remote_code: bool) -> PreTrainedModel | Drafter:
+                trust_remote_code: bool, gguf_file: str | None = None,
+                gguf_native: bool = True) -> PreTrainedModel | Drafter:
     """The draft named by ``draft_path``, on ``device``: a causal LM, or another kind of drafter.
 
     An EAGLE-3 head's directory (either layout, recognised by its contents) becomes an
     ``Eagle3Drafter`` for ``target_model``, in the target's dtype unless ``dtype`` says
     otherwise; it never goes through ``AutoModelForCausalLM``. ``"ngram"`` is model-free
-    lookup (a directory of that name is ``./ngram``).
+    lookup (a directory of that name is ``./ngram``). ``gguf_file`` names the draft's GGUF file
+    (its blocks kept where ``gguf_native``).
     """
     if draft_path == NGRAM:
+        if gguf_file is not None:
+            raise HfspecError("draft_gguf_file names a GGUF file of a draft model; the 'ngram' draft has none")
         return NgramDrafter()
     if is_eagle3_dir(draft_path):
         head = load_head(draft_path, dtype=target_model.dtype if dtype == "auto" else dtype, device=device)
         return Eagle3Drafter(head, target_model)
-    model = load_model(draft_path, "draft", dtype=dtype, trust_remote_code=trust_remote_code)
+    model = _load_lm(draft_path, "draft", gguf_file, native=gguf_native, dtype=dtype,
+                     trust_remote_code=trust_remote_code)
     return model.to(device)
 
 
 def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str | torch.dtype = "auto",
                device: str | torch.device | None = None, trust_remote_code: bool = False,
-               fast_kernels: bool = True) -> PreTrainedModel | Drafter:
+               fast_kernels: bool = True, gguf_file: str | None = None,
+               gguf_native: bool = True) -> PreTrainedModel | Drafter:
     """Load the draft named ``draft`` (hub name, path, ``"shipped"``, ``"shipped-eagle3"``) for an already loaded target.
 
-    It goes to ``device``, else to the device of the target's embeddings; ``fast_kernels`` as in ``load_pair``.
+    It goes to ``device``, else to the device of the target's embeddings; ``fast_kernels``, ``gguf_file``
+    (the draft's) and ``gguf_native`` as in ``load_pair``.
     """
     _check_fast_kernels(fast_kernels)
+    _check_bool("gguf_native", gguf_native, "False dequantizes GGUF weights as transformers does")
     dev = _check_device(device, "draft") or _input_device(target_model)
     loaded = _load_draft(resolve_model(draft, "draft"), target_model, dtype=parse_dtype(dtype), device=dev,
-                         trust_remote_code=trust_remote_code)
+                         trust_remote_code=trust_remote_code, gguf_file=gguf_file,
+                         gguf_native=gguf_native and fast_kernels and _on_cpu(dev))
     if fast_kernels:
         _accelerate(draft_module(loaded), "draft")
     return loaded
@@ -300,21 +350,30 @@ def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: s
         if gguf_file is not None:
             kwargs["gguf_file"] = gguf_file
     try:
-        return AutoTokenizer.from_pretrained(source, **kwargs)
-    except (OSError, ValueError, TypeError) as exc:
+        try:
+            return AutoTokenizer.from_pretrained(source, **kwargs)
+        except KeyError:  # a GGUF file without a tokenizer: the directory's own tokenizer files, if any
+            if "gguf_file" not in kwargs:
+                raise
+            kwargs.pop("gguf_file")
+            return AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
         where = f"tokenizer {source!r}" if tokenizer is not None else f"the target {str(target)!r}'s tokenizer"
         raise HfspecError(f"could not load {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
                           "pass tokenizer= (a path or a loaded tokenizer)") from None
 
 
-def _draft_tokenizer(draft: Any, draft_path: str, trust_remote_code: bool) -> PreTrainedTokenizerBase | None:
-    """The draft's own tokenizer, or None where it ships none (it then uses the target's)."""
+def _draft_tokenizer(draft: Any, draft_path: str, trust_remote_code: bool,
+                     gguf_file: str | None = None) -> PreTrainedTokenizerBase | None:
+    """The draft's own tokenizer (from its GGUF file, if it has one), or None where it ships none (it then uses
+    the target's)."""
     local = Path(draft_path).expanduser()
-    if local.is_dir() and not any((local / f).is_file() for f in _TOKENIZER_FILES):
+    if local.is_dir() and gguf_file is None and not any((local / f).is_file() for f in _TOKENIZER_FILES):
         return None  # a bare draft directory: it can only be used with the target's tokenizer
+    kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
     try:
-        return AutoTokenizer.from_pretrained(draft_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as exc:
+        return AutoTokenizer.from_pretrained(draft_path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # KeyError: a GGUF without a tokenizer
         log.debug("draft %s: no tokenizer to compare (%s)", draft, exc)
         return None
 
@@ -348,6 +407,8 @@ class Preset:
     chat: bool = False  # wrap prompts in the tokenizer's chat template
     system: str | None = None  # default system message when chat is on
     gguf_file: str | None = None  # a GGUF file inside the target's directory or repository
+    draft_gguf_file: str | None = None  # a GGUF file inside the draft's directory or repository
+    gguf_native: bool = True  # keep GGUF models' quantized blocks on CPU (False: dequantize as transformers does)
     revision: str | None = None  # the target's hub revision
     trust_remote_code: bool = False
     do_sample: bool | None = None  # sampling defaults; None keeps the target's generation_config
@@ -364,7 +425,9 @@ class Preset:
         kwargs: dict[str, Any] = {"dtype": self.dtype, "trust_remote_code": self.trust_remote_code}
         if not self.fast_kernels:  # on is load_pair's default
             kwargs["fast_kernels"] = False
-        for name in ("draft_dtype", "gguf_file", "revision"):
+        if not self.gguf_native:
+            kwargs["gguf_native"] = False
+        for name in ("draft_dtype", "gguf_file", "draft_gguf_file", "revision"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         return kwargs
@@ -376,7 +439,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "dtype": (str,), "draft_dtype": (str,), "chat": (bool,), "system": (str,), "gguf_file": (str,),
     "revision": (str,), "trust_remote_code": (bool,), "do_sample": (bool,), "temperature": (int, float),
     "top_k": (int,), "top_p": (int, float), "repetition_penalty": (int, float), "ngram": (bool,),
-    "fast_kernels": (bool,),
+    "fast_kernels": (bool,), "draft_gguf_file": (str,), "gguf_native": (bool,),
 }
 ALLOWED_KEYS = tuple(_TYPES)
 

@@ -140,3 +140,24 @@ def test_trees_on_the_real_pair_equal_the_target_and_beat_the_chain(real_pair, r
     assert torch.equal(tree.sequences, want), tok.decode(tree.sequences[0, ids.shape[1]:])
     chain = gen.generate(ids, max_new_tokens=40, gamma=4, eos_token_id=[])
     assert tree.stats.target_passes < chain.stats.target_passes, (tree.stats.depth_histogram, chain.stats)
+
+
+def test_the_offline_target_from_its_gguf_computes_its_float32_copys_logits(request, monkeypatch, library):
+    # hfspec loads the offline target from the GGUF kept beside its float32 copy, blocks kept (hfspec.gguf_native):
+    # on the kernels the two give the same logits bit for bit.
+    from hfspec import assets, gguf_native
+    from hfspec.cpu import fast, quant
+
+    if quant.kernel() is None:
+        pytest.skip(f"no quantized kernel: {quant.unavailable()}")
+    if not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():
+        monkeypatch.setenv("HFSPEC_CACHE", str(request.getfixturevalue("offline_target")[0]))
+    gguf = assets.offline_target_gguf(progress=False)
+    native = gguf_native.load(str(gguf.parent), gguf.name, "target")
+    dense = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32).eval()
+    fast.accelerate(native)
+    fast.accelerate(dense)
+    assert len(quant.quantized_layers(native)) == 211
+    ids = chat_ids(AutoTokenizer.from_pretrained(gguf.parent), PROMPTS[0])
+    with torch.no_grad():
+        assert torch.equal(native(ids).logits, dense(ids).logits)

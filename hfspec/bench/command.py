@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import platform
 import sys
@@ -16,12 +17,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hfspec.cpu import fast
 from hfspec.bench.field import HYBRID, MAIN, USELESS, Mode, Settings, load_prompts
+from hfspec.bench.formats import format_costs, formats_table
 from hfspec.bench.measure import Bench
 from hfspec.bench.report import format_table, plot
 from hfspec.bench.runner import run_bench
 from hfspec.drafters.hybrid import with_ngram
 from hfspec.errors import HfspecError
-from hfspec.loading import load_draft, load_pair, load_preset, make_drafter
+from hfspec.loading import draft_module, load_draft, load_pair, load_preset, make_drafter
 from hfspec.timing import cpu_model
 
 DESCRIPTION = """\
@@ -122,6 +124,14 @@ def _pair_options(pair: argparse._ArgumentGroup) -> None:
                       help="run hfspec's contenders on hfspec's CPU linear kernel where the models sit on CPU in "
                            "float32 or bfloat16 (default: on, or the preset's); transformers' contenders always "
                            "run torch's own linears, and the costs are measured both ways")
+    pair.add_argument("--gguf-file", default=None, metavar="FILE", help="the target's GGUF file in --target")
+    pair.add_argument("--draft-gguf-file", default=None, metavar="FILE", help="the draft's GGUF file in --draft")
+    pair.add_argument("--gguf-native", action=argparse.BooleanOptionalAction, default=True,
+                      help="keep GGUF models' blocks on CPU (default: on; --no-gguf-native dequantizes them to "
+                           "--dtype as transformers does)")
+    pair.add_argument("--formats", choices=("on", "only"), default=None,
+                      help="time each GGUF block format the models hold on the quantized kernel against the same "
+                           "layers dequantized on the fp32 and bf16 kernels (step and v(k)); 'only' skips the rest")
 
 
 def _workload_options(work: argparse._ArgumentGroup) -> None:
@@ -199,7 +209,9 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(target, draft, tokenizer) through hfspec.loading, which also resolves 'offline' and 'shipped'."""
     dtype = getattr(torch, args.dtype or "float32")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_pair(args.target, args.draft, dtype=dtype, device=device, fast_kernels=_fast_kernels(args))
+    gguf = {"gguf_file": getattr(args, "gguf_file", None), "draft_gguf_file": getattr(args, "draft_gguf_file", None),
+            "gguf_native": getattr(args, "gguf_native", True)}
+    return load_pair(args.target, args.draft, dtype=dtype, device=device, fast_kernels=_fast_kernels(args), **gguf)
 
 
 def _fast_kernels(args: argparse.Namespace) -> bool:
@@ -273,12 +285,31 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     prompts = load_prompts(args.prompts_file)[: args.num_prompts]
     target, draft, tokenizer = load(args)
+    formats = {}
+    if getattr(args, "formats", None):
+        for role, model in (("target", target), ("draft", draft_module(draft))):
+            costs = format_costs(model) if model is not None else []
+            title = f"{role}: GGUF block formats, ms per forward (1 row) and v(k)"
+            print(formats_table(costs, title), file=sys.stderr)
+            formats[role] = [dataclasses.asdict(c) for c in costs]
+        if args.formats == "only":
+            write_json({"environment": {"cpu": cpu_model(), "threads": torch.get_num_threads()}, "formats": formats},
+                       args.json)
+            return 0
     bench = Bench(target, draft, tokenizer, max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed,
                   drafters=load_drafters(args.drafters, target, draft, args.seed, _fast_kernels(args)))
     result = {"environment": environment(args, bench), **run_bench(bench, prompts, settings),
-              "prompts": [p["id"] for p in prompts]}
+              "prompts": [p["id"] for p in prompts], **({"formats": formats} if formats else {})}
     write_outputs(result, args.json, args.plot)
     return 0
+
+
+def write_json(result: dict[str, Any], json_path: str | None) -> None:
+    if json_path == "-":
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    elif json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
 def write_outputs(result: dict[str, Any], json_path: str | None, plot_path: Path | None) -> None:

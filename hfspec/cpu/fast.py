@@ -7,6 +7,8 @@ head) into a :class:`FastLinear`, which runs :mod:`hfspec.cpu.kernels` for input
 rows on CPU with fp32 or bf16 weights (fp32: up to 2048 rows, prompts included; bf16: up to 48) and
 torch's ``F.linear`` for anything else (longer bf16 prompts, other devices and dtypes, autograd).
 Weights keep their tensors and layout: nothing is copied, and a head tied to the embedding stays tied.
+Layers that hold GGUF blocks (:mod:`hfspec.cpu.quant`, loaded by :mod:`hfspec.gguf_native`) run the quantized
+kernel on their own; :func:`accelerate` times their block shapes and switches their model's attention too.
 :func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off. A model running transformers' ``sdpa``
 attention also switches to :mod:`hfspec.cpu.attention`'s, which reads grouped key/value heads in place for
 masked (verification) queries instead of copying the cache per layer.
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hfspec.cpu import attention as cpu_attention, kernels, plan as kernel_plan
+from hfspec.cpu import attention as cpu_attention, kernels, plan as kernel_plan, quant
 
 __all__ = ["AccelerationReport", "FastLinear", "accelerate", "accelerate_loaded", "accelerated", "describe",
            "is_accelerated", "restore", "suspended"]
@@ -86,6 +88,7 @@ class AccelerationReport:
     build_seconds: float             # compile time paid by this call (0.0 from the cache)
     reason: str | None = None        # why nothing was converted, if so
     attention: bool = False          # whether the model's sdpa attention switched to hfspec.cpu.attention
+    quantized: int = 0               # layers holding GGUF blocks on the quantized kernel (hfspec.cpu.quant)
 
 
 def _skip_reason(module: nn.Linear) -> str | None:
@@ -132,9 +135,10 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None) -> Acceleration
     plan = kernel_plan.plan_for(library, converted)
     for module in converted:
         module.plan = plan
-    attention = bool(converted) and cpu_attention.use(model)
+    quantized = quant.plan_layers(model)
+    attention = bool(converted or quantized) and cpu_attention.use(model)
     return AccelerationReport(tuple(layers), tuple(skipped), 0, library.isa, library.path, library.build_seconds,
-                              attention=attention)
+                              attention=attention, quantized=quantized)
 
 
 def restore(model: nn.Module) -> int:
@@ -173,7 +177,7 @@ NOT_CPU = "off: not a CPU model"
 
 def _off_reason(model: nn.Module) -> str | None:
     """Why the kernel cannot serve ``model`` at all (device, dtype), or None if it can."""
-    weight = next(model.parameters(), None)
+    weight = next((p for p in model.parameters() if p.is_floating_point()), None)  # not GGUF blocks (uint8)
     if weight is None:
         return "off: no weights"
     if weight.device.type != "cpu":
@@ -198,20 +202,26 @@ def accelerate_loaded(model: nn.Module) -> AccelerationReport:
 
 
 def describe(model: nn.Module | None) -> dict[str, object]:
-    """Whether ``model`` runs the kernel: ``on``, ``isa``, ``layers`` converted, ``bytes_added`` (0) and,
-    when off, the ``reason`` (e.g. ``"off: not a CPU model"``)."""
+    """Whether ``model`` runs the kernel: ``on``, ``isa``, ``layers`` on it, ``bytes_added`` (0) and,
+    when off, the ``reason`` (e.g. ``"off: not a CPU model"``); for a model holding GGUF blocks also
+    ``quantized``: its quantized ``layers``, ``formats`` (layers per format) and ``bytes`` held
+    (:func:`hfspec.cpu.quant.describe`)."""
     if model is None:
         return {"on": False, "isa": None, "layers": 0, "bytes_added": 0, "reason": "off: no draft model"}
     layers = sum(type(m) is FastLinear for m in model.modules())
-    if layers and _KERNEL is not None:
-        return {"on": True, "isa": _KERNEL.isa, "layers": layers, "bytes_added": 0, "reason": None}
+    held = quant.describe(model)
+    extra = {"quantized": held} if held["formats"] else {}
+    qk = quant.kernel() if held["layers"] else None
+    if (layers and _KERNEL is not None) or qk is not None:
+        isa = _KERNEL.isa if layers and _KERNEL is not None else qk.library.isa
+        return {"on": True, "isa": isa, "layers": layers + held["layers"], "bytes_added": 0, "reason": None, **extra}
     why = _off_reason(model)
     if why is None and os.environ.get("HFSPEC_KERNELS", "1") == "0":
         why = "off: HFSPEC_KERNELS=0"
     if why is None and kernels.build_failure() is not None:
         why = f"off: {kernels.build_failure()}"
     return {"on": False, "isa": None, "layers": 0, "bytes_added": 0,
-            "reason": why or "off: not accelerated (hfspec.fast.accelerate(model) turns it on)"}
+            "reason": why or "off: not accelerated (hfspec.fast.accelerate(model) turns it on)", **extra}
 
 
 @contextlib.contextmanager

@@ -9,6 +9,10 @@ where it is faster by ``MARGIN``. The plan is cached on disk per library (source
 thread count and layer shapes (``$HFSPEC_CACHE/kernels/plan-*.json``; delete it to time again): a few
 seconds once per machine and model. ``HFSPEC_KERNEL_PLAN=default`` skips the timing and keeps the default plan
 (the test suite does, to stay short). Every shape gives the same bits, so a plan changes speed, never output.
+
+Layers of another kernel (the quantized one, :mod:`hfspec.cpu.quant`) are planned the same way: they name their
+kind (``kernel_kind``, e.g. ``"Q4_K"``) and run a call on their first weight rows (``kernel_call``), and the caller
+passes that kernel's shapes and default plan.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from tqdm.auto import tqdm
 from hfspec.cpu import kernels
 
 __all__ = ["MARGIN", "ROUNDS", "SAMPLE_LAYERS", "SAMPLE_ROWS", "TUNED_ROWS", "choose", "plan_for", "plan_path", "sample",
-           "time_shapes"]
+           "sample_layers", "time_shapes"]
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +45,22 @@ MARGIN = 0.97  # a shape replaces the default only when its median time is at mo
 _PLANS: dict[Path, tuple[int, ...]] = {}
 
 
-def _signature(layers: Sequence[nn.Linear]) -> str:
-    """The layers' shapes and weight dtypes, in order: what a plan was timed on."""
-    return ";".join(f"{m.out_features}x{m.in_features}:{str(m.weight.dtype).replace('torch.', '')}" for m in layers)
+def _kind(layer: nn.Module) -> str:
+    """What a layer's weights are to the kernel: its dtype, or the block format a quantized layer names."""
+    return getattr(layer, "kernel_kind", None) or str(layer.weight.dtype).replace("torch.", "")
 
 
-def plan_path(library: kernels.KernelLibrary, layers: Sequence[nn.Linear], threads: int) -> Path:
-    """Where the plan for these layers, this library and this many threads is cached."""
-    key = hashlib.sha256(f"{library.path.name}\0{threads}\0{_signature(layers)}".encode()).hexdigest()[:16]
+def _signature(layers: Sequence[nn.Module]) -> str:
+    """The layers' shapes and weight kinds, in order: what a plan was timed on."""
+    return ";".join(f"{m.out_features}x{m.in_features}:{_kind(m)}" for m in layers)
+
+
+def plan_path(library: kernels.KernelLibrary, layers: Sequence[nn.Module], threads: int,
+              shapes: Sequence[tuple[int, int]] | None = None) -> Path:
+    """Where the plan for these layers, this library (and these shapes, if not the library's) and this many
+    threads is cached."""
+    extra = "" if shapes is None else f"\0{tuple(map(tuple, shapes))}"
+    key = hashlib.sha256(f"{library.path.name}\0{threads}\0{_signature(layers)}{extra}".encode()).hexdigest()[:16]
     return library.path.parent / f"plan-{key}.json"
 
 
@@ -77,12 +89,11 @@ SAMPLE_LAYERS = 3
 SAMPLE_ROWS = 8192
 
 
-def sample(layers: Sequence[nn.Linear]) -> list[tuple[torch.Tensor, torch.Tensor | None, float]]:
-    """The weights to time for ``layers``: (weight rows, fp32 bias, weight) per sampled layer, where the weight is
-    how many such calls a pass over all of ``layers`` makes (so that weighted sums estimate the whole pass)."""
-    groups: dict[tuple, list[nn.Linear]] = {}
+def sample_layers(layers: Sequence[nn.Module]) -> list[tuple[nn.Module, torch.Tensor, torch.Tensor | None, float]]:
+    """:func:`sample` with each sampled layer: (layer, weight rows, fp32 bias, weight)."""
+    groups: dict[tuple, list[nn.Module]] = {}
     for m in layers:
-        groups.setdefault((m.out_features, m.in_features, m.weight.dtype, m.bias is not None), []).append(m)
+        groups.setdefault((m.out_features, m.in_features, _kind(m), m.bias is not None), []).append(m)
     picked = []
     for (n, _, _, _), group in groups.items():
         take = min(SAMPLE_LAYERS, len(group))
@@ -90,27 +101,39 @@ def sample(layers: Sequence[nn.Linear]) -> list[tuple[torch.Tensor, torch.Tensor
         for i in range(take):
             m = group[(i * len(group)) // take]
             bias = None if m.bias is None else m.bias[:rows].float().contiguous()
-            picked.append((m.weight[:rows], bias, len(group) / take * n / rows))
+            picked.append((m, m.weight[:rows], bias, len(group) / take * n / rows))
     return picked
 
 
-def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Linear], rows: Sequence[int] = TUNED_ROWS,
+def sample(layers: Sequence[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor | None, float]]:
+    """The weights to time for ``layers``: (weight rows, fp32 bias, weight) per sampled layer, where the weight is
+    how many such calls a pass over all of ``layers`` makes (so that weighted sums estimate the whole pass)."""
+    return [(w, bias, count) for _, w, bias, count in sample_layers(layers)]
+
+
+def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Module], rows: Sequence[int] = TUNED_ROWS,
                 rounds: int = ROUNDS, *, clock: Callable[[], float] = time.perf_counter,
-                progress: bool | None = None) -> dict[int, list[float]]:
-    """Median seconds a pass over ``layers`` takes in each shape, at each row count in ``rows`` (estimated from
-    :func:`sample`'s layers, weighted back to all of them)."""
-    weights = sample(layers)
-    inputs = {k: torch.randn(max(rows), k) for k in {w.shape[1] for w, _, _ in weights}}
+                progress: bool | None = None,
+                shapes: Sequence[tuple[int, int]] | None = None) -> dict[int, list[float]]:
+    """Median seconds a pass over ``layers`` takes in each shape (the library's, or ``shapes`` for layers of another
+    kernel), at each row count in ``rows`` (estimated from :func:`sample`'s layers, weighted back to all of them)."""
+    weights = sample_layers(layers)
+    inputs = {k: torch.randn(max(rows), k) for k in {layer.in_features for layer, _, _, _ in weights}}
 
     def run(shape: int, m: int) -> float:
         total = 0.0
-        for w, bias, count in weights:
+        for layer, w, bias, count in weights:
+            call = getattr(layer, "kernel_call", None)
+            x = inputs[layer.in_features][:m]
             start = clock()
-            kernels.linear(library, inputs[w.shape[1]][:m], w, bias, (shape,))
+            if call is not None:
+                call(x, w, bias, (shape,))
+            else:
+                kernels.linear(library, x, w, bias, (shape,))
             total += (clock() - start) * count
         return total
 
-    shapes = range(len(library.shapes))
+    shapes = range(len(library.shapes if shapes is None else shapes))
     seconds = {m: [[] for _ in shapes] for m in rows}
     with tqdm(total=len(rows) * rounds, desc="hfspec: timing kernel shapes", unit="round", leave=False,
               disable=None if progress is None else not progress) as bar:
@@ -125,31 +148,37 @@ def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Linear], row
     return {m: [statistics.median(s) for s in by_shape] for m, by_shape in seconds.items()}
 
 
-def plan_for(library: kernels.KernelLibrary, layers: Sequence[nn.Linear], *,
-             progress: bool | None = None) -> tuple[int, ...]:
-    """The plan for ``layers`` (a model's linears, in forward order): cached, or timed now and cached."""
-    default = kernels.default_plan(library)
-    if len(library.shapes) < 2 or not layers or os.environ.get("HFSPEC_KERNEL_PLAN") == "default":
+def plan_for(library: kernels.KernelLibrary, layers: Sequence[nn.Module], *, progress: bool | None = None,
+             shapes: Sequence[tuple[int, int]] | None = None,
+             default: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The plan for ``layers`` (a model's linears, in forward order): cached, or timed now and cached.
+
+    ``shapes`` and ``default`` are another kernel's block shapes and default plan (quantized layers); by default
+    the library's own."""
+    default = kernels.default_plan(library) if default is None else default
+    count = len(library.shapes if shapes is None else shapes)
+    if count < 2 or not layers or os.environ.get("HFSPEC_KERNEL_PLAN") == "default":
         return default
-    path = plan_path(library, layers, torch.get_num_threads())
+    path = plan_path(library, layers, torch.get_num_threads(), shapes)
     if path in _PLANS:
         return _PLANS[path]
     plan = None
     try:
         found = json.loads(path.read_text())["plan"]
-        if len(found) == len(default) and all(0 <= s < len(library.shapes) for s in found):
+        if len(found) == len(default) and all(0 <= s < count for s in found):
             plan = tuple(found)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     if plan is None:
         t0 = time.perf_counter()
-        shapes = len({(m.out_features, m.in_features, m.weight.dtype) for m in layers})
+        distinct = len({(m.out_features, m.in_features, _kind(m)) for m in layers})
         log.info("hfspec: timing the CPU kernel's %d block shapes on %d distinct layer shapes of this model (once per "
                  "machine, threads and model; cached in %s): which one streams each row count fastest depends on "
-                 "the CPU", len(library.shapes), shapes, path)
-        medians = time_shapes(library, layers, progress=progress)
+                 "the CPU", count, distinct, path)
+        medians = time_shapes(library, layers, progress=progress, shapes=shapes)
         plan = choose(default, medians)
-        record = {"plan": plan, "shapes": library.shapes, "threads": torch.get_num_threads(),
+        record = {"plan": plan, "shapes": library.shapes if shapes is None else shapes,
+                  "threads": torch.get_num_threads(),
                   "seconds": round(time.perf_counter() - t0, 2),
                   "ms": {m: [round(s * 1e3, 3) for s in times] for m, times in medians.items()}}
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

@@ -30,6 +30,7 @@ from transformers import PreTrainedModel
 
 from hfspec import tree
 from hfspec.cache import KVState
+from hfspec.cpu.quant import QuantEmbedding
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head
@@ -93,18 +94,20 @@ class Eagle3Drafter(Drafter):
             raise HfspecError(
                 f"the head's fc reads {c.feature_width} features but {len(layers)} target layers of width "
                 f"{text.hidden_size} give {width} (layers {list(layers)}); pick the head trained for this target")
-        embedding = head.embed_tokens.weight if head.embed_tokens is not None else \
-            target.get_input_embeddings().weight
-        if embedding.shape[1] != c.hidden_size:
+        source = head.embed_tokens if head.embed_tokens is not None else target.get_input_embeddings()
+        # A GGUF target's embedding holds blocks, not rows (hfspec.cpu.quant): it is looked up through its module.
+        embedding = source if isinstance(source, QuantEmbedding) else source.weight
+        count, width = (source.num_embeddings, source.embedding_dim) if embedding is source else embedding.shape
+        if width != c.hidden_size:
             raise HfspecError(f"the head has hidden size {c.hidden_size} but uses the target's embedding of width "
-                              f"{embedding.shape[1]}; such a head must carry its own embed_tokens.weight")
+                              f"{width}; such a head must carry its own embed_tokens.weight")
         self.embedding = embedding
         rows = model_vocab_size(target)
         ids = head.target_ids()
         if int(ids.min()) < 0 or int(ids.max()) >= rows or ids.unique().numel() != ids.numel():
             raise HfspecError(f"the head's d2t maps draft ids outside the target's {rows} ids or two draft ids "
                               "to one target id; pick the head trained for this target")
-        self.vocab_size = min(rows, embedding.shape[0])
+        self.vocab_size = min(rows, count)
         # Draft ids whose target id the run can score (a padded-embedding id is never one).
         kept = ids < self.vocab_size
         self.ids, self.kept = ids[kept], (None if bool(kept.all()) else kept)
@@ -134,7 +137,10 @@ class Eagle3Drafter(Drafter):
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Raw embedding rows (no model-specific scaling), as the head was trained with."""
-        rows = F.embedding(tokens.to(self.embedding.device), self.embedding)
+        if isinstance(self.embedding, QuantEmbedding):
+            rows = self.embedding(tokens.to(self.embedding.weight.device))
+        else:
+            rows = F.embedding(tokens.to(self.embedding.device), self.embedding)
         return rows.to(device=self.device, dtype=self.head.fc.weight.dtype)
 
     def _append(self, new: torch.Tensor, count: torch.Tensor) -> None:

@@ -1,0 +1,324 @@
+"""Quantized linear layers: GGUF blocks kept as stored, computed exactly as the dequantized fp32 weights.
+
+A GGUF model on CPU is 4-8 bits per weight on disk and 32 once transformers dequantizes it. :class:`QuantLinear`
+holds a layer's blocks as the file stores them (``weight``: uint8, one row of blocks per output feature) and runs
+``hfspec/cpu/csrc/quant.cpp``, which dequantizes each block in registers to exactly the float that the ``gguf``
+package's dequantization (what transformers loads) gives it, and accumulates as the fp32 kernel
+(:mod:`hfspec.cpu.kernels`) does: a quantized layer's output equals, bit for bit and for every row count, the fp32
+kernel's on the dequantized weights. :class:`QuantEmbedding` looks up rows the same way, dequantizing only the
+rows it is asked for; a tied head and its embedding share one tensor of blocks.
+
+Formats read in place (:data:`FORMATS`): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K; the loader
+(:mod:`hfspec.gguf`) dequantizes any other at load. Where the kernel is off (``HFSPEC_KERNELS=0``, no compiler,
+another device, autograd), a layer runs torch's own path: dequantize the weight, then ``F.linear`` -- correct,
+and slow, since it dequantizes on every call; :mod:`hfspec.gguf` therefore loads dequantized weights instead when
+the kernel is unavailable.
+
+The block shape per row count is timed on the model's own layers as the fp32 kernel's is (:mod:`hfspec.cpu.plan`,
+:func:`plan_layers`). :func:`quantize_linear` builds a quantized layer from an fp32 or bf16 ``nn.Linear`` (the
+``gguf`` package's quantizers: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hfspec.cpu import kernels, plan as kernel_plan
+
+__all__ = ["FORMATS", "Format", "QuantEmbedding", "QuantKernel", "QuantLinear", "default_plan", "dequantize",
+           "describe", "format_of", "kernel", "linear", "plan_layers", "quantize_linear", "quantized_layers"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Format:
+    """A GGUF block format: its ggml type id, and ``elements`` weights stored in ``nbytes`` bytes per block."""
+
+    name: str
+    type: int
+    elements: int
+    nbytes: int
+
+    def row_bytes(self, in_features: int) -> int:
+        """Bytes of one row of ``in_features`` weights."""
+        return in_features // self.elements * self.nbytes
+
+
+# The formats quant.cpp reads (ggml's type ids and block sizes, ggml-common.h).
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    Format("Q4_0", 2, 32, 18), Format("Q4_1", 3, 32, 20), Format("Q5_0", 6, 32, 22), Format("Q5_1", 7, 32, 24),
+    Format("Q8_0", 8, 32, 34), Format("Q4_K", 12, 256, 144), Format("Q5_K", 13, 256, 176),
+    Format("Q6_K", 14, 256, 210),
+)}
+_BY_TYPE = {f.type: f for f in FORMATS.values()}
+
+
+def format_of(kind: str | int) -> Format | None:
+    """The format named ``kind`` (``"Q4_K"``) or with ggml type id ``kind``; None if quant.cpp does not read it."""
+    return FORMATS.get(kind) if isinstance(kind, str) else _BY_TYPE.get(int(kind))
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    """The quantized kernel in the loaded library: its block shapes and C entries."""
+
+    library: kernels.KernelLibrary
+    shapes: tuple[tuple[int, int], ...]
+    linear: ctypes._CFuncPtr = field(repr=False, compare=False)
+    rows: ctypes._CFuncPtr = field(repr=False, compare=False)
+
+    def __deepcopy__(self, memo: dict) -> QuantKernel:
+        return self  # process state, as the library
+
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_KERNEL: QuantKernel | None = None  # what kernel() bound, read on every forward
+
+
+@functools.cache
+def _bind(library: kernels.KernelLibrary) -> QuantKernel | str:
+    isa = library.function("hfspec_quant_isa", [], ctypes.c_char_p)().decode()
+    if isa != library.isa:  # the same FMAs, lanes and sums as the fp32 kernel, or no exactness
+        return f"the quantized kernel was built for {isa}, the fp32 kernel for {library.isa}"
+    count = library.function("hfspec_quant_shape_count", [], _INT)()
+    shape = library.function("hfspec_quant_shape", [_INT, _PTR, _PTR])
+    shapes = []
+    for i in range(count):
+        mb, nb = ctypes.c_int(), ctypes.c_int()
+        shape(i, ctypes.byref(mb), ctypes.byref(nb))
+        shapes.append((mb.value, nb.value))
+    supports = library.function("hfspec_quant_supports", [_INT], _INT)
+    missing = [f.name for f in FORMATS.values() if not supports(f.type)]
+    if missing:
+        return f"the quantized kernel does not read {', '.join(missing)}"
+    linear_fn = library.function("hfspec_quant_linear", [_INT, _INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64,
+                                                         _I64, _I64, _INT], _INT)
+    rows_fn = library.function("hfspec_quant_rows", [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT)
+    return QuantKernel(library, tuple(shapes), linear_fn, rows_fn)
+
+
+def kernel() -> QuantKernel | None:
+    """The quantized kernel (built with the fp32 one on first use), or None where it is off: ``HFSPEC_KERNELS=0``,
+    no compiler, or no vector instructions (:func:`unavailable` says why)."""
+    global _KERNEL
+    if unavailable() is not None:
+        return None
+    found = _bind(kernels.load())
+    _KERNEL = found if isinstance(found, QuantKernel) else None
+    return _KERNEL
+
+
+def unavailable() -> str | None:
+    """Why quantized layers cannot run the kernel here, or None if they can."""
+    if os.environ.get("HFSPEC_KERNELS", "1") == "0":
+        return "HFSPEC_KERNELS=0"
+    library = kernels.load()
+    if library is None:
+        return kernels.build_failure() or "the CPU kernel could not be built"
+    if library.isa == "scalar":
+        return "the CPU kernel has no vector instructions on this CPU"
+    found = _bind(library)
+    return found if isinstance(found, str) else None
+
+
+@functools.cache
+def default_plan(qk: QuantKernel) -> tuple[int, ...]:
+    """The shape per row count before any timing: enough independent sums for few rows (4 weight rows at once up to
+    4 rows on AVX-512, 2 rows on AVX2), then more rows over fewer weight rows."""
+    index = {shape: i for i, shape in enumerate(qk.shapes)}
+    if qk.library.isa == "avx512":
+        pick = [(4, 4) if m <= 4 else (8, 2) for m in range(kernels.PLAN_ROWS + 1)]
+    else:
+        pick = [(2, 4) if m <= 2 else (4, 2) if m <= 4 else (8, 1) for m in range(kernels.PLAN_ROWS + 1)]
+    return tuple(index.get(shape, 0) for shape in pick)
+
+
+def linear(qk: QuantKernel, x: torch.Tensor, blocks: torch.Tensor, fmt: Format, bias: torch.Tensor | None = None,
+           plan: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``F.linear(x, dequantize(blocks), bias)`` for fp32 ``x`` (M, K) or (..., K) on CPU, in the block shape ``plan``
+    names for M rows, with every output bit that the fp32 kernel gives on the dequantized weights.
+
+    ``blocks`` is (N, K / fmt.elements * fmt.nbytes) uint8 with unit stride along a row; ``x`` as for
+    :func:`hfspec.cpu.kernels.linear`; ``bias`` fp32 and contiguous.
+    """
+    k, n = x.shape[-1], blocks.shape[0]
+    if (k % fmt.elements or blocks.shape[1] != fmt.row_bytes(k) or x.stride(-1) != 1 or blocks.stride(1) != 1
+            or (x.dim() != 2 and not x.is_contiguous())):
+        raise ValueError(f"a {fmt.name} linear needs x (M, K) with K a multiple of {fmt.elements} and blocks "
+                         f"(N, {fmt.nbytes} * K / {fmt.elements}) with unit stride; got {tuple(x.shape)} and "
+                         f"{tuple(blocks.shape)}")
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    m = x.numel() // k
+    plan = plan or default_plan(qk)
+    qk.linear(fmt.type, plan[min(m, len(plan) - 1)], x.data_ptr(), x.stride(0) if x.dim() == 2 else k,
+              blocks.data_ptr(), blocks.stride(0), None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n,
+              k, torch.get_num_threads())
+    return out
+
+
+def dequantize(blocks: torch.Tensor, fmt: Format, in_features: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 weights of ``blocks`` (all rows, or the rows ``rows`` indexes), exactly as the ``gguf`` package
+    dequantizes them: the kernel's dequantization where it is on, else the package's own."""
+    qk = _KERNEL
+    if qk is not None and blocks.is_cpu and blocks.stride(1) == 1:
+        index = None if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
+        n = blocks.shape[0] if index is None else index.numel()
+        out = torch.empty((n, in_features), dtype=torch.float32)
+        if index is not None and n and (int(index.min()) < 0 or int(index.max()) >= blocks.shape[0]):
+            raise IndexError(f"row index out of range for {blocks.shape[0]} rows")
+        qk.rows(fmt.type, blocks.data_ptr(), blocks.stride(0), None if index is None else index.data_ptr(), n,
+                in_features, out.data_ptr(), in_features, torch.get_num_threads())
+        return out
+    from gguf import GGMLQuantizationType, quants
+
+    picked = blocks if rows is None else blocks[rows.reshape(-1)]
+    values = quants.dequantize(picked.cpu().numpy(), GGMLQuantizationType(fmt.type))
+    return torch.from_numpy(np.ascontiguousarray(values)).reshape(-1, in_features).to(blocks.device)
+
+
+def _blocks_parameter(blocks: torch.Tensor) -> nn.Parameter:
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError(f"quantized blocks are a 2-D uint8 tensor (rows, bytes per row), got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    return blocks if isinstance(blocks, nn.Parameter) else nn.Parameter(blocks, requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear`` whose weight stays in GGUF blocks: ``weight`` (out_features, bytes per row) uint8.
+
+    Its forward runs the quantized kernel on CPU (inputs of any float dtype are summed in fp32 and cast back), and
+    torch's path (dequantize, then ``F.linear``) where the kernel is off or autograd needs the graph.
+    """
+
+    def __init__(self, blocks: torch.Tensor, fmt: Format | str, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        fmt = fmt if isinstance(fmt, Format) else format_of(fmt)
+        if fmt is None:
+            raise ValueError(f"no quantized kernel for this format; use one of {', '.join(FORMATS)}")
+        if in_features % fmt.elements or blocks.shape[-1] != fmt.row_bytes(in_features):
+            raise ValueError(f"{fmt.name} rows of {in_features} weights are {fmt.row_bytes(in_features)} bytes "
+                             f"(in_features a multiple of {fmt.elements}); got blocks {tuple(blocks.shape)}")
+        self.fmt = fmt
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.weight = _blocks_parameter(blocks)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        self.plan: tuple[int, ...] | None = None  # the block shape per row count (plan_layers); None: the default
+
+    @property
+    def kernel_kind(self) -> str:
+        return self.fmt.name
+
+    def kernel_call(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None,
+                    plan: tuple[int, ...]) -> torch.Tensor:
+        """The kernel on ``blocks`` (some of this layer's rows): what :mod:`hfspec.cpu.plan` times."""
+        return linear(_KERNEL, x, blocks, self.fmt, bias, plan)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight (out_features, in_features), as the dequantized model holds it."""
+        return dequantize(self.weight, self.fmt, self.in_features)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        qk, b, k = _KERNEL, self.bias, self.in_features
+        if (qk is None or not input.is_cpu or not self.weight.is_cpu or input.shape[-1] != k
+                or (torch.is_grad_enabled() and input.requires_grad)):
+            bias = None if b is None else b.to(input.dtype)
+            return F.linear(input, self.dequantized().to(device=input.device, dtype=input.dtype), bias)
+        if input.dtype is torch.float32 and input.is_contiguous():
+            return linear(qk, input, self.weight, self.fmt, b, self.plan)  # the decoding path: no copy
+        x = input.reshape(-1, k)
+        if x.dtype != torch.float32 or x.stride(-1) != 1:
+            x = x.float().contiguous()
+        out = linear(qk, x, self.weight, self.fmt, b, self.plan)
+        return out.to(input.dtype).reshape(*input.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}, "
+                f"bias={self.bias is not None}")
+
+
+class QuantEmbedding(nn.Module):
+    """``nn.Embedding`` whose table stays in GGUF blocks; a lookup dequantizes only the rows it returns (exactly)."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: Format | str, embedding_dim: int,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        fmt = fmt if isinstance(fmt, Format) else format_of(fmt)
+        if fmt is None or embedding_dim % fmt.elements or blocks.shape[-1] != fmt.row_bytes(embedding_dim):
+            raise ValueError(f"blocks {tuple(blocks.shape)} are not {embedding_dim}-wide rows of a format in "
+                             f"{', '.join(FORMATS)}")
+        self.fmt = fmt
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
+        self.padding_idx = None
+        self.out_dtype = dtype
+        self.weight = _blocks_parameter(blocks)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(self.weight, self.fmt, self.embedding_dim, input)
+        return rows.to(self.out_dtype).reshape(*input.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt.name}"
+
+
+def quantized_layers(model: nn.Module) -> list[QuantLinear]:
+    """``model``'s quantized linears, in forward order."""
+    return [m for m in model.modules() if isinstance(m, QuantLinear)]
+
+
+def plan_layers(model: nn.Module, *, progress: bool | None = None) -> int:
+    """Give ``model``'s quantized linears the block shape per row count timed on them (:mod:`hfspec.cpu.plan`: once
+    per machine, threads and model, cached); the number of layers planned (0 where the kernel is off)."""
+    layers = quantized_layers(model)
+    qk = kernel()
+    if qk is None or not layers:
+        return 0
+    plan = kernel_plan.plan_for(qk.library, layers, progress=progress, shapes=qk.shapes, default=default_plan(qk))
+    for layer in layers:
+        layer.plan = plan
+    return len(layers)
+
+
+def describe(model: nn.Module | None) -> dict[str, object]:
+    """What of ``model`` stays quantized: ``layers`` (quantized linears), ``formats`` (layers per format, with a
+    quantized embedding counted as ``"embedding"``), and ``bytes`` of blocks held (a shared table counted once)."""
+    if model is None:
+        return {"layers": 0, "formats": {}, "bytes": 0}
+    formats: Counter[str] = Counter()
+    held: dict[int, int] = {}
+    layers = 0
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            formats[m.fmt.name if isinstance(m, QuantLinear) else f"{m.fmt.name} embedding"] += 1
+            layers += isinstance(m, QuantLinear)
+            held[m.weight.data_ptr()] = m.weight.numel()
+    return {"layers": layers, "formats": dict(sorted(formats.items())), "bytes": sum(held.values())}
+
+
+# The formats the gguf package can quantize to (its quantize_blocks); the K-quants it only dequantizes.
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+def quantize_linear(layer: nn.Linear, fmt: str = "Q8_0") -> QuantLinear:
+    """A :class:`QuantLinear` holding ``layer``'s fp32 or bf16 weight quantized to ``fmt`` by the ``gguf`` package
+    (ggml's own rounding; Q8_0 bit for bit), with its bias in fp32. It computes exactly what the fp32 kernel
+    computes on the dequantized weight, not on the original one."""
+    if fmt not in QUANTIZABLE:
+        raise ValueError(f"cannot quantize to {fmt!r}; the gguf package quantizes to {', '.join(QUANTIZABLE)}")
+    from gguf import GGMLQuantizationType, quants
+
+    target = FORMATS[fmt]
+    weight = layer.weight.detach()
+    if weight.shape[1] % target.elements:
+        raise ValueError(f"{fmt} needs in_features to be a multiple of {target.elements}, got {weight.shape[1]}")
+    blocks = quants.quantize(weight.float().cpu().numpy(), GGMLQuantizationType(target.type))
+    return QuantLinear(torch.from_numpy(np.ascontiguousarray(blocks)), target, weight.shape[1], layer.bias)
