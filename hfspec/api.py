@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from hfspec import loading
+from hfspec import config as cfg, loading
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.loading import Preset
@@ -112,43 +112,42 @@ def _pick(value: Any, default: Any) -> Any:
     return value if value is not None else default
 
 
+# The sampling settings a preset may set, by their GenerationConfig names.
+PRESET_SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+
+
 def complete(
     gen: SpeculativeGenerator,
     prompts: list[str],
     *,
     preset: Preset,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    generation_config: GenerationConfig | None = None,
     gamma: int | str | GammaPolicy | None = None,
-    do_sample: bool | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float | None = None,
     seed: int | None = None,
     chat: bool | None = None,
     system: str | None = None,
     streamer: Any = None,
     tree: int | str | None = "auto",
 ) -> Completion:
-    """Generate for text prompts with ``gen``; unset settings come from ``preset``."""
+    """Generate for text prompts with ``gen``. The settings ``generation_config`` sets (``hfspec.config.settings``)
+    override ``preset``'s sampling settings, which override the target's generation config; decoding is greedy
+    unless one of them samples, and ``DEFAULT_MAX_NEW_TOKENS`` long unless one sets ``max_new_tokens``. Other
+    unset settings come from ``preset``."""
     if gen.tokenizer is None:
         raise HfspecError("the generator has no tokenizer; build it with SpeculativeGenerator(target, draft, tokenizer)")
+    defaults = cfg.settings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, do_sample=False)
+    conf = cfg.merge(cfg.merge(defaults, cfg.settings(**{name: getattr(preset, name) for name in PRESET_SAMPLING})),
+                     generation_config)
     chat = bool(_pick(chat, preset.chat))
     system = system if system is not None else (preset.system if chat else None)
     settings = {
         "preset": preset.name, "target": preset.target, "draft": preset.draft, "drafter": gen.drafter.kind,
-        "gamma": _pick(gamma, preset.gamma), "max_new_tokens": max_new_tokens,
-        "do_sample": bool(_pick(do_sample, _pick(preset.do_sample, False))),
-        "temperature": _pick(temperature, preset.temperature), "top_k": _pick(top_k, preset.top_k),
-        "top_p": _pick(top_p, preset.top_p), "repetition_penalty": _pick(repetition_penalty, preset.repetition_penalty),
+        "gamma": _pick(gamma, preset.gamma), "max_new_tokens": conf.max_new_tokens,
+        **{name: getattr(conf, name) for name in PRESET_SAMPLING},
         "seed": seed, "chat": chat, "system": system, "tree": tree, "fast_kernels": gen.describe()["fast_kernels"],
     }
     ids = encode(gen.tokenizer, prompts, chat=chat, system=system)
-    out = gen.generate(
-        ids, max_new_tokens=max_new_tokens, gamma=settings["gamma"], do_sample=settings["do_sample"],
-        temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"],
-        repetition_penalty=settings["repetition_penalty"], seed=seed, streamer=streamer, tree=tree,
-    )
+    out = gen.generate(ids, generation_config=conf, gamma=settings["gamma"], seed=seed, streamer=streamer, tree=tree)
     start = out.prompt_length
     tokens = tuple(tuple(out.sequences[i, start: start + row.committed].tolist())
                    for i, row in enumerate(out.stats.rows))
@@ -178,6 +177,7 @@ def generate(
     streamer: Any = None,
     tree: int | str | None = "auto",
     return_stats: bool = False,
+    generation_config: GenerationConfig | None = None,
     **load_kwargs: Any,
 ) -> str | list[str] | tuple[str | list[str], Stats]:
     """Continue ``prompt`` (one string or a list) with speculative decoding; returns the new text only.
@@ -193,7 +193,8 @@ def generate(
     ``AutoGamma``) or a ``GammaPolicy``. ``tree``: a node budget drafts a tree per step, verified
     in one target forward; ``None`` drafts chains; ``"auto"`` (the default) lets ``gamma="auto"`` choose
     each step between the chain and trees (see ``SpeculativeGenerator.generate``).
-    ``seed`` makes sampling reproducible. ``load_kwargs`` go to ``hfspec.loading.load_pair`` (``dtype``,
+    ``generation_config`` (a ``transformers.GenerationConfig``) sets any of them at once; the keyword arguments
+    override it. ``seed`` makes sampling reproducible. ``load_kwargs`` go to ``hfspec.loading.load_pair`` (``dtype``,
     ``device``, ``device_map``, ``fast_kernels=False`` to keep torch's own linears on CPU, ...).
     With ``return_stats`` the result is ``(text, stats)``.
     """
@@ -206,8 +207,10 @@ def generate(
                         "for token ids use SpeculativeGenerator.generate")
     preset = resolve_preset(target, draft, config, ngram)
     gen = load(preset, **load_kwargs)
-    result = complete(gen, prompts, preset=preset, max_new_tokens=max_new_tokens, gamma=gamma, do_sample=do_sample,
-                      temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                      seed=seed, chat=chat, system=system, streamer=streamer, tree=tree)
+    sampling = cfg.merge(generation_config, cfg.settings(
+        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        repetition_penalty=repetition_penalty))
+    result = complete(gen, prompts, preset=preset, generation_config=sampling, gamma=gamma, seed=seed, chat=chat,
+                      system=system, streamer=streamer, tree=tree)
     text: str | list[str] = result.texts[0] if isinstance(prompt, str) else list(result.texts)
     return (text, result.stats) if return_stats else text

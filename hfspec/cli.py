@@ -19,6 +19,7 @@ from transformers import TextStreamer
 from transformers.utils import logging as hf_logging
 
 from hfspec import __version__, api
+from hfspec.config import settings
 from hfspec.errors import HfspecError, NumericalFault
 from hfspec.loading import DTYPES, Preset, preset_names
 from hfspec.policy import CostModelGamma, GammaPolicy, HeuristicGamma
@@ -364,12 +365,10 @@ def _stats_line(stats, gen) -> str:
 
 def _complete(args: argparse.Namespace, preset: Preset, gen, prompts: list[str], *, gamma: int | GammaPolicy | None,
               seed: int | None, streamer: Any = None) -> api.Completion:
-    return api.complete(
-        gen, prompts, preset=preset, max_new_tokens=args.max_new_tokens, gamma=gamma, do_sample=args.do_sample,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, seed=seed, chat=args.chat, system=args.system, streamer=streamer,
-        tree=args.tree,
-    )
+    sampling = settings(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty)
+    return api.complete(gen, prompts, preset=preset, generation_config=sampling, gamma=gamma, seed=seed,
+                        chat=args.chat, system=args.system, streamer=streamer, tree=args.tree)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -26,17 +26,30 @@ _UNSUPPORTED = {
 }
 
 
-def resolve(base: GenerationConfig | None, override: GenerationConfig | None, **kwargs: Any) -> GenerationConfig:
-    """Merge the generation settings and validate them; returns a new config."""
+def settings(**kwargs: Any) -> GenerationConfig:
+    """A config that sets only the ``kwargs`` that are not None (``SAMPLING_FIELDS``), as keyword arguments
+    do: how the layers above hand their options down in one value. Validated where it is resolved."""
+    config = GenerationConfig()
+    for key, value in kwargs.items():
+        if value is not None:
+            setattr(config, key, value)
+    return config
+
+
+def merge(base: GenerationConfig | None, override: GenerationConfig | None) -> GenerationConfig:
+    """A new config: ``base`` with every setting ``override`` sets (``to_diff_dict``) on top."""
     if override is not None and not isinstance(override, GenerationConfig):
         raise TypeError(f"generation_config must be a transformers.GenerationConfig, got {type(override).__name__}")
     config = copy.deepcopy(base) if base is not None else GenerationConfig()
     if override is not None:
         for key, value in override.to_diff_dict().items():
             setattr(config, key, value)
-    for key, value in kwargs.items():
-        if value is not None:
-            setattr(config, key, value)
+    return config
+
+
+def resolve(base: GenerationConfig | None, override: GenerationConfig | None, **kwargs: Any) -> GenerationConfig:
+    """Merge the generation settings and validate them; returns a new config."""
+    config = merge(merge(base, override), settings(**kwargs))
     if config.max_new_tokens is None and override is not None and override.max_length is not None:
         raise ValueError("set max_new_tokens (hfspec counts new tokens only, not max_length)")
     if config.temperature is not None and not isinstance(config.temperature, bool) \
