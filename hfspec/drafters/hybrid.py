@@ -53,6 +53,7 @@ from hfspec.costs import Costs
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.tree.proposal import TreeProposal
+from hfspec.errors import HfspecTypeError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -92,7 +93,7 @@ class HybridDrafter(Drafter):
 
     def __init__(self, main: Drafter, ngram: NgramDrafter | None = None):
         if isinstance(main, (NgramDrafter, HybridDrafter)):
-            raise TypeError(f"the main drafter of a hybrid must draft with a model, got a {main.kind} drafter")
+            raise HfspecTypeError(f"the main drafter of a hybrid must draft with a model, got a {main.kind} drafter")
         self.main = main
         self.feature_layers = main.feature_layers
         self.ngram = ngram if ngram is not None else NgramDrafter()

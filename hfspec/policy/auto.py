@@ -19,6 +19,7 @@ from hfspec.drafters.hybrid import Outcome
 from hfspec.policy.simple import FixedGamma, GammaPolicy, Step, TreeStep
 from hfspec.tree.acceptance import TreeAcceptance, first_children
 from hfspec.tree.build import shape
+from hfspec.errors import HfspecError
 
 
 class Calibration:
@@ -151,7 +152,7 @@ class AutoGamma(GammaPolicy):
 
     def __init__(self, tuning: Tuning, hybrid: bool = False):
         if tuning.costs is None:
-            raise ValueError("AutoGamma needs measured costs (Tuning.costs)")
+            raise HfspecError("AutoGamma needs measured costs (Tuning.costs)")
         self.tuning, self.costs = tuning, tuning.costs
         self.maximum = min(tuning.maximum, self.costs.max_gamma)
         self.calibration = tuning.calibrated()
@@ -350,6 +351,7 @@ def as_policy(gamma: int | str | GammaPolicy, tuning: Tuning | None = None, hybr
         return gamma
     if isinstance(gamma, str) and gamma == "auto":
         if tuning is None:
-            raise ValueError("gamma='auto' needs the generator's measured costs; pass it to SpeculativeGenerator.generate")
+            raise HfspecError("gamma='auto' needs the generator's measured costs; "
+                              "pass it to SpeculativeGenerator.generate")
         return AutoGamma(tuning, hybrid)
     return FixedGamma(check_gamma(gamma))
