@@ -1,7 +1,9 @@
 """Text in, text out: ``hfspec.generate("Write a haiku.")``.
 
 The pair is loaded once per process and reused: calls with the same models and
-loading options share one ``SpeculativeGenerator``. With no target, draft or
+loading options (compared by value) share one ``SpeculativeGenerator``, which serves
+one call at a time (threads wait their turn); the ``MAX_PAIRS`` most recently used
+pairs stay loaded. With no target, draft or
 config, the ``smollm2-offline`` preset is used (SmolLM2-135M-Instruct and the
 EAGLE-3 head shipped for it, chat template on).
 """
@@ -9,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +21,7 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from hfspec import config as cfg, loading
-from hfspec.errors import HfspecError
+from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.loading import Preset
 from hfspec.policy import GammaPolicy
@@ -29,8 +34,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PRESET = "smollm2-offline"
 DEFAULT_MAX_NEW_TOKENS = 128
 
-# Loaded pairs, keyed by the models and the loading options.
-_PAIRS: dict[tuple, SpeculativeGenerator] = {}
+# Pairs kept loaded at most: each holds two models, and a process rarely alternates between more.
+MAX_PAIRS = 3
 
 
 @dataclass(frozen=True)
@@ -60,28 +65,114 @@ def resolve_preset(target: str | Path | None = None, draft: str | Path | None = 
     else:
         preset = Preset(name="custom", target=str(target), draft=str(draft))
     if ngram is not None and not isinstance(ngram, bool):
-        raise TypeError(f"ngram must be True or False, got {ngram!r}")
+        raise HfspecTypeError(f"ngram must be True or False, got {ngram!r}")
     return preset if ngram is None else dataclasses.replace(preset, ngram=ngram)
 
 
-def _hashable(value: Any) -> Any:
+class _Same:
+    """A loading option with no value to compare by (an object without ``to_dict``, unhashable): the key holds it
+    and compares it by identity, so that its id cannot be reused by another object while the pair is cached."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+
+def _key(value: Any) -> Hashable:
+    """A hashable key equal for equal loading options: dicts (a ``device_map``) by their items in any order, lists
+    and tuples by their items, configs by ``to_dict()``, dtypes by what they name ("bf16" is torch.bfloat16)."""
+    if isinstance(value, dict):
+        items = ((k, loading.parse_dtype(v) if k in ("dtype", "draft_dtype") else v) for k, v in value.items())
+        return ("dict", tuple(sorted(((_key(k), _key(v)) for k, v in items), key=repr)))
+    if isinstance(value, (list, tuple)):
+        return ("list", tuple(_key(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted((_key(v) for v in value), key=repr)))
+    if callable(getattr(value, "to_dict", None)):
+        return (type(value).__qualname__, _key(value.to_dict()))
     try:
         hash(value)
-        return value
     except TypeError:
-        return ("id", id(value))
+        return _Same(value)
+    return value
+
+
+class PairCache:
+    """Loaded generators by key, thread-safe: the ``size`` most recently used are kept (the least recently used goes
+    first), and a pair that several threads ask for at once is loaded once while they wait."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._pairs: OrderedDict[Hashable, SpeculativeGenerator] = OrderedDict()
+        self._lock = threading.Lock()
+        self._loading: dict[Hashable, threading.Lock] = {}  # a lock per pair being loaded
+
+    def _cached(self, key: Hashable) -> SpeculativeGenerator | None:
+        with self._lock:
+            if key in self._pairs:
+                self._pairs.move_to_end(key)
+                return self._pairs[key]
+        return None
+
+    def get(self, key: Hashable, load: Callable[[], SpeculativeGenerator]) -> SpeculativeGenerator:
+        """The pair for ``key``, loaded with ``load()`` unless it is cached."""
+        found = self._cached(key)
+        if found is not None:
+            return found
+        with self._lock:
+            gate = self._loading.setdefault(key, threading.Lock())
+        with gate:  # other pairs load and serve meanwhile
+            found = self._cached(key)
+            if found is not None:
+                return found
+            try:
+                pair = load()
+            finally:
+                with self._lock:
+                    self._loading.pop(key, None)
+            with self._lock:
+                self._pairs[key] = pair
+                while len(self._pairs) > self.size:
+                    self._pairs.popitem(last=False)
+            return pair
+
+    def keys(self) -> list[Hashable]:
+        with self._lock:
+            return list(self._pairs)
+
+    def values(self) -> list[SpeculativeGenerator]:
+        with self._lock:
+            return list(self._pairs.values())
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pairs.clear()
+
+
+_PAIRS = PairCache(MAX_PAIRS)
 
 
 def load(preset: Preset, **load_kwargs: Any) -> SpeculativeGenerator:
-    """The generator for ``preset``, loaded on first use and cached for the process."""
+    """The generator for ``preset``, loaded on first use and cached for the process (``MAX_PAIRS`` of them, by the
+    models and the loading options' values)."""
     # fast_kernels is spelled out so that leaving it unset and passing its default share one pair.
     kwargs = {"fast_kernels": True, **preset.load_kwargs(), **load_kwargs}
-    key = (preset.target, preset.draft, preset.ngram, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
-    if key not in _PAIRS:
+
+    def load_pair() -> SpeculativeGenerator:
         log.info("loading target %s and draft %s", preset.target, preset.draft)
-        _PAIRS[key] = SpeculativeGenerator(*loading.load_pair(preset.target, preset.draft, **kwargs),
-                                           ngram=preset.ngram)
-    return _PAIRS[key]
+        return SpeculativeGenerator(*loading.load_pair(preset.target, preset.draft, **kwargs), ngram=preset.ngram)
+
+    return _PAIRS.get((preset.target, preset.draft, preset.ngram, _key(kwargs)), load_pair)
 
 
 def clear_cache() -> None:
@@ -203,8 +294,8 @@ def generate(
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
     else:
-        raise TypeError("prompt must be a string or a non-empty list of strings; "
-                        "for token ids use SpeculativeGenerator.generate")
+        raise HfspecTypeError("prompt must be a string or a non-empty list of strings; "
+                              "for token ids use SpeculativeGenerator.generate")
     preset = resolve_preset(target, draft, config, ngram)
     gen = load(preset, **load_kwargs)
     sampling = cfg.merge(generation_config, cfg.settings(

@@ -23,8 +23,10 @@ states and checks its own (see ``hfspec.drafters``). No token is fed to a cache 
 """
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,28 @@ class GenerateOutput:
     prompt_length: int  # columns of the (left-padded) prompt at the start of ``sequences``
 
 
+def _one_at_a_time(generate: Callable) -> Callable:
+    """``generate`` holding the generator's lock: calls from other threads wait for the running one, which then
+    runs as it would alone. Its drafter's caches and its policy's learning are the running call's: the forwards
+    of two calls at once would share the same cores (no faster on CPU, README "Threads"), and what the generator
+    learns across calls (costs, acceptance, a lookup's earlier outputs) would depend on their interleaving. The
+    running call's own thread calling it again (from a streamer or a logits processor) is refused."""
+
+    @functools.wraps(generate)
+    def one_at_a_time(self: SpeculativeGenerator, *args: Any, **kwargs: Any) -> GenerateOutput:
+        with self._lock:
+            if self._running:
+                raise HfspecError("generate was called from inside a generate call on the same generator (a "
+                                  "streamer or logits processor?); build a second SpeculativeGenerator for it")
+            self._running = True
+            try:
+                return generate(self, *args, **kwargs)
+            finally:
+                self._running = False
+
+    return one_at_a_time
+
+
 class SpeculativeGenerator:
     """Lossless speculative decoding: a ``draft`` proposes, the ``target`` causal LM verifies.
 
@@ -100,10 +124,16 @@ class SpeculativeGenerator:
         self.check_invariants = True
         self.tuning = Tuning()  # gamma="auto": the costs measured here and the acceptance seen so far
         self._reads_trees: bool | None = None  # whether the target reads a tree exactly (probed once)
+        self._lock = threading.RLock()  # one call at a time (``_one_at_a_time``)
+        self._running = False  # a call holds the lock and runs
 
     def measure_costs(self, context: Sequence[int] | None = None, force: bool = False) -> Costs:
         """Time the target over 1..K+1 new tokens and one drafting step on this machine (once; ``force``
         measures again). ``context`` (token ids) fills the caches first; a stand-in is used without one."""
+        with self._lock:  # timings taken while another call runs would be that call's too
+            return self._measure_costs(context, force)
+
+    def _measure_costs(self, context: Sequence[int] | None, force: bool) -> Costs:
         ids = list(context or [0])
         ids = (ids * (64 // len(ids) + 1))[-64:]  # costs depend on the cache length a little: a realistic one
         window = self._context_window()
@@ -141,6 +171,7 @@ class SpeculativeGenerator:
         return cls(*load_pair(target, draft, **kwargs), ngram=ngram)
 
     @torch.inference_mode()
+    @_one_at_a_time
     def generate(
         self,
         input_ids: torch.Tensor | None = None,
@@ -188,7 +219,7 @@ class SpeculativeGenerator:
         model, a drafter that builds no trees, a processor that reads the text so far).
         """
         if on_context_limit not in ("error", "stop"):
-            raise ValueError(f"on_context_limit must be 'error' or 'stop', got {on_context_limit!r}")
+            raise HfspecError(f"on_context_limit must be 'error' or 'stop', got {on_context_limit!r}")
         conf = cfg.resolve(
             self.target.generation_config, generation_config,
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -208,7 +239,7 @@ class SpeculativeGenerator:
                 if conf.do_sample else False
         policy = as_policy(gamma, self.tuning, isinstance(self.drafter, HybridDrafter))
         if streamer is not None and ids.shape[0] != 1:
-            raise ValueError("a streamer needs a single prompt (batch size 1); drop streamer= for batches")
+            raise HfspecError("a streamer needs a single prompt (batch size 1); drop streamer= for batches")
         device = self.target.get_output_embeddings().weight.device
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(seed))
