@@ -129,10 +129,11 @@ def drafter_for(kind: str, target, draft):
     return {"model": draft, "hybrid": draft, "ngram": "ngram"}[kind]
 
 
-@pytest.mark.parametrize("fault", [Interrupt, KeyboardInterrupt])
 @pytest.mark.parametrize("where", ["drafter", "target"])
-@pytest.mark.parametrize("kind,tree", [("model", None), ("model", 4), ("hybrid", None), ("ngram", None),
-                                       ("eagle3", None), ("eagle3", 4)])
+@pytest.mark.parametrize("kind,tree,fault", [("model", None, KeyboardInterrupt), ("model", None, Interrupt),
+                                             ("model", 4, Interrupt), ("hybrid", None, Interrupt),
+                                             ("ngram", None, Interrupt), ("eagle3", None, KeyboardInterrupt),
+                                             ("eagle3", 4, Interrupt)])
 def test_a_call_cut_short_leaves_the_generator_exact(tiny_pair, fault, where, kind, tree):
     target, draft, tok = tiny_pair("llama", layers=8, eos=None)  # an EAGLE-3 head reads 3 layers; no early end
     gen = SpeculativeGenerator(target, drafter_for(kind, target, draft), tok, ngram=kind == "hybrid")
