@@ -3,9 +3,8 @@
 The pair is loaded once per process and reused: calls with the same models and
 loading options (compared by value) share one ``SpeculativeGenerator``, which serves
 one call at a time (threads wait their turn); the ``MAX_PAIRS`` most recently used
-pairs stay loaded. With no target, draft or
-config, the ``smollm2-offline`` preset is used (SmolLM2-135M-Instruct and the
-EAGLE-3 head shipped for it, chat template on).
+pairs stay loaded. With no target, draft or config, the ``smollm2-offline`` preset
+is used (SmolLM2-135M-Instruct and the EAGLE-3 head shipped for it, chat template on).
 """
 from __future__ import annotations
 
@@ -27,7 +26,8 @@ from hfspec.loading import Preset
 from hfspec.policy import GammaPolicy
 from hfspec.stats import Stats
 
-__all__ = ["Completion", "DEFAULT_PRESET", "clear_cache", "complete", "encode", "generate", "load", "resolve_preset"]
+__all__ = ["Completion", "DEFAULT_PRESET", "MAX_PAIRS", "PairCache", "clear_cache", "complete", "encode", "generate",
+           "load", "resolve_preset"]
 
 log = logging.getLogger(__name__)
 
