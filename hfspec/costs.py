@@ -70,9 +70,7 @@ class Costs:
     A step is priced by what it drafts (``step_seconds``): a drafter that can also look
     its drafts up in the text (``hfspec.drafters.hybrid``) pays the draft model's step
     only in steps that run the model, and a lookup that costs (almost) nothing, learnt
-    from the steps that ran only the lookup, in every drafting step. ``drafter`` is the
-    drafter these costs were measured for, so that the γ policy can ask it what a step
-    will draft.
+    from the steps that ran only the lookup, in every drafting step.
     """
 
     verify: dict[int, float]
@@ -82,7 +80,6 @@ class Costs:
     observed_draft: dict[int, float] = field(default_factory=dict)
     observed_lookup: dict[int, float] = field(default_factory=dict)
     observed_tree_draft: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch, nodes): seconds
-    drafter: Any = field(default=None, repr=False, compare=False)
 
     @property
     def max_gamma(self) -> int:
@@ -192,6 +189,15 @@ class Costs:
         }
 
 
+@dataclass(frozen=True)
+class Price:
+    """How a γ policy priced the step it chose, for a drafter that can take cheaper steps than its model's
+    (``hfspec.drafters.hybrid``): the costs it priced them by, and whether the draft model may run in it."""
+
+    costs: Costs
+    model: bool = True
+
+
 def measure(target: Any, drafter: Any, context: Sequence[int], max_gamma: int, device: torch.device,
             repeats: int = 3, extra: Sequence[int] = ()) -> Costs:
     """Time the target over 1..max_gamma+1 new tokens (and the ``extra`` sizes: trees' nodes + 1) and one
@@ -200,7 +206,7 @@ def measure(target: Any, drafter: Any, context: Sequence[int], max_gamma: int, d
         sizes = sorted(set(range(1, max_gamma + 2)) | set(extra))
         verify = forward_seconds(target, context, sizes, repeats, device)
         draft = drafter.step_seconds(list(context), device)
-    return Costs(verify, draft, seconds_measuring=watch.seconds, drafter=drafter)
+    return Costs(verify, draft, seconds_measuring=watch.seconds)
 
 
 # -- what a recurrent rollback costs --------------------------------------------------------------

@@ -23,8 +23,10 @@ states and checks its own (see ``hfspec.drafters``). No token is fed to a cache 
 """
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from hfspec import config as cfg
 from hfspec import costs, recurrent, sampling, tree as trees
 from hfspec.cpu import fast
 from hfspec.cache import KVState
-from hfspec.costs import Costs
+from hfspec.costs import Costs, Price
 from hfspec.drafters import Drafter, Features, Proposal, builds_trees, cross_tokenizer
 from hfspec.drafters.hybrid import HybridDrafter
 from hfspec.errors import HfspecError
@@ -64,6 +66,28 @@ class GenerateOutput:
     sequences: torch.Tensor
     stats: Stats
     prompt_length: int  # columns of the (left-padded) prompt at the start of ``sequences``
+
+
+def _one_at_a_time(generate: Callable) -> Callable:
+    """``generate`` holding the generator's lock: calls from other threads wait for the running one, which then
+    runs as it would alone. Its drafter's caches and its policy's learning are the running call's: the forwards
+    of two calls at once would share the same cores (no faster on CPU, README "Threads"), and what the generator
+    learns across calls (costs, acceptance, a lookup's earlier outputs) would depend on their interleaving. The
+    running call's own thread calling it again (from a streamer or a logits processor) is refused."""
+
+    @functools.wraps(generate)
+    def one_at_a_time(self: SpeculativeGenerator, *args: Any, **kwargs: Any) -> GenerateOutput:
+        with self._lock:
+            if self._running:
+                raise HfspecError("generate was called from inside a generate call on the same generator (a "
+                                  "streamer or logits processor?); build a second SpeculativeGenerator for it")
+            self._running = True
+            try:
+                return generate(self, *args, **kwargs)
+            finally:
+                self._running = False
+
+    return one_at_a_time
 
 
 class SpeculativeGenerator:
@@ -100,10 +124,16 @@ class SpeculativeGenerator:
         self.check_invariants = True
         self.tuning = Tuning()  # gamma="auto": the costs measured here and the acceptance seen so far
         self._reads_trees: bool | None = None  # whether the target reads a tree exactly (probed once)
+        self._lock = threading.RLock()  # one call at a time (``_one_at_a_time``)
+        self._running = False  # a call holds the lock and runs
 
     def measure_costs(self, context: Sequence[int] | None = None, force: bool = False) -> Costs:
         """Time the target over 1..K+1 new tokens and one drafting step on this machine (once; ``force``
         measures again). ``context`` (token ids) fills the caches first; a stand-in is used without one."""
+        with self._lock:  # timings taken while another call runs would be that call's too
+            return self._measure_costs(context, force)
+
+    def _measure_costs(self, context: Sequence[int] | None, force: bool) -> Costs:
         ids = list(context or [0])
         ids = (ids * (64 // len(ids) + 1))[-64:]  # costs depend on the cache length a little: a realistic one
         window = self._context_window()
@@ -141,6 +171,7 @@ class SpeculativeGenerator:
         return cls(*load_pair(target, draft, **kwargs), ngram=ngram)
 
     @torch.inference_mode()
+    @_one_at_a_time
     def generate(
         self,
         input_ids: torch.Tensor | None = None,
@@ -188,7 +219,7 @@ class SpeculativeGenerator:
         model, a drafter that builds no trees, a processor that reads the text so far).
         """
         if on_context_limit not in ("error", "stop"):
-            raise ValueError(f"on_context_limit must be 'error' or 'stop', got {on_context_limit!r}")
+            raise HfspecError(f"on_context_limit must be 'error' or 'stop', got {on_context_limit!r}")
         conf = cfg.resolve(
             self.target.generation_config, generation_config,
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -206,9 +237,9 @@ class SpeculativeGenerator:
             self.measure_costs(ids[0, mask[0].bool()].tolist())
             self.tuning.setting = (conf.do_sample, conf.temperature, conf.top_k, conf.top_p, conf.min_p) \
                 if conf.do_sample else False
-        policy = as_policy(gamma, self.tuning)
+        policy = as_policy(gamma, self.tuning, isinstance(self.drafter, HybridDrafter))
         if streamer is not None and ids.shape[0] != 1:
-            raise ValueError("a streamer needs a single prompt (batch size 1); drop streamer= for batches")
+            raise HfspecError("a streamer needs a single prompt (batch size 1); drop streamer= for batches")
         device = self.target.get_output_embeddings().weight.device
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(seed))
@@ -310,7 +341,6 @@ class _Loop:
         self.device = gen.target.get_output_embeddings().weight.device  # where generate put the prompts
         self.sample = conf.do_sample
         self.nodes = nodes  # a tree's node budget per step; 0 for a chain (or the policy's choice)
-        self.step_nodes = nodes  # the current step's tree budget
         # Sliding windows counted in positions, not cache columns, where the target takes a mask per layer
         # type: the holes that rows keeping fewer drafts leave behind must not use up a row's window.
         self.sliding = sliding_window(self.target) \
@@ -324,13 +354,14 @@ class _Loop:
         rows = self.start(ids, mask)
         while rows.active:
             t0 = now(device)
-            proposal, confidence = self.propose(self.gamma())  # 1. up to γ drafts per row, and their q
+            gamma, nodes = self.gamma()
+            proposal, confidence = self.propose(gamma, nodes)  # 1. up to γ drafts per row (or a tree), and their q
             t1 = now(device)
             verdict = self.verify(proposal)  # 2-3. one target forward: drafts kept and the next token, per row
-            self.rollback(verdict)  # 4. both caches forget what was not kept
+            outcome = self.rollback(verdict)  # 4. both caches forget what was not kept
             t2 = now(device)
             drafted = proposal.drafted()
-            self.learn(proposal, drafted, verdict, confidence, t1 - t0, t2 - t1)
+            self.learn(proposal, nodes, drafted, verdict, confidence, outcome, (t1 - t0, t2 - t1))
             block = verdict.tokens()
             committed, has_eos = rows.commit(block, verdict.accepted + 1)  # 5. cut at budgets and EOS
             self.stream(block, committed)
@@ -353,9 +384,10 @@ class _Loop:
         self.retire(self.rows.exhausted(), torch.zeros_like(self.rows.lengths, dtype=torch.bool))
         return self.rows
 
-    def context(self) -> DraftContext:
-        """What the drafter sees now; the step named in errors is the target pass in progress."""
-        return DraftContext(self.rows, self.scoring, self.vocab, self.generator, self.stats.target_passes + 1)
+    def context(self, price: Price | None = None) -> DraftContext:
+        """What the drafter sees now (with a proposal: how the policy priced it); the step named in errors is the
+        target pass in progress."""
+        return DraftContext(self.rows, self.scoring, self.vocab, self.generator, self.stats.target_passes + 1, price)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
         """Feed all prompt tokens but the last to the target (the last one is pending)."""
@@ -365,37 +397,37 @@ class _Loop:
         positions = (prefix_mask.cumsum(dim=1) - 1).clamp(min=0)
         self.target_forward(prefix, prefix_mask, positions, prefix_mask.bool(), verification=False, logits_to_keep=1)
 
-    def gamma(self) -> int:
-        """The policy's γ (a tree: its depth), cut so that no row drafts past its budget; ``step_nodes`` the
-        step's tree budget (the call's, or the policy's choice; 0 for a chain)."""
+    def gamma(self) -> tuple[int, int]:
+        """The step's γ and tree budget: the call's tree, or the policy's γ and tree (0 nodes: a chain); γ (a tree:
+        its depth) cut so that no row drafts past its budget."""
         if self.nodes:
-            self.step_nodes, wanted = self.nodes, trees.shape(self.nodes)[1]
+            nodes, wanted = self.nodes, trees.shape(self.nodes)[1]
         else:
             wanted = self.policy.gamma(self.rows.index.cpu())
-            self.step_nodes = self.policy.tree_nodes()
-        return max(0, min(wanted, int(self.rows.left.max()) - 1))
+            nodes = self.policy.tree_nodes()
+        return max(0, min(wanted, int(self.rows.left.max()) - 1)), nodes
 
-    def learn(self, proposal: Proposal | TreeProposal, drafted: torch.Tensor, verdict: Verdict,
-              confidence: torch.Tensor | None, draft_seconds: float, verify_seconds: float) -> None:
-        """Tell the policy what the step did: a chain's drafts (``drafted`` (B,) per row) and acceptance, or a
-        tree's accepted path."""
+    def learn(self, proposal: Proposal | TreeProposal, nodes: int, drafted: torch.Tensor, verdict: Verdict,
+              confidence: torch.Tensor | None, outcome: Any, seconds: tuple[float, float]) -> None:
+        """Tell the policy what the step did: a chain's drafts (``drafted`` (B,) per row), acceptance and what the
+        drafter made of it (``outcome``), or a tree's accepted path; ``seconds`` of drafting and of verifying."""
         index, accepted = self.rows.index.cpu(), verdict.accepted.cpu()
         if verdict.path is None:
-            self.policy.update(Step(index, proposal.gamma, drafted.cpu(), accepted, confidence,
-                                    draft_seconds, verify_seconds))
+            self.policy.update(Step(index, proposal.gamma, drafted.cpu(), accepted, confidence, *seconds, outcome))
         else:
-            self.policy.update_tree(TreeStep(index, self.step_nodes, proposal.parents.cpu(), proposal.mask().cpu(),
-                                             verdict.path.cpu(), accepted, draft_seconds, verify_seconds))
+            self.policy.update_tree(TreeStep(index, nodes, proposal.parents.cpu(), proposal.mask().cpu(),
+                                             verdict.path.cpu(), accepted, *seconds))
 
-    def propose(self, gamma: int) -> tuple[Proposal | TreeProposal, torch.Tensor | None]:
-        """The drafter's proposal (a tree of at most γ levels when the call asked for trees), with its
-        probability of each pick (B, picks) for the policy, if it gave any."""
+    def propose(self, gamma: int, nodes: int) -> tuple[Proposal | TreeProposal, torch.Tensor | None]:
+        """The drafter's proposal (a tree of at most ``nodes`` nodes and γ levels when the step drafts one), priced
+        as the policy priced the step, with its probability of each pick (B, picks) for the policy, if it gave any."""
         if not gamma:
             return Proposal.empty(self.rows.active, self.device), None
-        ctx = self.context()
-        if self.step_nodes:
-            proposal = self.drafter.propose_tree(ctx, self.step_nodes, gamma)
+        if nodes:
+            ctx = self.context()
+            proposal = self.drafter.propose_tree(ctx, nodes, gamma)
         else:
+            ctx = self.context(self.policy.price())
             proposal = self.drafter.propose(ctx, gamma, self.policy.stop)
         return proposal, ctx.confidence()
 
@@ -469,16 +501,18 @@ class _Loop:
         where the target has one (trees run only where ``self.sliding`` covers it: see check_tree_attention)."""
         return self.kv.tree_attention(self.target, visible, positions, positions, self.sliding)
 
-    def rollback(self, verdict: Verdict) -> None:
+    def rollback(self, verdict: Verdict) -> Any:
         """The drafter keeps what it needs of its drafts; the target keeps the pending token and the kept drafts.
-        Runs before the commit, while the verified drafts still follow the committed tokens (drafters read them)."""
+        Runs before the commit, while the verified drafts still follow the committed tokens (drafters read them).
+        Returns what the drafter's commit made of a chain's step, for the policy (a hybrid's ``Outcome``)."""
         if verdict.path is not None:  # a tree: both caches gather the accepted path
             self.drafter.commit_tree(self.context(), verdict.path, verdict.accepted)
             columns = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1)
             self.kv.keep_path(verdict.start, columns, verdict.accepted + 1)
-            return
-        self.drafter.commit(self.context(), verdict.accepted)
+            return None
+        outcome = self.drafter.commit(self.context(), verdict.accepted)
         self.kv.rollback(verdict.accepted + 1, verdict.start, verdict.fed)
+        return outcome
 
     def stream(self, block: torch.Tensor, count: torch.Tensor | None = None) -> None:
         """Hand the streamer row 0's first ``count[0]`` tokens of ``block`` (B, k), or all of ``block``."""

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.sampling import OUTSIDE
 
 __all__ = ["CutReport", "FrequentHead", "count_tokens", "cut_head", "frequent_ids"]
@@ -36,7 +37,7 @@ class FrequentHead(nn.Module):
         ids = torch.as_tensor(ids, dtype=torch.long, device=head.weight.device).unique(sorted=True)
         vocab = head.weight.shape[0]
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise ValueError(f"the kept ids must be a non-empty set within the head's {vocab} rows")
+            raise HfspecError(f"the kept ids must be a non-empty set within the head's {vocab} rows")
         self.vocab_size = vocab
         self.kept = nn.Linear(head.in_features, ids.numel(), bias=head.bias is not None,
                               device=head.weight.device, dtype=head.weight.dtype)
@@ -74,10 +75,10 @@ def cut_head(model: PreTrainedModel, ids: torch.Tensor | Iterable[int]) -> CutRe
     """
     head = model.get_output_embeddings()
     if isinstance(head, FrequentHead):
-        raise ValueError("this model's head is already cut; cut the original model once")
+        raise HfspecError("this model's head is already cut; cut the original model once")
     if type(head) is not nn.Linear:
-        raise TypeError(f"cut_head needs the model's output layer as a plain nn.Linear, got {type(head).__name__}; "
-                        "cut the head before the model is accelerated or quantized")
+        raise HfspecTypeError(f"cut_head needs the model's output layer as a plain nn.Linear, got "
+                              f"{type(head).__name__}; cut the head before the model is accelerated or quantized")
     cut = FrequentHead(head, torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids))
     model.set_output_embeddings(cut)
     saved = (head.weight.shape[0] - cut.ids.numel()) * head.weight.shape[1] * head.weight.element_size()
@@ -107,6 +108,6 @@ def count_tokens(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str], vocab
 def frequent_ids(counts: torch.Tensor, n: int, always: Iterable[int] = ()) -> torch.Tensor:
     """The ``n`` ids counted most (ties broken by the lower id), plus ``always`` (e.g. the special tokens)."""
     if n < 1:
-        raise ValueError(f"keep at least one token, got {n}")
+        raise HfspecError(f"keep at least one token, got {n}")
     order = torch.argsort(-counts, stable=True)[:n]  # stable: among equal counts, the lower id first
     return torch.cat([order, torch.as_tensor(list(always), dtype=torch.long)]).unique(sorted=True)

@@ -42,7 +42,7 @@ from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.model import ModelDrafter
 from hfspec.drafters.ngram import NgramDrafter
-from hfspec.errors import HfspecError
+from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.heads.checkpoint import load_head
 from hfspec.heads.eagle3 import Eagle3Head
 from hfspec.heads.files import is_eagle3_dir
@@ -304,8 +304,8 @@ def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
     ``ngram=True`` adds n-gram lookup to any other drafter (``hfspec.drafters.hybrid``).
     """
     if isinstance(draft, Eagle3Drafter) and target is not None and draft.target is not target:
-        raise ValueError("this EAGLE-3 drafter was built for another target model; build it with the target "
-                         "you generate with, or pass the head's directory as the draft")
+        raise HfspecError("this EAGLE-3 drafter was built for another target model; build it with the target "
+                          "you generate with, or pass the head's directory as the draft")
     if isinstance(draft, Drafter):
         drafter = draft
     elif isinstance(draft, PreTrainedModel):
@@ -314,13 +314,13 @@ def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
         drafter = NgramDrafter()
     elif isinstance(draft, (Eagle3Head, str, Path)):
         if target is None:
-            raise TypeError("an EAGLE-3 head or a draft path needs the target model: "
-                            "make_drafter(draft, tokenizer, target)")
+            raise HfspecTypeError("an EAGLE-3 head or a draft path needs the target model: "
+                                  "make_drafter(draft, tokenizer, target)")
         if isinstance(draft, Eagle3Head):
             drafter = Eagle3Drafter(draft, target)
         else:
             if not Path(resolve_model(draft, "draft")).expanduser().exists():  # "shipped" names resolve to paths
-                raise TypeError(
+                raise HfspecTypeError(
                     f"the draft {str(draft)!r} is neither 'ngram' nor an existing directory; pass 'ngram', a local "
                     "path or a loaded model, or load a hub model with SpeculativeGenerator.from_pretrained(target, "
                     "draft)"
@@ -328,7 +328,7 @@ def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
             # Loaded as it is: a generator built from the caller's objects changes no model behind their back.
             return make_drafter(load_draft(draft, target, fast_kernels=False), tokenizer, target, ngram=ngram)
     else:
-        raise TypeError(
+        raise HfspecTypeError(
             f"the draft must be a transformers PreTrainedModel, an hfspec Drafter, 'ngram' or a path (got "
             f"{type(draft).__name__}); load models with AutoModelForCausalLM.from_pretrained(...) or use "
             "SpeculativeGenerator.from_pretrained"
@@ -341,7 +341,7 @@ def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: s
     if isinstance(tokenizer, PreTrainedTokenizerBase):
         return tokenizer
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
-        raise TypeError(f"tokenizer must be a transformers tokenizer or a path, got {type(tokenizer).__name__}")
+        raise HfspecTypeError(f"tokenizer must be a transformers tokenizer or a path, got {type(tokenizer).__name__}")
     source = str(tokenizer) if tokenizer is not None else target_path
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if tokenizer is None:

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec.errors import HfspecError
+from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.heads.files import head_kind
 
 log = logging.getLogger(__name__)
@@ -201,13 +201,13 @@ def hidden_features(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
 def check_causal_lm(model: Any, role: str) -> None:
     """Raise a clear error unless ``model`` is a decoder-only ``PreTrainedModel`` with an LM head."""
     if not isinstance(model, PreTrainedModel):
-        raise TypeError(
+        raise HfspecTypeError(
             f"the {role} must be a transformers PreTrainedModel (got {type(model).__name__}); "
             "load it with AutoModelForCausalLM.from_pretrained(...)"
         )
     if getattr(model.config, "is_encoder_decoder", False) or not hasattr(model, "get_output_embeddings") \
             or model.get_output_embeddings() is None:
-        raise TypeError(
+        raise HfspecTypeError(
             f"the {role} ({type(model).__name__}) is not a causal language model; "
             "use a decoder-only model loaded with AutoModelForCausalLM"
         )
@@ -239,14 +239,14 @@ def shared_vocab_size(
         n = len(tokenizer)
         if min(v_target, v_draft) < n:
             short = "target" if v_target < n else "draft"
-            raise ValueError(
+            raise HfspecError(
                 f"the {short} has {min(v_target, v_draft)} output rows but the tokenizer has {n} tokens; "
                 "the two models do not share this tokenizer, choose a draft trained with the target's tokenizer "
                 "or pass the draft's own tokenizer as draft_tokenizer="
             )
         return n
     if abs(v_target - v_draft) > MAX_VOCAB_PADDING:
-        raise ValueError(
+        raise HfspecError(
             f"target vocabulary ({v_target}) and draft vocabulary ({v_draft}) differ by more than padding; "
             "choose a draft that uses the target's tokenizer, or pass the target's tokenizer and the draft's own "
             "as SpeculativeGenerator(target, draft, tokenizer, draft_tokenizer=...)"

@@ -227,19 +227,26 @@ def warped_probs(scores: torch.Tensor, warpers: Warpers) -> torch.Tensor:
     return probs_from_logits(x.masked_fill(remove, -float("inf")))
 
 
+def draw_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the draws (uniforms, cumulative sums): float64, or float32 on a device without it (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row from ``probs`` (B, V) -> (B,) long, by inverse CDF.
 
     One uniform u per row, in float64: token i is drawn when ``u * total`` falls in
     ``[cdf[i-1], cdf[i])``, so each token's chance is its probability up to ~1e-16 and a
     token of probability 0 (an empty interval) is never drawn. Rows need not sum to 1.
+    On MPS, which has no float64, in float32 (``draw_dtype``): up to ~1e-7, zeros still never drawn.
     """
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (B, V)
+    dtype = draw_dtype(probs.device)
+    cdf = probs.cumsum(dim=-1, dtype=dtype)  # (B, V)
     total = cdf[..., -1:]
     if not bool((total > 0).all()):
         raise ValueError("cannot sample from a row without positive probability mass (all zero or NaN)")
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
-    # A double u < 1 is at most 1 - 2^-53, so u * total rounds to below total: a token is always found.
+    u = torch.rand(total.shape, generator=generator, dtype=dtype, device=probs.device)
+    # A double u < 1 is at most 1 - 2^-53 (a float 1 - 2^-24), so u * total rounds to below total: a token is found.
     return torch.searchsorted(cdf, u * total, right=True).squeeze(-1)
 
 

@@ -103,7 +103,7 @@ def scripted_auto(monkeypatch):
 
     def script(gen, profile: str):
         verify, draft = AUTO_COSTS[profile]
-        gen.tuning.costs = Costs(dict(verify), draft, drafter=gen.drafter)  # a hybrid prices its steps by them
+        gen.tuning.costs = Costs(dict(verify), draft)
         return gen
 
     return script

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import tiny
 
+import hfspec
 import hfspec.generator
 from hfspec import api, cli
 from hfspec.cpu import fast, kernels
@@ -292,6 +293,18 @@ def test_usage_errors_give_one_line_and_exit_2(capsys, argv, says):
 def test_errors_from_the_generator_give_one_line(capsys, pair):
     code, _, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "5000")
     assert code == 2 and "context window" in one_error_line(err)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, ValueError, TypeError, OSError, KeyError])
+def test_an_internal_error_shows_its_traceback_and_asks_for_a_report(capsys, pair, monkeypatch, error):
+    def broken(self, *args, **kwargs):
+        raise error("something inside went wrong")
+
+    monkeypatch.setattr(hfspec.generator._Loop, "verify", broken)
+    code, out, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "4", "--gamma", "2")
+    assert code == cli.EXIT_BUG == 1 and out == ""
+    assert "Traceback (most recent call last)" in err and f"{error.__name__}: " in err and "went wrong" in err
+    assert "hfspec: error:" not in err and "this is a bug: please report it" in err and hfspec.__version__ in err
 
 
 def test_bad_preset_file_gives_one_line(capsys, tmp_path):

@@ -359,6 +359,26 @@ def test_with_ngram_lookup_added(pair):
     assert rows_of(gen.generate(prompts, max_new_tokens=20, gamma=3)) == [alone(target, p, 20) for p in prompts]
 
 
+def test_a_call_cut_short_after_a_spelled_proposal_leaves_nothing_behind(pair):
+    gen = generator(pair, greedy="slem")
+    prompt = gen.tokenizer(TEXTS[0])["input_ids"]
+
+    forwards = []
+
+    def fail(*args):
+        forwards.append(1)
+        if len(forwards) == 2:  # the verification of the first proposal, spelled from the draft's text
+            raise KeyboardInterrupt
+
+    handle = gen.target.register_forward_pre_hook(fail)
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate([prompt], max_new_tokens=8, gamma=3)
+    handle.remove()
+    # A first step that drafts nothing (one token left) must not roll back what the cut call had drafted.
+    assert rows_of(gen.generate([prompt], max_new_tokens=1, gamma=3)) == [alone(gen.target, prompt, 1)]
+    assert rows_of(gen.generate([prompt], max_new_tokens=12, gamma=3)) == [alone(gen.target, prompt, 12)]
+
+
 def test_a_draft_with_another_vocabulary_but_no_draft_tokenizer_is_refused_naming_the_fix(pair):
     target, target_tok = loaded(pair["target"])
     draft, _ = loaded(pair["draft"])

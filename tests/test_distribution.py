@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import stat_utils
+import torch
 import tiny
 from stat_utils import ALPHA, chi_square_pvalue
 
@@ -76,6 +77,17 @@ def test_auto_gamma_is_exact(pair, profile, scripted_auto):
     assert sum(1 for n in histogram if n) >= 2, f"auto chose a single γ: {histogram}"
     pv = chi_square_pvalue(counts, exact_joint(target, PROMPT_A, settings))
     assert pv > ALPHA, f"auto ({profile}): speculative samples differ from the target (p-value {pv:.3g})"
+
+
+def test_float32_draws_where_a_device_has_no_float64_are_exact(pair, monkeypatch):
+    # MPS has no float64: its uniforms and cumulative sums are float32 (sampling.draw_dtype); acceptance compares the
+    # same float32 p and q as everywhere.
+    monkeypatch.setattr(sampling, "draw_dtype", lambda device: torch.float32)
+    target, draft, tok = pair
+    settings = {"temperature": 0.8, "top_k": 5}
+    (counts,) = sample_counts(SpeculativeGenerator(target, draft, tok), [PROMPT_A], settings, seed=11)
+    pv = chi_square_pvalue(counts, exact_joint(target, PROMPT_A, settings))
+    assert pv > ALPHA, f"float32 draws: speculative samples differ from the target (p-value {pv:.3g})"
 
 
 def test_rows_with_different_prompts_do_not_influence_each_other(pair):

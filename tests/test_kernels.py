@@ -59,7 +59,7 @@ def test_strided_rows_and_a_bad_layout(library):
 def test_fast_linear_uses_the_kernel_only_for_few_rows_without_grad(library, monkeypatch):
     layer = nn.Linear(24, 10)
     calls = []
-    monkeypatch.setattr(kernels, "linear", lambda *a: calls.append(1) or F.linear(*a[1:4]))
+    monkeypatch.setattr(kernels, "linear_unchecked", lambda *a: calls.append(1) or F.linear(*a[1:4]))
     report = fast.accelerate(layer, max_rows=4)
     assert report.layers == ("",) and report.bytes_added == 0
     with torch.no_grad():
@@ -136,7 +136,8 @@ def test_without_a_compiler_the_model_keeps_torch_and_says_why(cxx, tmp_path, mo
     layer = nn.Linear(8, 4)
     with caplog.at_level(logging.WARNING, logger="hfspec.cpu.kernels"):
         first, second = fast.accelerate(layer), fast.accelerate(layer)
-    assert first.layers == () and first.isa is None and "cannot build the CPU kernel" in first.reason
+    assert first.layers == () and first.isa is None
+    assert ("no C++ compiler" if cxx.startswith("/") else "cannot build the CPU kernel") in first.reason
     assert second.reason == first.reason
     assert len(caplog.records) == 1  # one line, not one per call
     assert type(layer) is nn.Linear and kernels.load() is None
@@ -156,7 +157,7 @@ def test_float32_layers_take_prompts_on_the_kernel_and_bfloat16_ones_few_rows(li
         calls.append(x.numel() // x.shape[-1])
         return F.linear(x, w.float(), b)
 
-    monkeypatch.setattr(kernels, "linear", counted)
+    monkeypatch.setattr(kernels, "linear_unchecked", counted)
     f32, bf16 = nn.Linear(16, 8), nn.Linear(16, 8).bfloat16()
     fast.accelerate(f32)
     fast.accelerate(bf16)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hfspec.acceptance import Acceptance
-from hfspec.costs import Costs
+from hfspec.costs import Costs, Price
 from hfspec.drafters import Drafter, Proposal
 from hfspec.drafters.hybrid import HybridDrafter, Outcome
 from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, TreeStep, Tuning
@@ -180,11 +180,10 @@ class Stub(Drafter):
 def hybrid_auto(costs: Costs, model: float, lookup: float, match: float = 0.5, batch: int = 1) -> AutoGamma:
     """AutoGamma for a hybrid whose model and lookup start from these acceptance rates, and whose lookup finds
     a match this often."""
-    costs.drafter = HybridDrafter(Stub())
     tuning = Tuning(costs=costs)
     for source, prior in (("draft", model), ("lookup", lookup), ("match", match)):
         tuning.evidence(source).accepted, tuning.evidence(source).trials = prior * 100, 100.0
-    policy = AutoGamma(tuning)
+    policy = AutoGamma(tuning, hybrid=True)
     policy.begin(batch)
     return policy
 
@@ -193,12 +192,12 @@ def hybrid_step(policy: AutoGamma, gamma: int, lookup: tuple[int, bool] | None, 
     """A scripted batch-1 hybrid step that took what the costs predict: the lookup's run (None: no match), and the
     model's (drafted, accepted) if the row took it."""
     model_gamma = gamma if policy.model else 0
-    policy.hybrid.outcome = Outcome([lookup], [model], model_gamma)
+    outcome = Outcome([lookup], [model], model_gamma)
     drafted, accepted = model if model is not None else (gamma, lookup[0]) if lookup is not None else (0, 0)
     costs = policy.costs
     width = max(drafted, model_gamma)
     policy.update(Step(ROW, width, torch.tensor([drafted]), torch.tensor([accepted]), None,
-                       model_gamma * costs.draft, costs.verify[width + 1]))
+                       model_gamma * costs.draft, costs.verify[width + 1], outcome))
 
 
 def alone(costs: Costs, evidence: list[Acceptance]) -> AutoGamma:
@@ -288,19 +287,19 @@ def test_the_hybrid_is_predicted_no_slower_than_the_faster_of_its_parts(seed):
 
 def test_the_model_runs_only_where_the_step_pays_for_it():
     # Row 0's text repeats (a lookup proposal); row 1's does not.
-    ctx = SimpleNamespace(tokens=torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4], [6, 7, 8, 9, 10, 11, 12, 13]]),
-                          lengths=torch.tensor([8, 8]), vocab=16)
+    tokens = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4], [6, 7, 8, 9, 10, 11, 12, 13]])
     dear, cheap = cpu_costs(draft_ms=40.0), cpu_costs(draft_ms=0.4, v=(1.0,) * 8)
     for costs, model, runs in ((None, True, 1), (cheap, True, 1), (dear, True, 0), (cheap, False, 0)):
+        ctx = SimpleNamespace(tokens=tokens, lengths=torch.tensor([8, 8]), vocab=16,
+                              price=None if costs is None else Price(costs, model))
         hybrid = HybridDrafter(Stub())
         hybrid.start(2, torch.device("cpu"))
-        hybrid.price(costs, model)
         proposal = hybrid.propose(ctx, 4)
         assert hybrid.main.runs == runs, (costs, model)
         # Without the model, the row without a lookup proposal drafts nothing; the other keeps its lookup.
         assert proposal.drafted().tolist()[1] == (4 if runs else 0) and proposal.drafted().tolist()[0] > 0
-        hybrid.commit(ctx, torch.tensor([0, 0]))
-        assert hybrid.outcome.model_gamma == 4 * runs and hybrid.outcome.lookup[1] is None
+        outcome = hybrid.commit(ctx, torch.tensor([0, 0]))
+        assert outcome.model_gamma == 4 * runs and outcome.lookup[1] is None
 
 
 # -- trees: auto weighs trees against the chain -------------------------------

@@ -168,3 +168,17 @@ def test_predicted_speedup_and_best_gamma():
     assert s == max(predicted_speedup(0.8, k, 0.1) for k in range(1, 9)) and 1 <= g <= 8
     # A costly verification on CPUs favours fewer drafts than the paper's v = 1.
     assert best_gamma(0.6, 0.1, {k: 1.0 + 0.25 * k for k in range(1, 9)})[0] <= best_gamma(0.6, 0.1)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sample_draws_each_token_at_its_probability_and_never_a_zero(monkeypatch, dtype):
+    # float32 is what MPS draws with (no float64 there): still the row's distribution, zeros never drawn.
+    real = sampling.draw_dtype
+    assert (real(torch.device("mps")), real(torch.device("cpu"))) == (torch.float32, torch.float64)
+    monkeypatch.setattr(sampling, "draw_dtype", lambda device: dtype)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    g = torch.Generator().manual_seed(0)
+    draws = sampling.sample(probs.expand(60_000, -1), g)
+    counts = torch.bincount(draws, minlength=6)
+    assert counts[probs == 0].sum() == 0
+    assert chi_square_pvalue(counts[probs > 0].numpy(), probs[probs > 0].double().numpy()) > ALPHA

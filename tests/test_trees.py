@@ -172,6 +172,13 @@ def test_tree_samples_match_the_target(pair, name):
     assert pv > ALPHA, f"{name}: tree samples differ from the target (p-value {pv:.3g})"
 
 
+def test_tree_samples_with_float32_draws_match_the_target(pair, monkeypatch):
+    monkeypatch.setattr(sampling, "draw_dtype", lambda device: torch.float32)  # as on MPS: no float64 there
+    target, draft, tok = pair
+    pv, depths = tree_pvalue(SpeculativeGenerator(target, draft, tok), SETTINGS["t0.7_top_k"], 6, seed=4)
+    assert len(depths) > 2 and pv > ALPHA, f"float32 draws: p-value {pv:.3g}, depths {depths}"
+
+
 def test_negative_control_tree_without_the_residual_update_is_detected(pair, monkeypatch):
     target, draft, tok = pair
     monkeypatch.setattr(sampling, "residual", lambda p, q: p)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hfspec.errors import HfspecError
+
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "bench.jsonl"
 MAIN = "draft"  # the drafter key of the main draft
 GAMMA0 = "hfspec-g0"  # hfspec drafting nothing: the baseline on hfspec's own kernels
@@ -115,13 +117,13 @@ def load_prompts(path: Path | None = None) -> list[dict[str, str]]:
         if line.startswith("{"):
             obj = json.loads(line)
             if "prompt" not in obj:
-                raise ValueError(f"{path}:{n}: a JSONL prompt needs a \"prompt\" field")
+                raise HfspecError(f"{path}:{n}: a JSONL prompt needs a \"prompt\" field")
             prompts.append({"id": str(obj.get("id", f"line{n}")), "kind": str(obj.get("kind", "-")),
                             "prompt": str(obj["prompt"])})
         else:
             prompts.append({"id": f"line{n}", "kind": "-", "prompt": line.replace("\\n", "\n")})
     if not prompts:
-        raise ValueError(f"{path} holds no prompts")
+        raise HfspecError(f"{path} holds no prompts")
     return prompts
 
 

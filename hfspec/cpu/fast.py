@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hfspec.cpu import attention as cpu_attention, kernels, plan as kernel_plan, quant
+from hfspec.errors import HfspecError
 
 __all__ = ["AccelerationReport", "FastLinear", "accelerate", "accelerate_loaded", "accelerated", "describe",
            "is_accelerated", "restore", "suspended"]
@@ -66,13 +67,14 @@ class FastLinear(nn.Linear):
                 or input.shape[-1] != k or input.numel() > self.max_rows * k or not w.is_contiguous()
                 or (torch.is_grad_enabled() and (w.requires_grad or input.requires_grad))):
             return F.linear(input, w, b)
-        if input.dtype is torch.float32 and input.is_contiguous() and (b is None or b.is_contiguous()):
-            return kernels.linear(library, input, w, b, self.plan)  # the decoding path: no copy, no reshape
+        if (input.dtype is torch.float32 and input.is_contiguous()
+                and (b is None or b.is_contiguous() and b.dtype is torch.float32)):
+            return kernels.linear_unchecked(library, input, w, b, self.plan)  # the decoding path: no copy, no reshape
         x = input.reshape(-1, k)
         if x.dtype != torch.float32 or x.stride(-1) != 1:  # bf16 activations are summed in fp32
             x = x.float().contiguous()
         bias = None if b is None else b.float().contiguous()
-        out = kernels.linear(library, x, w, bias, self.plan)
+        out = kernels.linear_unchecked(library, x, w, bias, self.plan)
         return out.to(input.dtype).reshape(*input.shape[:-1], self.out_features)
 
 
@@ -112,7 +114,7 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None) -> Acceleration
     cannot be built or ``HFSPEC_KERNELS=0`` is set, the model is left as it is and the report says why.
     """
     if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
-        raise ValueError(f"max_rows must be a positive int (rows per call to run on the kernel), got {max_rows!r}")
+        raise HfspecError(f"max_rows must be a positive int (rows per call to run on the kernel), got {max_rows!r}")
     if os.environ.get("HFSPEC_KERNELS", "1") == "0":
         return AccelerationReport((), (), 0, None, None, 0.0, reason="HFSPEC_KERNELS=0")
     global _KERNEL

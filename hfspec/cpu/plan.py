@@ -7,7 +7,8 @@ counts that verification uses (``TUNED_ROWS``), on a sample of the layers it wil
 layer shape, weighted back to all of them), in interleaved rounds so that a passing load hits all shapes alike, and takes a shape over :func:`hfspec.cpu.kernels.default_plan`'s only
 where it is faster by ``MARGIN``. The plan is cached on disk per library (source, compiler, CPU flags),
 thread count and layer shapes (``$HFSPEC_CACHE/kernels/plan-*.json``; delete it to time again): a few
-seconds once per machine and model. ``HFSPEC_KERNEL_PLAN=default`` skips the timing and keeps the default plan
+seconds once per machine and model, one process at a time (a file lock: two processes timing at once would
+disturb each other's timings, and the second reads the plan the first kept). ``HFSPEC_KERNEL_PLAN=default`` skips the timing and keeps the default plan
 (the test suite does, to stay short). Every shape gives the same bits, so a plan changes speed, never output.
 
 Layers of another kernel (the quantized one, :mod:`hfspec.cpu.quant`) are planned the same way: they name their
@@ -162,30 +163,45 @@ def plan_for(library: kernels.KernelLibrary, layers: Sequence[nn.Module], *, pro
     path = plan_path(library, layers, torch.get_num_threads(), shapes)
     if path in _PLANS:
         return _PLANS[path]
-    plan = None
+    plan = _cached(path, default, count)
+    if plan is None:
+        # One process times at a time (another's timing would disturb these); one that waited reads what it kept.
+        with kernels.locked(path.parent / "timing.lock", required=False):
+            plan = _cached(path, default, count) or _time_and_keep(library, layers, default, path, progress, shapes)
+    _PLANS[path] = plan
+    return plan
+
+
+def _cached(path: Path, default: Sequence[int], shapes: int) -> tuple[int, ...] | None:
+    """The plan kept at ``path``, if there is a valid one (of this user's, naming shapes the library has)."""
     try:
         found = json.loads(path.read_text())["plan"]
-        if len(found) == len(default) and all(0 <= s < count for s in found):
-            plan = tuple(found)
+        if len(found) == len(default) and all(0 <= s < shapes for s in found) and kernels.unsafe(path) is None:
+            return tuple(found)
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    if plan is None:
-        t0 = time.perf_counter()
-        distinct = len({(m.out_features, m.in_features, _kind(m)) for m in layers})
-        log.info("hfspec: timing the CPU kernel's %d block shapes on %d distinct layer shapes of this model (once per "
-                 "machine, threads and model; cached in %s): which one streams each row count fastest depends on "
-                 "the CPU", count, distinct, path)
-        medians = time_shapes(library, layers, progress=progress, shapes=shapes)
-        plan = choose(default, medians)
-        record = {"plan": plan, "shapes": library.shapes if shapes is None else shapes,
-                  "threads": torch.get_num_threads(),
-                  "seconds": round(time.perf_counter() - t0, 2),
-                  "ms": {m: [round(s * 1e3, 3) for s in times] for m, times in medians.items()}}
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, path)
-        except OSError:
-            tmp.unlink(missing_ok=True)  # a read-only cache: the plan still serves this process
-    _PLANS[path] = plan
+    return None
+
+
+def _time_and_keep(library: kernels.KernelLibrary, layers: Sequence[nn.Module], default: Sequence[int], path: Path,
+                   progress: bool | None, shapes: Sequence[tuple[int, int]] | None) -> tuple[int, ...]:
+    """Time the shapes on ``layers`` and keep the plan at ``path``."""
+    t0 = time.perf_counter()
+    offered = library.shapes if shapes is None else shapes
+    distinct = len({(m.out_features, m.in_features, _kind(m)) for m in layers})
+    log.info("hfspec: timing the CPU kernel's %d block shapes on %d distinct layer shapes of this model (once per "
+             "machine, threads and model; cached in %s): which one streams each row count fastest depends on "
+             "the CPU", len(offered), distinct, path)
+    medians = time_shapes(library, layers, progress=progress, shapes=shapes)
+    plan = choose(default, medians)
+    record = {"plan": plan, "shapes": offered, "threads": torch.get_num_threads(),
+              "seconds": round(time.perf_counter() - t0, 2),
+              "ms": {m: [round(s * 1e3, 3) for s in times] for m, times in medians.items()}}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(record))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a read-only cache: the plan still serves this process
     return plan

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from hfspec import sampling
+from hfspec.costs import Price
 from hfspec.tree.proposal import TreeProposal
 
 if TYPE_CHECKING:
@@ -93,6 +94,9 @@ class Context(Protocol):
     vocab: int  # ids [0, vocab) are the ones both sides can score
     sample: bool  # False: greedy decoding
     generator: torch.Generator | None
+    # How the γ policy priced the step being proposed (gamma="auto"), for a drafter that can take cheaper steps
+    # (``hfspec.drafters.hybrid``); None: by expected tokens alone, and outside a proposal.
+    price: Price | None
 
     def dists(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft distributions (B, k, V) at k tree nodes from raw logits (B, k, ≥vocab), processed as the
@@ -139,9 +143,11 @@ class Drafter:
         """After a tree's verification: row b kept the nodes ``path[b, :num_accepted[b]]`` of the last tree."""
         raise NotImplementedError(f"{type(self).__name__} proposed no tree")
 
-    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> Any:
         """After each verification: row b kept ``num_accepted[b]`` drafts of the last proposal
-        (0 for a step without one). ``ctx.lengths`` still counts the tokens before that step."""
+        (0 for a step without one). ``ctx.lengths`` still counts the tokens before that step. Returns what
+        a γ policy may learn of the step beyond the counts (a hybrid's ``Outcome``: ``Step.outcome``), or None."""
+        return None
 
     def finished(self, row: int, output: torch.Tensor) -> None:
         """Row ``row`` ended with ``output`` (1-D), its committed new tokens; it leaves at the next

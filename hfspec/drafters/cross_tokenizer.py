@@ -44,7 +44,7 @@ from hfspec.cache import KVState
 from hfspec.costs import forward_seconds
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
 from hfspec.drafters.vocabulary import VocabMap, token_bytes, vocab_map
-from hfspec.errors import HfspecError
+from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.models import check_causal_lm, forward, model_vocab_size, same_tokenizer
 from hfspec.timing import median_seconds
 
@@ -81,7 +81,7 @@ class CrossTokenizerDrafter(Drafter):
     def __init__(self, model: PreTrainedModel, draft_tokenizer: PreTrainedTokenizerBase,
                  target_tokenizer: PreTrainedTokenizerBase, greedy: str = "tli"):
         if greedy not in GREEDY:
-            raise ValueError(f"greedy must be one of {', '.join(GREEDY)}, got {greedy!r}")
+            raise HfspecError(f"greedy must be one of {', '.join(GREEDY)}, got {greedy!r}")
         check_causal_lm(model, "draft")
         if KVState.is_recurrent(model):
             raise HfspecError("a draft with a recurrent state (Mamba, hybrids) cannot follow text re-tokenized "
@@ -112,7 +112,7 @@ class CrossTokenizerDrafter(Drafter):
     def start(self, batch: int, device: torch.device) -> None:
         self.kv = KVState(batch, device, self.model)
         self.rows = [_Row() for _ in range(batch)]
-        self.drafts = None
+        self.drafts, self.spelled_step = None, False  # nothing of a call cut short is rolled back in this one
         self.device_map = self.map.to(device)
 
     def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
@@ -356,14 +356,14 @@ def adapt(draft: Any, draft_tokenizer: PreTrainedTokenizerBase,
     """``draft`` as it should draft for a target with ``target_tokenizer``: itself when ``draft_tokenizer``
     is the same tokenizer, else a ``CrossTokenizerDrafter`` (which needs a loaded causal LM)."""
     if target_tokenizer is None:
-        raise TypeError("draft_tokenizer= needs the target's tokenizer too: SpeculativeGenerator(target, draft, "
-                        "tokenizer, draft_tokenizer=...)")
+        raise HfspecTypeError("draft_tokenizer= needs the target's tokenizer too: SpeculativeGenerator(target, draft, "
+                              "tokenizer, draft_tokenizer=...)")
     if same_tokenizer(draft_tokenizer, target_tokenizer):
         return draft
     if not isinstance(draft, PreTrainedModel):
-        raise TypeError(f"a draft with its own tokenizer must be a loaded causal LM (got {type(draft).__name__}); "
-                        "load it with AutoModelForCausalLM.from_pretrained, or load the pair with "
-                        "SpeculativeGenerator.from_pretrained(target, draft)")
+        raise HfspecTypeError(f"a draft with its own tokenizer must be a loaded causal LM (got "
+                              f"{type(draft).__name__}); load it with AutoModelForCausalLM.from_pretrained, or load "
+                              "the pair with SpeculativeGenerator.from_pretrained(target, draft)")
     return CrossTokenizerDrafter(draft, draft_tokenizer, target_tokenizer)
 
 

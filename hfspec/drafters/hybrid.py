@@ -13,14 +13,14 @@ That per-row rule is a rule on tokens per second too, once the step runs the mod
 draft-model step is one batched forward whatever rows use it, so its cost is the step's,
 and a row's best use of a paid step is the proposal with more expected tokens. Whether
 the step pays for the model at all is decided by time: with the step's costs
-(``price``, from ``gamma="auto"``), the model runs only when the step's expected tokens
+(``ctx.price``, from ``gamma="auto"``), the model runs only when the step's expected tokens
 with it, Σ (1 + max(E_ngram, E_main)) over the rows, divided by γ draft-model steps and
 the verification over γ+1 tokens, beat those of the lookup alone, Σ (1 + E_ngram) over
 the lookup alone's time (no draft-model step, a verification only as wide as the longest
-lookup proposal). A γ policy may also forbid the model for a step (``price(model=False)``);
+lookup proposal). A γ policy may also forbid the model for a step (``Price(model=False)``);
 rows without a lookup proposal then draft nothing. So a step that takes only lookup
 proposals pays no draft-model cost, and the γ policy (``hfspec.policy.AutoGamma``) prices
-it so: it learns the two proposers apart from ``outcome``.
+it so: it learns the two proposers apart from the ``Outcome`` that ``commit`` returns.
 
 The main drafter may be a model or an EAGLE-3 head: it hears every verification (and
 the target features it reads), and keeps of its own drafts only those the committed
@@ -53,6 +53,7 @@ from hfspec.costs import Costs
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.tree.proposal import TreeProposal
+from hfspec.errors import HfspecTypeError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -92,7 +93,7 @@ class HybridDrafter(Drafter):
 
     def __init__(self, main: Drafter, ngram: NgramDrafter | None = None):
         if isinstance(main, (NgramDrafter, HybridDrafter)):
-            raise TypeError(f"the main drafter of a hybrid must draft with a model, got a {main.kind} drafter")
+            raise HfspecTypeError(f"the main drafter of a hybrid must draft with a model, got a {main.kind} drafter")
         self.main = main
         self.feature_layers = main.feature_layers
         self.ngram = ngram if ngram is not None else NgramDrafter()
@@ -100,8 +101,6 @@ class HybridDrafter(Drafter):
         self.ngram_rates = [Acceptance() for _ in range(BUCKETS)]
         self.main_rate = Acceptance()
         self._step: dict[str, Any] | None = None  # the last proposal, until it is committed
-        self.outcome: Outcome | None = None  # the last committed proposal's, None after a step without one
-        self._price: tuple[Costs | None, bool] = (None, True)  # the next step's costs, and whether the model may run
 
     @property
     def model(self) -> PreTrainedModel | None:
@@ -125,18 +124,14 @@ class HybridDrafter(Drafter):
     def start(self, batch: int, device: torch.device) -> None:
         self.main.start(batch, device)
         self.ngram.start(batch, device)
-        self._step, self.outcome, self._price = None, None, (None, True)
+        self._step = None
 
     def observe(self, ctx: Context, features: Features) -> None:
         self.main.observe(ctx, features)
 
-    def price(self, costs: Costs | None, model: bool = True) -> None:
-        """Price the next proposal with ``costs`` (None: by expected tokens alone, as with a fixed γ);
-        ``model=False`` runs no draft model in it. Holds for one proposal."""
-        self._price = (costs, model)
-
     def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
-        (costs, model), self._price = self._price, (None, True)
+        # Priced by the step's costs (without a price: by expected tokens alone, as with a fixed γ).
+        costs, model = (None, True) if ctx.price is None else (ctx.price.costs, ctx.price.model)
         ng = self.ngram.propose(ctx, gamma)
         ng_counts = ng.drafted().cpu()
         buckets = [bucket(m) for m in self.ngram.match_lengths.tolist()]
@@ -198,15 +193,17 @@ class HybridDrafter(Drafter):
         self.main.commit_tree(ctx, path, num_accepted)
         self.ngram.commit_tree(ctx, path, num_accepted)
 
-    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
-        step, self._step, self.outcome = self._step, None, None
-        if step is not None:  # not a step without a proposal
-            self._learn(step, num_accepted.cpu())
+    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> Outcome | None:
+        """Both drafters hear the verdict; returns what the proposal told of each row's two proposers (None after
+        a step without a proposal)."""
+        step, self._step = self._step, None
+        outcome = self._learn(step, num_accepted.cpu()) if step is not None else None
         self.main.commit(ctx, num_accepted)
         self.ngram.commit(ctx, num_accepted)
+        return outcome
 
-    def _learn(self, step: dict[str, Any], accepted: torch.Tensor) -> None:
-        """Update both running records from this step's outcome (see the module docstring), and ``outcome``."""
+    def _learn(self, step: dict[str, Any], accepted: torch.Tensor) -> Outcome:
+        """Update both running records from this step's outcome (see the module docstring); that outcome."""
         main, main_counts = step["main"], step["main_counts"]
         lookup: list[tuple[int, bool] | None] = []
         model: list[tuple[int, int] | None] = []
@@ -229,7 +226,7 @@ class HybridDrafter(Drafter):
                 self.main_rate.add(n, n < int(main_counts[b]))
                 lookup.append(run)
                 model.append((int(main_counts[b]), n))
-        self.outcome = Outcome(lookup, model, step["gamma"])
+        return Outcome(lookup, model, step["gamma"])
 
     def finished(self, row: int, output: torch.Tensor) -> None:
         self.main.finished(row, output)

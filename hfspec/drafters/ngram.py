@@ -34,6 +34,7 @@ import torch
 
 from hfspec.drafters import Context, Drafter, Proposal, Stop
 from hfspec.tree.proposal import TreeProposal
+from hfspec.errors import HfspecError
 
 SEPARATOR = -1  # ends each output in the store; equal to no token, so no match crosses it
 
@@ -217,13 +218,13 @@ class NgramDrafter(Drafter):
         for name, value in (("min_match", min_match), ("max_match", max_match), ("candidates", candidates),
                             ("history_tokens", history_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise HfspecError(f"{name} must be a positive integer, got {value!r}")
         if max_match < min_match:
-            raise ValueError(f"max_match ({max_match}) must be >= min_match ({min_match})")
+            raise HfspecError(f"max_match ({max_match}) must be >= min_match ({min_match})")
         if not factor > 0:
-            raise ValueError(f"factor must be > 0, got {factor!r}")
+            raise HfspecError(f"factor must be > 0, got {factor!r}")
         if not 0 <= min_prob <= 1:
-            raise ValueError(f"min_prob must be in [0, 1], got {min_prob!r}")
+            raise HfspecError(f"min_prob must be in [0, 1], got {min_prob!r}")
         self.min_match, self.max_match, self.factor, self.min_prob = min_match, max_match, factor, min_prob
         self.candidates = candidates
         settings = (min_match, max_match, candidates)

@@ -194,7 +194,7 @@ def save_head(head: Eagle3Head, path: str | Path, *, layout: str = "speculators"
     ``norm_before_residual`` is written false: this forward adds the un-normed hidden.
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        raise HfspecError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     c = head.config
     dtype = dtype or head.fc.weight.dtype
     prefix = "layers.0." if layout == "speculators" else "midlayer."
@@ -207,11 +207,11 @@ def save_head(head: Eagle3Head, path: str | Path, *, layout: str = "speculators"
     tensors["t2d"] = t2d
     if embedding and head.embed_tokens is None:
         if target is None:
-            raise ValueError("embedding=True stores the target's embedding: pass target=")
+            raise HfspecError("embedding=True stores the target's embedding: pass target=")
         weight = target.get_input_embeddings().weight
         if tuple(weight.shape) != (c.vocab_size, c.hidden_size):
-            raise ValueError(f"the target's embedding is {tuple(weight.shape)}, the head expects "
-                             f"({c.vocab_size}, {c.hidden_size})")
+            raise HfspecError(f"the target's embedding is {tuple(weight.shape)}, the head expects "
+                              f"({c.vocab_size}, {c.hidden_size})")
         tensors["embed_tokens.weight"] = weight.detach().to(dtype)
     path = Path(str(path)).expanduser()
     path.mkdir(parents=True, exist_ok=True)

@@ -14,11 +14,12 @@ import torch
 
 from hfspec.acceptance import Acceptance
 from hfspec.config import check_gamma
-from hfspec.costs import Costs
-from hfspec.drafters.hybrid import HybridDrafter, Outcome
+from hfspec.costs import Costs, Price
+from hfspec.drafters.hybrid import Outcome
 from hfspec.policy.simple import FixedGamma, GammaPolicy, Step, TreeStep
 from hfspec.tree.acceptance import TreeAcceptance, first_children
 from hfspec.tree.build import shape
+from hfspec.errors import HfspecError
 
 
 class Calibration:
@@ -140,7 +141,8 @@ class AutoGamma(GammaPolicy):
     row at the model's α, and the hybrid's model steps give each row at least that α at
     the same time plus a lookup. A best choice over a set that holds both is worth at least
     either. With a lookup that always matches, the lookup-alone price is n-gram lookup
-    alone's exactly.
+    alone's exactly. ``hybrid`` says the drafter is one; ``price()`` hands the step's kind to it
+    with the proposal, and each ``Step.outcome`` tells how its two proposers fared.
     """
 
     row_weight = 4.0  # trials' worth of the generator's memory a new prompt starts from
@@ -148,9 +150,9 @@ class AutoGamma(GammaPolicy):
     probe_every = 8  # plain steps before the first probe
     probe_max = 256  # plain steps between probes at most
 
-    def __init__(self, tuning: Tuning):
+    def __init__(self, tuning: Tuning, hybrid: bool = False):
         if tuning.costs is None:
-            raise ValueError("AutoGamma needs measured costs (Tuning.costs)")
+            raise HfspecError("AutoGamma needs measured costs (Tuning.costs)")
         self.tuning, self.costs = tuning, tuning.costs
         self.maximum = min(tuning.maximum, self.costs.max_gamma)
         self.calibration = tuning.calibrated()
@@ -158,14 +160,14 @@ class AutoGamma(GammaPolicy):
         self.probe = tuning.probe_state(self.probe_every)
         self.probing = False
         self.after_plain = True  # the next drafting step also catches up on every token since
-        self.hybrid = self.costs.drafter if isinstance(self.costs.drafter, HybridDrafter) else None
+        self.hybrid = hybrid  # the drafter is a hybrid: lookup-alone steps are priced beside model steps
         self.model = True  # whether the draft model may run in this step
         self.nodes = 0  # the node budget of this step's tree; 0: a chain
 
     def begin(self, batch: int) -> None:
         # Each prompt accepts at its own rate: it starts from the generator's memory and learns apart.
         self.by_row = self.row_records("draft", batch)
-        if self.hybrid is not None:  # a hybrid's lookup, learnt apart from its model
+        if self.hybrid:  # a hybrid's lookup, learnt apart from its model
             self.lookup_by_row, self.match_by_row = self.row_records("lookup", batch), self.row_records("match", batch)
 
     def row_records(self, source: str, batch: int) -> list[Acceptance]:
@@ -179,7 +181,7 @@ class AutoGamma(GammaPolicy):
     def kinds(self, rows: torch.Tensor) -> list[tuple[list[Part], bool]]:
         """Each kind of step the drafter can take: its rows' parts, and whether the draft model runs.
         The last kind drafts with everything the drafter has (what a probe tries)."""
-        if self.hybrid is None:
+        if not self.hybrid:
             return [([(i, 1.0, a) for i, a in enumerate(self.alpha)], True)]
         lookup = self.alphas(rows, self.lookup_by_row)
         match = [self.match_by_row[r].alpha for r in rows.tolist()]
@@ -219,9 +221,10 @@ class AutoGamma(GammaPolicy):
         else:
             self.probe[:] = [0, self.probe_every]
         self.chosen = gamma
-        if self.hybrid is not None:
-            self.hybrid.price(self.costs, self.model)
         return gamma
+
+    def price(self) -> Price:
+        return Price(self.costs, self.model)
 
     def best_tree(self) -> tuple[int, float]:
         """The tree budget with the best expected tokens per second, and that rate ((0, -1) without trees).
@@ -276,7 +279,7 @@ class AutoGamma(GammaPolicy):
 
     def seconds(self, gamma: int) -> float:
         """The expected time of a step of the current kind with γ drafts."""
-        if self.hybrid is None:
+        if not self.hybrid:
             return self.costs.step_seconds(self.batch, gamma)
         drafts = 1.0
         if not self.model:  # the lookup alone verifies only the pending token when no row found a match
@@ -293,7 +296,7 @@ class AutoGamma(GammaPolicy):
         drafted, accepted = step.drafted.tolist(), step.accepted.tolist()
         if self.probing and any(d and n == d for d, n in zip(drafted, accepted)):
             self.probe[1] = self.probe_every  # a probe that paid: look again soon
-        outcome = self.hybrid.outcome if self.hybrid is not None else None
+        outcome = step.outcome if self.hybrid else None
         if outcome is None:
             self.learn(step.rows.tolist(), drafted, accepted, step.confidence)
             model_gamma = step.gamma
@@ -341,12 +344,14 @@ class AutoGamma(GammaPolicy):
         return "auto"
 
 
-def as_policy(gamma: int | str | GammaPolicy, tuning: Tuning | None = None) -> GammaPolicy:
-    """A policy from what a caller passes as ``gamma``: a number, ``"auto"`` or a policy."""
+def as_policy(gamma: int | str | GammaPolicy, tuning: Tuning | None = None, hybrid: bool = False) -> GammaPolicy:
+    """A policy from what a caller passes as ``gamma``: a number, ``"auto"`` or a policy (``hybrid``: the drafter
+    is a ``HybridDrafter``, whose steps ``"auto"`` prices by what they draft)."""
     if isinstance(gamma, GammaPolicy):
         return gamma
     if isinstance(gamma, str) and gamma == "auto":
         if tuning is None:
-            raise ValueError("gamma='auto' needs the generator's measured costs; pass it to SpeculativeGenerator.generate")
-        return AutoGamma(tuning)
+            raise HfspecError("gamma='auto' needs the generator's measured costs; "
+                              "pass it to SpeculativeGenerator.generate")
+        return AutoGamma(tuning, hybrid)
     return FixedGamma(check_gamma(gamma))

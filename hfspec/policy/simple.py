@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hfspec.acceptance import Acceptance
+from hfspec.costs import Price
+from hfspec.drafters.hybrid import Outcome
 
 
 def predicted_speedup(alpha: float, gamma: int, cost: float, verify_cost: float = 1.0) -> float:
@@ -67,6 +69,7 @@ class Step:
     confidence: torch.Tensor | None  # (B, drafted.max()) the drafter's probability of each draft, if it gave one
     draft_seconds: float  # wall time of drafting (catching up included)
     verify_seconds: float  # wall time of the verification forward, acceptance and rollback
+    outcome: Outcome | None = None  # what the drafter's commit made of the step: a hybrid's two proposers apart
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ class TreeStep:
 class GammaPolicy:
     """Chooses γ: ``begin(batch)`` once per call, ``gamma(rows)`` before a step, ``stop(i, confidence)``
     while drafting, ``update(step)`` after it. A policy may answer a step with a tree instead of a chain:
-    ``tree_nodes()`` is then its node budget (γ its depth), and ``update_tree`` learns from it."""
+    ``tree_nodes()`` is then its node budget (γ its depth), and ``update_tree`` learns from it; ``price()``
+    says how it priced the step, for the drafter."""
 
     def begin(self, batch: int) -> None:
         """A generate call of ``batch`` rows starts."""
@@ -107,6 +111,11 @@ class GammaPolicy:
     def tree_nodes(self) -> int:
         """The node budget of a tree for the step the last ``gamma`` call chose; 0 drafts a chain."""
         return 0
+
+    def price(self) -> Price | None:
+        """How the step the last ``gamma`` call chose was priced, handed to the drafter with it (a hybrid runs its
+        model only where that pays); None: by expected tokens alone."""
+        return None
 
     def update_tree(self, step: TreeStep) -> None:
         """Learn from the tree step just taken."""

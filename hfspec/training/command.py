@@ -14,6 +14,7 @@ import sys
 
 from hfspec.training.draft_model import train_draft_model
 from hfspec.training.eagle3 import parse_layer_ids, train_eagle3_head
+from hfspec.errors import HfspecError
 
 __all__ = ["EAGLE3_FLAGS", "KINDS", "MODEL_FLAGS", "add_parser", "main", "run"]
 
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     if wrong:
         flags = ", ".join("--" + name.replace("_", "-") for name in wrong)
         other = "eagle3" if kind == "model" else "model"
-        raise ValueError(f"{flags} only apply to --kind {other}; drop them or pass --kind {other}")
+        raise HfspecError(f"{flags} only apply to --kind {other}; drop them or pass --kind {other}")
     common = dict(tokens=args.tokens, eval_tokens=args.eval_tokens, seq_len=args.seq_len, gen_batch=args.gen_batch,
                   top_k=args.top_k, seed=args.seed, resume=args.resume, data_only=args.data_only,
                   eval_every=args.eval_every, progress=not args.quiet, **_given(args, ("batch", "steps", "lr")))

@@ -36,6 +36,7 @@ from hfspec.training.report import decode_step_seconds, final_loss, forecast_spe
 from hfspec.training.settings import check_settings, default_eval_every, require_positive
 from hfspec.training.staging import load_samples, stage_text
 from hfspec.training.target import load_target, resolve_target, rope_theta
+from hfspec.errors import HfspecError
 
 __all__ = ["DraftModelReport", "train_draft_model"]
 
@@ -109,10 +110,10 @@ class _Settings:
                          seq_len=self.seq_len, gen_batch=self.gen_batch, top_k=self.top_k, batch=self.batch,
                          steps=self.steps, eval_every=self.eval_every)
         if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}), and heads by "
-                             f"kv_heads ({self.kv_heads})")
+            raise HfspecError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}), and heads by "
+                              f"kv_heads ({self.kv_heads})")
         if self.save_dtype not in SAVE_DTYPES:
-            raise ValueError(f"save_dtype must be float32, float16 or bfloat16, got {self.save_dtype!r}")
+            raise HfspecError(f"save_dtype must be float32, float16 or bfloat16, got {self.save_dtype!r}")
 
 
 # --------------------------------------------------------------------------- loss
@@ -223,7 +224,7 @@ def _warm_start(draft: LlamaForCausalLM, path: Path) -> None:
     differ = [f"{k} {getattr(saved, k, None)} vs {getattr(draft.config, k, None)}"
               for k in keys if getattr(saved, k, None) != getattr(draft.config, k, None)]
     if differ:
-        raise ValueError(
+        raise HfspecError(
             f"init_from {path} has a different architecture ({'; '.join(differ)}, saved vs requested); "
             "pass the same --hidden/--layers/--heads/--kv-heads/--intermediate as the draft it starts from"
         )
@@ -354,14 +355,14 @@ def train_draft_model(
     s.validate()
     target_path = resolve_target(target, progress)
     if init_from is not None and not (Path(init_from) / "config.json").is_file():
-        raise ValueError(f"init_from must be a draft directory with a config.json, got {init_from!s}")
+        raise HfspecError(f"init_from must be a draft directory with a config.json, got {init_from!s}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not data_only:
         check_settings(out / "train" / "settings.json", s, resume, _FIXED)
     target_model, tokenizer, pad = load_target(target_path)
     if top_k > target_model.config.vocab_size:
-        raise ValueError(f"top_k ({top_k}) must not exceed the target vocabulary ({target_model.config.vocab_size})")
+        raise HfspecError(f"top_k ({top_k}) must not exceed the target vocabulary ({target_model.config.vocab_size})")
 
     # 1. Stage target-generated text, resumably, for training and for held-out evaluation.
     n_train, gen_seconds = stage_text(target_model, tokenizer, out / "data", s, progress)

@@ -53,6 +53,7 @@ from hfspec.training.report import (
 from hfspec.training.settings import check_settings, default_eval_every, require_positive
 from hfspec.training.staging import stage_text
 from hfspec.training.target import OFFLINE, load_target, resolve_target, rope_theta
+from hfspec.errors import HfspecError
 
 __all__ = ["Eagle3Report", "model_card", "parse_layer_ids", "train_eagle3_head"]
 
@@ -132,9 +133,9 @@ def parse_layer_ids(text: str) -> tuple[int, ...]:
     try:
         ids = tuple(int(part) for part in str(text).split(",") if part.strip())
     except ValueError:
-        raise ValueError(f"layer ids must be comma-separated integers such as 2,15,27, got {text!r}") from None
+        raise HfspecError(f"layer ids must be comma-separated integers such as 2,15,27, got {text!r}") from None
     if not ids or any(i < 0 for i in ids) or any(a >= b for a, b in zip(ids, ids[1:])):
-        raise ValueError(f"layer ids must be non-negative and strictly increasing, such as 2,15,27, got {text!r}")
+        raise HfspecError(f"layer ids must be non-negative and strictly increasing, such as 2,15,27, got {text!r}")
     return ids
 
 
@@ -399,16 +400,16 @@ def train_eagle3_head(
                      gen_batch=gen_batch, top_k=top_k, batch=batch, steps=steps, eval_every=eval_every,
                      feature_batch=feature_batch)
     if not lr > 0:
-        raise ValueError(f"lr must be positive, got {lr}")
+        raise HfspecError(f"lr must be positive, got {lr}")
     if format not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+        raise HfspecError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     target_path = resolve_target(target, progress)
     out = Path(out_dir)
     target_model, tokenizer, pad = load_target(target_path)
     vocab = model_vocab_size(target_model)
     for name, size in (("draft_vocab", draft_vocab), ("top_k", top_k)):
         if size > vocab:
-            raise ValueError(f"{name} ({size}) must not exceed the target vocabulary ({vocab})")
+            raise HfspecError(f"{name} ({size}) must not exceed the target vocabulary ({vocab})")
     layer_ids = _layer_ids(target_model, layer_ids)
     s = _Settings(tokens, eval_tokens, seq_len, gen_batch, top_k, draft_vocab, unroll, layer_ids, batch, steps, lr,
                   seed, eval_every, feature_batch)
@@ -424,7 +425,7 @@ def train_eagle3_head(
         return None
     train, heldout = (StagedSplit(out / "data", out / "features", split, layer_ids) for split in ("train", "eval"))
     if not len(train) or not len(heldout):
-        raise ValueError(f"{out / 'data'} has no usable train or eval samples; stage more text")
+        raise HfspecError(f"{out / 'data'} has no usable train or eval samples; stage more text")
 
     # 2. The draft vocabulary, fixed at the first run so that a resumed run keeps it.
     vocab_ids = _draft_vocabulary_ids(out / "train" / "vocab.pt", train, draft_vocab, vocab, resume)
@@ -458,13 +459,13 @@ def _layer_ids(target: PreTrainedModel, layer_ids: tuple[int, ...] | None) -> tu
     num_layers = len(decoder_layers(target) or ()) or int(target.config.get_text_config().num_hidden_layers)
     if layer_ids is None:
         if num_layers < 3:
-            raise ValueError(f"the target has {num_layers} decoder layers; EAGLE-3's default features need 3 or "
-                             "more: pass layer_ids (--layer-ids)")
+            raise HfspecError(f"the target has {num_layers} decoder layers; EAGLE-3's default features need 3 or "
+                              "more: pass layer_ids (--layer-ids)")
         layer_ids = default_layer_ids(num_layers)
     layer_ids = tuple(int(i) for i in layer_ids)
     if not all(0 <= i < num_layers for i in layer_ids) or list(layer_ids) != sorted(set(layer_ids)):
-        raise ValueError(f"layer_ids must be strictly increasing inputs of the target's {num_layers} decoder "
-                         f"layers (0..{num_layers - 1}), got {list(layer_ids)}")
+        raise HfspecError(f"layer_ids must be strictly increasing inputs of the target's {num_layers} decoder "
+                          f"layers (0..{num_layers - 1}), got {list(layer_ids)}")
     return layer_ids
 
 

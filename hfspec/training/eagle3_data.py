@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from hfspec.models import hidden_features
 from hfspec.timing import now
 from hfspec.training.staging import claim_lock
+from hfspec.errors import HfspecError
 
 __all__ = ["Batch", "Labels", "StagedSplit", "draft_vocabulary", "embed_tokens", "make_batch", "stage_features"]
 
@@ -54,9 +55,9 @@ def _read_features(path: Path, layer_ids: tuple[int, ...]) -> dict:
     """A feature shard, memory-mapped; features of other layers than the run asks for are refused."""
     feats = torch.load(path, mmap=True, weights_only=True)
     if tuple(feats["layer_ids"]) != tuple(layer_ids):
-        raise ValueError(f"{path} holds features of target layers {list(feats['layer_ids'])}, not "
-                         f"{list(layer_ids)}; pass --layer-ids {','.join(map(str, feats['layer_ids']))} or delete "
-                         f"{path.parent} to stage them again")
+        raise HfspecError(f"{path} holds features of target layers {list(feats['layer_ids'])}, not "
+                          f"{list(layer_ids)}; pass --layer-ids {','.join(map(str, feats['layer_ids']))} or delete "
+                          f"{path.parent} to stage them again")
     return feats
 
 

@@ -22,6 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 from hfspec.models import cache_kwarg
 from hfspec.policy import best_gamma
 from hfspec.timing import timed
+from hfspec.errors import HfspecError
 
 __all__ = ["REPORT", "SpeedupForecast", "decode_step_seconds", "final_loss", "forecast_speedup", "hours",
            "speedup_at_best_gamma", "write_report"]
@@ -39,9 +40,9 @@ def speedup_at_best_gamma(alpha: float, cost_ratio: float, max_gamma: int = MAX_
     refusing an α outside [0, 1] or a negative c, which a training report must never print.
     """
     if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+        raise HfspecError(f"alpha must lie in [0, 1], got {alpha}")
     if cost_ratio < 0:
-        raise ValueError(f"cost_ratio must be non-negative, got {cost_ratio}")
+        raise HfspecError(f"cost_ratio must be non-negative, got {cost_ratio}")
     gamma, speedup = best_gamma(alpha, cost_ratio, maximum=max_gamma)
     return speedup, gamma
 

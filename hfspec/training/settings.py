@@ -11,6 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from hfspec.errors import HfspecError
+
 __all__ = ["CHECKPOINT", "check_settings", "default_eval_every", "require_positive"]
 
 CHECKPOINT = "checkpoint.pt"  # the training checkpoint's file name inside train/
@@ -20,7 +22,7 @@ def require_positive(**values: int) -> None:
     """Refuse any of ``values`` below 1, naming it."""
     for name, value in values.items():
         if value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value}")
+            raise HfspecError(f"{name} must be a positive integer, got {value}")
 
 
 def default_eval_every(steps: int) -> int:
@@ -41,7 +43,7 @@ def check_settings(path: Path, s: Any, resume: bool, fixed: tuple[str, ...]) -> 
         # init_from came later than the other settings: a file without it started fresh.
         changed = [k for k in fixed if saved.get(k, "" if k == "init_from" else None) != current[k]]
         if changed and (path.parent / CHECKPOINT).is_file():
-            raise ValueError(
+            raise HfspecError(
                 f"{path.parent} holds a checkpoint trained with different {', '.join(changed)}; "
                 "use a new out_dir, or pass resume=False (--no-resume) to retrain from scratch"
             )

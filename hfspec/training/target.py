@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec.assets import offline_target_path
+from hfspec.errors import HfspecError
 
 OFFLINE = "offline"  # the word that names SmolLM2-135M-Instruct from hfspec.assets
 
@@ -22,7 +23,7 @@ def resolve_target(target: str | Path, progress: bool) -> Path:
         target = offline_target_path(progress=progress)
     path = Path(target)
     if not (path / "config.json").is_file():
-        raise ValueError(f"target must be a local model directory with a config.json (or 'offline'), got {target!s}")
+        raise HfspecError(f"target must be a local model directory with a config.json (or 'offline'), got {target!s}")
     return path
 
 

@@ -51,8 +51,9 @@ def expand(cum: torch.Tensor, alive: torch.Tensor, q: torch.Tensor, width: int, 
     first = torch.searchsorted(frontier, frontier, right=False)
     rank = torch.arange(frontier.shape[1], device=q.device)[None, :] - first
     if sample:
-        u = torch.rand(q.shape, generator=generator, dtype=torch.float64, device=q.device)
-        keys = q.double().log() - (-u.clamp_min(1e-300).log()).log()  # log q + Gumbel: top-n is a draw in order
+        dtype = sampling.draw_dtype(q.device)  # float64, or float32 where the device has no float64 (MPS)
+        u = torch.rand(q.shape, generator=generator, dtype=dtype, device=q.device)
+        keys = q.to(dtype).log() - (-u.clamp_min(torch.finfo(dtype).tiny).log()).log()  # log q + Gumbel: in order
         order = keys.topk(k, dim=-1).indices
     else:
         order = q.topk(k, dim=-1).indices

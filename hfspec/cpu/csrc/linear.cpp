@@ -4,12 +4,18 @@
 // from memory once.  The weights stay in nn.Linear's own [N, K] layout; each thread takes a contiguous
 // range of output features and, for each block of NB weight rows, runs every block of MB input rows over
 // it while it is still in L1, so M rows cost about what one row costs (the ggml micro-GEMM shape).
-// The vector width is chosen when this file is compiled (-march=native): AVX-512, AVX2+FMA or scalar;
-// the block shape (MB, NB) per call, by the caller (see SHAPES). Every output is the same dot product summed
+// The vector width is chosen when this file is compiled (-march=native): AVX-512 (AVX512F alone: every
+// intrinsic below needs nothing more), AVX2+FMA or scalar; the block shape (MB, NB) per call, by the caller (see
+// SHAPES). Each path uses only what its guard names, so any CPU that defines the macros builds it. Every output is the same dot product summed
 // in the same order whatever the shape, so a row gets the same bits whatever rows come with it.
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX512F__)
+#define HFSPEC_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HFSPEC_AVX2 1
+#endif
+#if defined(HFSPEC_AVX512) || defined(HFSPEC_AVX2)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -18,7 +24,7 @@
 
 namespace {
 
-#if defined(__AVX512F__)
+#if defined(HFSPEC_AVX512)
 constexpr int VW = 16;  // 32 registers (SHAPES)
 typedef __m512 vec;
 inline vec vzero() { return _mm512_setzero_ps(); }
@@ -30,12 +36,14 @@ inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 inline vec vload_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+// The last n < 16 of a row through a zeroed buffer: a masked 16-bit load would need AVX512BW and AVX512VL.
 inline vec vload_bf16_tail(const uint16_t* p, int n) {
-    __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    uint16_t buf[16] = {0};
+    memcpy(buf, p, n * sizeof(uint16_t));
+    return vload_bf16(buf);
 }
 const char* ISA = "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(HFSPEC_AVX2)
 constexpr int VW = 8;  // 16 registers (SHAPES)
 typedef __m256 vec;
 inline vec vzero() { return _mm256_setzero_ps(); }
@@ -75,7 +83,7 @@ const char* ISA = "scalar";
 // Left alone, compilers fold each use of an input vector into its FMAs as a memory operand: C loads of it
 // where one will do, and loads rather than FMAs then bound the block (measured: 15-25% slower from 8 rows
 // up). An empty asm statement that claims to change the register stops the folding and emits nothing.
-#if defined(__GNUC__) && (defined(__AVX2__) || defined(__AVX512F__))
+#if defined(__GNUC__) && (defined(HFSPEC_AVX512) || defined(HFSPEC_AVX2))
 inline void keep_in_register(vec& v) { asm volatile("" : "+v"(v)); }
 #else
 inline void keep_in_register(vec&) {}
@@ -174,9 +182,9 @@ void linear_shaped(const float* x, int64_t ldx, const W* w, int64_t ldw, const f
 // the CPU more than on the arithmetic (one AMD EPYC streamed 3-6 rows fastest one weight row at a time, another
 // over 3 weight rows at once), so hfspec times them on the model's own layers where it runs (kernel_plan.py).
 // Each holds MB * NB accumulators, NB weight registers and one input register.
-#if defined(__AVX512F__)
+#if defined(HFSPEC_AVX512)
 constexpr int SHAPES[][2] = {{16, 1}, {12, 2}, {8, 3}};  // up to 24 + 3 + 1 of 32 registers
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(HFSPEC_AVX2)
 constexpr int SHAPES[][2] = {{12, 1}, {4, 2}, {2, 4}};   // up to 13 + 1 of 16 registers
 #else
 constexpr int SHAPES[][2] = {{2, 4}};
