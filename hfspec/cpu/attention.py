@@ -23,6 +23,7 @@ invariance: tensors off the CPU or in other dtypes, dropout (training), ``output
 """
 from __future__ import annotations
 
+import array
 import ctypes
 import sys
 
@@ -45,7 +46,6 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _MASKS = {torch.bool: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
 _ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
              ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-_SIZES = ctypes.c_int64 * 23
 # The kernel's entry, bound by bind() (use() binds it): looked up once, not on every layer of every forward.
 _ENTRY = None
 
@@ -59,10 +59,11 @@ def bind(library: kernels.KernelLibrary) -> None:
 
 def serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether the kernel computes this attention (else the model's own function does)."""
-    return (_ENTRY is not None and query.is_cpu and key.is_cpu and value.is_cpu and query.dtype in _DTYPES
-            and key.dtype == value.dtype == query.dtype and query.dim() == key.dim() == value.dim() == 4
-            and key.shape[0] == value.shape[0] == query.shape[0] and key.shape[2] == value.shape[2]
-            and key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0
+    dtype = query.dtype
+    return (_ENTRY is not None and dtype in _DTYPES and key.dtype == dtype and value.dtype == dtype
+            and query.is_cpu and key.is_cpu and value.is_cpu and query.dim() == 4 and key.dim() == 4
+            and value.dim() == 4 and query.shape[0] == key.shape[0] == value.shape[0]
+            and key.shape[1:3] == value.shape[1:3] and query.shape[1] % key.shape[1] == 0
             and query.shape[-1] == key.shape[-1]
             and (mask is None or (mask.is_cpu and mask.dtype in _MASKS and mask.dim() <= 4))
             and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)))
@@ -84,10 +85,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
         mask_strides = mask.stride()
     else:
         mask_strides = (0, 0, 0, 0)
-    sizes = _SIZES(*query.stride()[:3], *key.stride()[:3], *value.stride()[:3], rows * heads * dv, dv, heads * dv,
-                   *mask_strides, batch, heads, kv_heads, rows, length, dim, dv)
+    sizes = array.array("q", (*query.stride()[:3], *key.stride()[:3], *value.stride()[:3], rows * heads * dv, dv,
+                              heads * dv, *mask_strides, batch, heads, kv_heads, rows, length, dim, dv))
     _ENTRY(_DTYPES[query.dtype], query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(),
-           None if mask is None else mask.data_ptr(), 0 if mask is None else _MASKS[mask.dtype], sizes,
+           None if mask is None else mask.data_ptr(), 0 if mask is None else _MASKS[mask.dtype], sizes.buffer_info()[0],
            dim ** -0.5 if scale is None else scale, softcap or 0.0, int(is_causal), torch.get_num_threads())
     return out
 

@@ -30,9 +30,6 @@ namespace {
 
 using namespace hfspec_vec;
 
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) { *p = narrow_bf16(x); }
-
 // What the caller's mask holds per (query, key): nothing, booleans, or additive float32/bfloat16/float16 values.
 enum MaskKind { MASK_NONE = 0, MASK_BOOL = 1, MASK_F32 = 2, MASK_BF16 = 3, MASK_F16 = 4 };
 
@@ -63,15 +60,112 @@ inline bool mask_at(const void* mask, int kind, int64_t at, float* add) {
     }
 }
 
-// dot(q, k) over D: lanes over d in order, then one horizontal sum; the same instructions for every (q, k).
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t D) {
-    vec acc = vzero();
-    for (int64_t d = 0; d < D; d += VW) {
-        const int m = (int)std::min<int64_t>(VW, D - d);
-        acc = vfma(vload(q + d, m), vload(k + d, m), acc);
+// The dot products of one query row (widened to float32) with VW keys: lanes over d, chunk after chunk, then each
+// key's lanes summed by vsums; lane j of the result is key j's. ND > 0: the query's ND vectors held in registers.
+template <int ND, typename T>
+inline vec dots(const float* q, const T* const* k, int64_t D) {
+    vec acc[VW];
+    if constexpr (ND > 0) {
+        vec qv[ND];
+        for (int c = 0; c < ND; ++c) qv[c] = vload(q + c * VW, c == ND - 1 ? (int)(D - (ND - 1) * VW) : VW);
+        for (int j = 0; j < VW; ++j) {
+            vec sum = vzero();
+            for (int c = 0; c < ND; ++c)
+                sum = vfma(qv[c], vload(k[j] + c * VW, c == ND - 1 ? (int)(D - (ND - 1) * VW) : VW), sum);
+            acc[j] = sum;
+        }
+    } else {
+        for (int j = 0; j < VW; ++j) {
+            vec sum = vzero();
+            for (int64_t d = 0; d < D; d += VW) {
+                const int m = (int)std::min<int64_t>(VW, D - d);
+                sum = vfma(vload(q + d, m), vload(k[j] + d, m), sum);
+            }
+            acc[j] = sum;
+        }
     }
-    return vsum(acc);
+    return vsums(acc);
+}
+
+// Scores of one query row against keys[0, n): dot products, scaled, soft-capped, plus the mask's value; returns
+// their maximum. Keys go in batches of VW; a batch's empty slots repeat a key and are dropped, and every slot is
+// summed alike, so a key's score does not depend on where its batch starts.
+template <int ND, typename T>
+float scores(const float* q, const T* kb, int64_t ldk, const int64_t* keys, const float* add, int64_t n, int64_t D,
+             float scale, float softcap, float* out) {
+    vec top = vset(-INFINITY);
+    for (int64_t t0 = 0; t0 < n; t0 += VW) {
+        const int nk = (int)std::min<int64_t>(VW, n - t0);
+        const T* k[VW];
+        for (int j = 0; j < VW; ++j) k[j] = kb + keys[t0 + (j < nk ? j : 0)] * ldk;
+        vec x = vmul(dots<ND>(q, k, D), vset(scale));
+        if (softcap > 0.0f) {  // tanh has no vector form here: libm's, element by element, the same for every key
+            alignas(64) float buf[VW];
+            vstore(buf, x, VW);
+            for (int j = 0; j < VW; ++j) buf[j] = softcap * tanhf(buf[j] / softcap);
+            x = vload(buf, VW);
+        }
+        x = vadd(x, vload(add + t0, nk));
+        vstore(out + t0, x, nk);
+        top = vmax(top, vkeep(x, nk, -INFINITY));
+    }
+    return vmaxall(top);
+}
+
+template <typename T, int ND = 8>
+float scores_any(const float* q, const T* kb, int64_t ldk, const int64_t* keys, const float* add, int64_t n,
+                 int64_t D, float scale, float softcap, float* out) {
+    const int64_t nd = (D + VW - 1) / VW;
+    if constexpr (ND > 1)
+        if (nd < ND) return scores_any<T, ND - 1>(q, kb, ldk, keys, add, n, D, scale, softcap, out);
+    return nd == ND ? scores<ND>(q, kb, ldk, keys, add, n, D, scale, softcap, out)
+                    : scores<0>(q, kb, ldk, keys, add, n, D, scale, softcap, out);
+}
+
+// acc[r][d0 + ...] = sum over t of p[r][t] v[keys[t]][d0 + ...], key after key, for R rows and NV vectors of d
+// (the last holding ``last`` lanes): the accumulators stay in registers, one value vector feeds every row.
+template <int R, int NV, typename T>
+void weigh(const T* vb, int64_t ldv, const int64_t* keys, int64_t n, const float* p, int64_t ldp, int last,
+           float* acc_out, int64_t lda) {
+    vec acc[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NV; ++c) acc[r][c] = vzero();
+    for (int64_t t = 0; t < n; ++t) {
+        const T* v = vb + keys[t] * ldv;
+        vec vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = vload(v + c * VW, c == NV - 1 ? last : VW);
+        for (int r = 0; r < R; ++r) {
+            const vec pr = vset(p[r * ldp + t]);
+            for (int c = 0; c < NV; ++c) acc[r][c] = vfma(pr, vv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NV; ++c) vstore(acc_out + r * lda + c * VW, acc[r][c], c == NV - 1 ? last : VW);
+}
+
+// Vectors of d per pass over the keys, and rows per pass: as many accumulators as the registers hold.
+constexpr int MAX_NV = 4;
+constexpr int MAX_GROUP = 64;  // query heads per key/value head handled together (more: in parts)
+#if defined(__AVX512F__)
+constexpr int REGISTERS = 32;
+#else
+constexpr int REGISTERS = 16;
+#endif
+constexpr int max_rows(int nv) { return std::min(8, std::max(1, (REGISTERS - 2 - nv) / nv)); }
+
+template <typename T, int R = max_rows(1), int NV = MAX_NV>
+void weigh_any(int r, int nv, const T* vb, int64_t ldv, const int64_t* keys, int64_t n, const float* p, int64_t ldp,
+               int last, float* acc, int64_t lda) {
+    if constexpr (NV > 1)
+        if (nv < NV) return weigh_any<T, std::min(R, max_rows(NV - 1)), NV - 1>(r, nv, vb, ldv, keys, n, p, ldp, last,
+                                                                              acc, lda);
+    if constexpr (R > max_rows(NV))
+        return weigh_any<T, max_rows(NV), NV>(r, nv, vb, ldv, keys, n, p, ldp, last, acc, lda);
+    else {
+        if constexpr (R > 1)
+            if (r < R) return weigh_any<T, R - 1, NV>(r, nv, vb, ldv, keys, n, p, ldp, last, acc, lda);
+        weigh<R, NV>(vb, ldv, keys, n, p, ldp, last, acc, lda);
+    }
 }
 
 struct Args {
@@ -83,88 +177,95 @@ struct Args {
     int mask_kind, causal;
 };
 
-// Scratch for one row: the keys it sees, their scores (then weights), its query widened, its accumulators.
+// Scratch for a group of rows: the keys they see, their scores (then weights), queries, accumulators.
 struct Scratch {
     std::vector<int64_t> keys;
-    std::vector<float> score, add, query, acc;
+    std::vector<float> add, score, query, acc;
+    Scratch(const Args& a, int rows)
+        : keys(a.L), add(a.L), score(rows * (a.L + VW)), query(rows * (a.D + VW)), acc(rows * (a.Dv + VW)) {}
 };
 
+// The query heads h0 .. h0 + rows - 1 of query i, which read key/value head g and see the same keys: scores per
+// row, weights per row, then the values weighed for all of them at once (each row's sums stay its own).
 template <typename T>
-void attend_row(const Args& a, int64_t b, int64_t h, int64_t i, Scratch& s) {
-    const int64_t g = h / (a.H / a.Hkv);  // the key/value head this query head reads, in place
-    const T* q = (const T*)a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+void attend_group(const Args& a, int64_t b, int64_t g, int64_t h0, int rows, int64_t i, Scratch& s) {
     const T* kb = (const T*)a.k + b * a.ks[0] + g * a.ks[1];
     const T* vb = (const T*)a.v + b * a.vs[0] + g * a.vs[1];
-    T* out = (T*)a.out + b * a.os[0] + h * a.os[1] + i * a.os[2];
-    // 1. The keys this row sees, in key order, with their additive mask values.
+    // 1. The keys the rows see, in key order, with their additive mask values.
     const int64_t last = a.causal ? std::min(a.L, i + 1) : a.L;
+    const int64_t m0 = b * a.ms[0] + h0 * a.ms[1] + i * a.ms[2];
     int64_t n = 0;
-    const int64_t m0 = b * a.ms[0] + h * a.ms[1] + i * a.ms[2];
     for (int64_t j = 0; j < last; ++j) {
         float add;
         if (!mask_at(a.mask, a.mask_kind, m0 + j * a.ms[3], &add)) continue;
         s.keys[n] = j;
         s.add[n++] = add;
     }
-    // 2. Scores: scale, soft-capping (tanh), then the mask, as eager attention orders them; the row's maximum.
-    for (int64_t d = 0; d < a.D; ++d) s.query[d] = widen(q[d]);
-    float top = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) {
-        float x = dot(s.query.data(), kb + s.keys[t] * a.ks[2], a.D) * a.scale;
-        if (a.softcap > 0.0f) x = a.softcap * tanhf(x / a.softcap);
-        x += s.add[t];
-        s.score[t] = x;
-        top = x > top ? x : top;
-    }
-    // 3. Weights exp(x - max), each through the same vector polynomial; then weights summed and values
-    //    accumulated key after key, skipping the weights that are exactly 0.
-    const int64_t dv = a.Dv;
-    std::fill(s.acc.begin(), s.acc.end(), 0.0f);
-    float total = 0.0f;
-    if (n > 0 && top > -INFINITY) {
+    // 2. Per row: scores and their maximum; weights exp(x - max), each through the same vector polynomial; their
+    //    sum, key after key.
+    const int64_t ldp = a.L + VW, ldq = a.D + VW, lda = a.Dv + VW;
+    float total[MAX_GROUP];
+    for (int r = 0; r < rows; ++r) {
+        const T* q = (const T*)a.q + b * a.qs[0] + (h0 + r) * a.qs[1] + i * a.qs[2];
+        float* query = s.query.data() + r * ldq;
+        for (int64_t d = 0; d < a.D; ++d) query[d] = widen(q[d]);
+        float* p = s.score.data() + r * ldp;
+        const float top = scores_any(query, kb, a.ks[2], s.keys.data(), s.add.data(), n, a.D, a.scale, a.softcap, p);
+        total[r] = 0.0f;
+        if (!(top > -INFINITY)) {  // no key seen (or all at -inf): weights 0, the row comes out 0
+            std::fill(p, p + n, 0.0f);
+            continue;
+        }
+        // The sum in lanes by key ordinal (lane l: keys l, l + VW, ...), then the lanes: it depends on the keys
+        // seen alone, not on where they sit in the cache.
         const vec shift = vset(top);
+        vec sum = vzero();
         for (int64_t t = 0; t < n; t += VW) {
             const int m = (int)std::min<int64_t>(VW, n - t);
-            vstore(s.score.data() + t, vexp(vsub(vload(s.score.data() + t, m), shift)), m);
+            const vec w = vexp(vsub(vload(p + t, m), shift));
+            vstore(p + t, w, m);
+            sum = vadd(sum, vkeep(w, m, 0.0f));
         }
-        float* acc = s.acc.data();
-        for (int64_t t = 0; t < n; ++t) {
-            const float p = s.score[t];
-            if (p == 0.0f) continue;
-            total += p;
-            const T* v = vb + s.keys[t] * a.vs[2];
-            const vec pv = vset(p);
-            for (int64_t d = 0; d < dv; d += VW) {
-                const int m = (int)std::min<int64_t>(VW, dv - d);
-                vstore(acc + d, vfma(pv, vload(v + d, m), vload(acc + d, m)), m);
-            }
-        }
-        const vec inv = vset(total);
-        for (int64_t d = 0; d < dv; d += VW) {
-            const int m = (int)std::min<int64_t>(VW, dv - d);
-            vstore(acc + d, vdiv(vload(acc + d, m), inv), m);
+        total[r] = vsum(sum);
+    }
+    // 3. The values weighed, a few vectors of d and a few rows per pass over the keys.
+    for (int64_t d0 = 0; d0 < a.Dv; d0 += MAX_NV * VW) {
+        const int64_t width = std::min<int64_t>(MAX_NV * VW, a.Dv - d0);
+        const int nv = (int)((width + VW - 1) / VW), tail = (int)(width - (int64_t)(nv - 1) * VW);
+        for (int r0 = 0; r0 < rows; r0 += max_rows(nv)) {
+            const int r = std::min(rows - r0, max_rows(nv));
+            weigh_any<T>(r, nv, vb + d0, a.vs[2], s.keys.data(), n, s.score.data() + r0 * ldp, ldp, tail,
+                         s.acc.data() + r0 * lda + d0, lda);
         }
     }
-    for (int64_t d = 0; d < dv; ++d) store(out + d, total > 0.0f ? s.acc[d] : 0.0f);
+    // 4. Each row's output: its accumulators over its sum of weights, in the output dtype.
+    for (int r = 0; r < rows; ++r) {
+        T* out = (T*)a.out + b * a.os[0] + (h0 + r) * a.os[1] + i * a.os[2];
+        const float* acc = s.acc.data() + r * lda;
+        const vec sum = vset(total[r]);
+        for (int64_t d = 0; d < a.Dv; d += VW) {
+            const int m = (int)std::min<int64_t>(VW, a.Dv - d);
+            vstore_as(out + d, total[r] > 0.0f ? vdiv(vload(acc + d, m), sum) : vzero(), m);
+        }
+    }
 }
 
 template <typename T>
 void attend(const Args& a, int threads) {
-    // Rows ordered (b, key/value head, query, head in the group): neighbours read the same keys and values.
-    const int64_t group = a.H / a.Hkv, rows = a.B * a.H * a.Q;
+    // Work items: (b, key/value head, query), with the query heads that read that key/value head. They see the same
+    // keys unless the mask differs per head (a position bias): then each head is a group of its own.
+    const int64_t group = a.H / a.Hkv;
+    const int per = a.ms[1] == 0 ? (int)std::min<int64_t>(group, MAX_GROUP) : 1;
+    const int64_t parts = (group + per - 1) / per, items = a.B * a.Hkv * a.Q * parts;
 #pragma omp parallel num_threads(threads)
     {
-        Scratch s;
-        s.keys.resize(a.L);
-        s.score.resize(a.L + VW);
-        s.add.resize(a.L);
-        s.query.resize(a.D + VW);
-        s.acc.resize(a.Dv + VW);
-#pragma omp for schedule(dynamic, 8)
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t j = r % group, i = (r / group) % a.Q, g = (r / (group * a.Q)) % a.Hkv,
-                          b = r / (group * a.Q * a.Hkv);
-            attend_row<T>(a, b, g * group + j, i, s);
+        Scratch s(a, per);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) {
+            const int64_t part = it % parts, i = (it / parts) % a.Q, g = (it / (parts * a.Q)) % a.Hkv,
+                          b = it / (parts * a.Q * a.Hkv);
+            const int64_t h0 = g * group + part * per;
+            attend_group<T>(a, b, g, h0, (int)std::min<int64_t>(per, group - part * per), i, s);
         }
     }
 }

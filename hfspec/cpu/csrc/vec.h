@@ -44,12 +44,35 @@ inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
 inline vec vabs(vec a) { return _mm512_abs_ps(a); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float vmaxall(vec a) { return _mm512_reduce_max_ps(a); }
+inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+// The first n lanes of a, the others fill.
+inline vec vkeep(vec a, int n, float fill) { return _mm512_mask_mov_ps(vset(fill), first(n), a); }
 inline vec vcopysign(vec magnitude, vec sign) {  // |magnitude| with the sign bit of sign
     const __m512i bit = _mm512_set1_epi32((int)0x80000000u);
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(bit, _mm512_castps_si512(magnitude)),
                                                _mm512_and_si512(bit, _mm512_castps_si512(sign))));
 }
-inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+// Lane j: the sum of acc[j]'s lanes, for j < VW, every one by the same pairing of lanes whatever its slot:
+// (i, i + 8), then (i, i + 4), (i, i + 2), (0, 1). The sums of 16 vectors share their shuffles (a transpose).
+inline vec vsums(const vec* acc) {
+    vec x[8], y[4], z[2];
+    for (int m = 0; m < 8; ++m)  // lanes 0-7: acc[2m]'s i + (i + 8); lanes 8-15: acc[2m + 1]'s
+        x[m] = vadd(_mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                    _mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int n = 0; n < 4; ++n)  // quarter k: acc[4n + k]'s i + (i + 4)
+        y[n] = vadd(_mm512_shuffle_f32x4(x[2 * n], x[2 * n + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                    _mm512_shuffle_f32x4(x[2 * n], x[2 * n + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int p = 0; p < 2; ++p)  // quarter k, lanes 0-1: acc[8p + k]'s i + (i + 2); lanes 2-3: acc[8p + 4 + k]'s
+        z[p] = vadd(_mm512_shuffle_ps(y[2 * p], y[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                    _mm512_shuffle_ps(y[2 * p], y[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // lane 4k + m: acc[k + 4m]'s 0 + 1
+    vec e = vadd(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                 _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    // lane j of the result: lane 4 (j % 4) + j / 4 of e
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
+}
 inline vec vexp(vec x) {
     vec n = _mm512_roundscale_ps(vmul(x, vset(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vec r = vfnma(n, vset(LN2_LO), vfnma(n, vset(LN2_HI), x));
@@ -82,14 +105,37 @@ inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
 inline vec vabs(vec a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float vmaxall(vec a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float vsum(vec a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline vec vkeep(vec a, int n, float fill) { return _mm256_blendv_ps(vset(fill), a, _mm256_castsi256_ps(first(n))); }
 inline vec vcopysign(vec magnitude, vec sign) {
     const vec bit = _mm256_set1_ps(-0.0f);
     return _mm256_or_ps(_mm256_andnot_ps(bit, magnitude), _mm256_and_ps(bit, sign));
 }
-inline float vsum(vec v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+// Lane j: the sum of acc[j]'s lanes, for j < VW, every one by the same pairing of lanes whatever its slot:
+// (i, i + 4), then (i, i + 2), (0, 1). The sums of 8 vectors share their shuffles (a transpose).
+inline vec vsums(const vec* acc) {
+    vec x[4], y[2];
+    for (int m = 0; m < 4; ++m)  // half h = 0: acc[2m]'s i + (i + 4); h = 1: acc[2m + 1]'s
+        x[m] = vadd(_mm256_permute2f128_ps(acc[2 * m], acc[2 * m + 1], 0x20),
+                    _mm256_permute2f128_ps(acc[2 * m], acc[2 * m + 1], 0x31));
+    for (int n = 0; n < 2; ++n)  // half h, lanes 0-1: acc[4n + h]'s i + (i + 2); lanes 2-3: acc[4n + 2 + h]'s
+        y[n] = vadd(_mm256_shuffle_ps(x[2 * n], x[2 * n + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                    _mm256_shuffle_ps(x[2 * n], x[2 * n + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // lane 4h + m: acc[h + 2m]'s 0 + 1
+    vec e = vadd(_mm256_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                 _mm256_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    // lane j of the result (j = h + 2m): lane 4h + m of e
+    return _mm256_permutevar8x32_ps(e, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 inline vec vexp(vec x) {
     vec n = _mm256_round_ps(vmul(x, vset(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -124,8 +170,12 @@ inline vec vadd(vec a, vec b) { return a + b; }
 inline vec vsub(vec a, vec b) { return a - b; }
 inline vec vdiv(vec a, vec b) { return a / b; }
 inline vec vabs(vec a) { return fabsf(a); }
+inline vec vmax(vec a, vec b) { return a > b ? a : b; }
+inline float vmaxall(vec a) { return a; }
+inline float vsum(vec a) { return a; }
+inline vec vkeep(vec a, int n, float fill) { return n > 0 ? a : fill; }
 inline vec vcopysign(vec magnitude, vec sign) { return copysignf(magnitude, sign); }
-inline float vsum(vec v) { return v; }
+inline vec vsums(const vec* acc) { return acc[0]; }
 inline vec vexp(vec x) {
     if (x != x) return x;
     if (x < EXP_MIN) return 0.0f;
