@@ -38,13 +38,16 @@ def test_bf16_weights_equal_f_linear_on_the_widened_weights(library):
     torch.testing.assert_close(kernels.linear(library, x, w, b), F.linear(x, w.float(), b), rtol=RTOL, atol=ATOL)
 
 
-def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(library):
-    # Verification feeds k + 1 rows where decoding feeds one: the kernel must not tell them apart.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(library, dtype):
+    # Verification feeds k + 1 rows where decoding feeds one, a prompt many (the tiled path past 64 rows): the
+    # kernel must not tell them apart.
     g = torch.Generator().manual_seed(1)
-    w, b, x = torch.randn(45, 71, generator=g), torch.randn(45, generator=g), torch.randn(16, 71, generator=g)
-    together = kernels.linear(library, x, w, b)
-    for i in range(16):
-        assert torch.equal(kernels.linear(library, x[i:i + 1], w, b), together[i:i + 1]), f"row {i}"
+    w, b, x = torch.randn(45, 71, generator=g).to(dtype), torch.randn(45, generator=g), torch.randn(100, 71, generator=g)
+    for rows in (16, 100):
+        together = kernels.linear(library, x[:rows], w, b)
+        for i in range(rows):
+            assert torch.equal(kernels.linear(library, x[i:i + 1], w, b), together[i:i + 1]), f"row {i} of {rows}"
 
 
 def test_strided_rows_and_a_bad_layout(library):
