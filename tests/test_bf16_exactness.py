@@ -29,7 +29,7 @@ V, NEW = 128, 24
 # hidden 40: head dimension 10 and an MLP 80 wide, off every vector width.
 COMMON = dict(vocab_size=V, hidden=40, layers=3, eos=None, sharpness=0.3)
 _rng = random.Random(0)
-PROMPTS = [[_rng.randrange(7, V) for _ in range(_rng.randrange(3, 25))] for _ in range(12)]
+PROMPTS = [[_rng.randrange(7, V) for _ in range(_rng.randrange(3, 25))] for _ in range(10)]
 SETTINGS = {"chain γ=1": dict(gamma=1, tree=None), "chain γ=4": dict(gamma=4, tree=None), "tree of 8": dict(tree=8),
             "ngram chain": dict(gamma=3, tree=None), "ngram tree of 8": dict(tree=8)}
 
@@ -62,7 +62,7 @@ def rows_of(out) -> list[list[int]]:
 
 
 def check(gen: SpeculativeGenerator, prompts: list[list[int]], want: list[list[int]], setting: dict,
-          new: int = NEW, alone: int = 4) -> int:
+          new: int = NEW, alone: int = 3) -> int:
     """All prompts as one ragged batch, and the first ``alone`` each on its own, equal ``want``; the drafts
     accepted."""
     out = gen.generate(prompts, max_new_tokens=new, **setting)

@@ -10,23 +10,30 @@ dropped from hfspec's processing.
 from __future__ import annotations
 
 import pytest
+import stat_utils
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
-from test_distribution import PROMPT_A, exact_joint, pair, sample_counts  # noqa: F401 - pair is a fixture
+from test_distribution import NEW, PROMPT_A, V, exact_joint, pair  # noqa: F401 - pair is a fixture
 
 from hfspec import SpeculativeGenerator, sampling, scoring
 
 SETTINGS = {
     "repetition_penalty": {"repetition_penalty": 1.8},
     "no_repeat_ngram_size": {"no_repeat_ngram_size": 2},
-    "bad_words_ids": {"bad_words_ids": [[3], [7, 1], [1, 2]]},  # one token always, two after a given one
+    # One token always, and the likeliest second tokens after the likeliest first ones (2, 6 after PROMPT_A).
+    "bad_words_ids": {"bad_words_ids": [[3], [2, 6], [6, 2]]},
     "min_p": {"min_p": 0.15, "temperature": 0.8},
 }
 
 
+# 3000 rows per test: every negative control below p = 1e-20 (the tests ask for p < ALPHA = 1e-8).
+SAMPLES = 3_000
+
+
 def pvalue(pair, name: str, seed: int) -> float:  # noqa: F811
     target, draft, tok = pair
-    (counts,) = sample_counts(SpeculativeGenerator(target, draft, tok), [PROMPT_A], SETTINGS[name], seed=seed)
+    (counts,) = stat_utils.sample_counts(SpeculativeGenerator(target, draft, tok), [PROMPT_A], SETTINGS[name], seed,
+                                         vocab=V, new=NEW, samples=SAMPLES, batch=SAMPLES)
     return chi_square_pvalue(counts, exact_joint(target, PROMPT_A, SETTINGS[name]))
 
 

@@ -3,7 +3,7 @@
 A prefix goes through the decoding steps (one token per forward, generate()'s cache), verification blocks, one
 prefill, a prefill then blocks (hfspec's prompt split), a tree with a wrong sibling beside every node, and a
 left-padded batch (tests/invariance.py); every module's input and output rows must be the decoding steps' bits.
-The models have sizes off the vector widths (head dim 10, MLP width 1100: tails everywhere, and 40 rows of it pass
+The models have sizes off the vector widths (head dim 10, MLP width 1100: tails everywhere, and 32 rows of it pass
 torch's parallel grain), in float32 and bfloat16, on one thread and on two. The negative controls show the harness
 finding what torch's own attention, activations and Conv1D do with the row count.
 """
@@ -45,7 +45,7 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(4, VOCAB) for _ in range(n)]
 
 
-IDS, OTHER = prompt(40, 0), prompt(60, 1)
+IDS, OTHER = prompt(32, 0), prompt(50, 1)
 CASES = [(arch, dtype, 1) for arch in ARCHS for dtype in (torch.float32, torch.bfloat16)]
 CASES += [("llama", torch.bfloat16, 2), ("gemma2", torch.bfloat16, 2)]
 
@@ -82,8 +82,10 @@ def test_negative_control_torchs_activation_and_conv1d_depend_on_the_row_count(l
     model = model_of("llama", torch.float32)
     fast.accelerate(model)
     activations.unuse(model)
-    assert differing(invariance.report(model, IDS, other=OTHER)) == {"model.layers.0.mlp.act_fn:out"}
+    found = differing(invariance.report(model, IDS, other=OTHER))
+    assert found and all(name.endswith("mlp.act_fn:out") for name in found), found
     model = model_of("gpt2", torch.float32)
     fast.accelerate(model)
     conv1d.unuse(model)
-    assert differing(invariance.report(model, IDS, other=OTHER)) == {"transformer.h.0.attn.c_attn:out"}
+    found = differing(invariance.report(model, IDS, other=OTHER))
+    assert found and all(name.endswith(("c_attn:out", "c_proj:out", "c_fc:out")) for name in found), found

@@ -69,12 +69,13 @@ def _bind(library: kernels.KernelLibrary) -> None:
 
 
 def use(model: nn.Module, library: kernels.KernelLibrary) -> int:
-    """Switch ``model``'s activation modules that the kernel computes to it; how many were switched."""
+    """Switch ``model``'s activation modules that the kernel computes to it; how many run it now."""
     _bind(library)
     count = 0
     for module in model.modules():
         kind = kind_of(module)
         if kind is None:
+            count += type(module) is InvariantActivation  # switched before
             continue
         module.__dict__.update(hfspec_kind=kind, hfspec_original=type(module))
         module.__class__ = InvariantActivation
