@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hfspec",
         description="Lossless speculative decoding for Hugging Face causal language models: a small draft "
         "model proposes tokens, the target model verifies them in one pass, and the output is distributed "
-        "exactly as the target's own sampling (greedy output is identical).",
+        "exactly as the target's own sampling (greedy output is the target's own generate(), token for token, on "
+        "hfspec's CPU kernels).",
         epilog="Run 'hfspec COMMAND --help' for the flags of a command.",
     )
     parser.add_argument("--version", action="version", version=f"hfspec {__version__}")

@@ -203,7 +203,9 @@ class SpeculativeGenerator:
         Keyword names follow ``transformers.GenerationConfig``; ``None`` inherits from
         ``generation_config`` and then from the target's generation config. ``do_sample``
         defaults to greedy; ``temperature=0`` also means greedy (exact argmax, equal to
-        ``target.generate(do_sample=False)``). ``gamma`` (γ) is the number of drafts per
+        ``target.generate(do_sample=False)`` token for token where hfspec's CPU kernels run the target, in
+        float32 and bfloat16; on torch's kernels in float32, up to rounding in half precision: README,
+        Guarantees). ``gamma`` (γ) is the number of drafts per
         step, a ``GammaPolicy``, or ``"auto"``: γ from 0 (plain decoding) to K chosen each
         step from costs measured on this machine at the first call and the acceptance seen
         so far, drafting stopped early when the drafter is unsure (see ``AutoGamma``).

@@ -292,6 +292,18 @@ def draft_mask(draft_tokens: torch.Tensor, counts: torch.Tensor | None) -> torch
     return torch.arange(draft_tokens.shape[1], device=draft_tokens.device)[None, :] < counts[:, None]
 
 
+def accept(q_x: torch.Tensor, p_x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Whether to keep each drafted token x, with probability min(1, p(x) / q(x)) (Leviathan et al., Alg. 1):
+    ``u * q(x) < p(x)`` for u ~ U[0, 1), with no division.
+
+    u is drawn in float64 and the comparison is strict: a token the target gives probability 0 is never kept, even
+    when torch.rand returns exactly 0 (with ``<=`` it would be, once in 2^24 draws of a float32 u); a token with
+    p(x) >= q(x) is kept but for a chance below 2^-52 (u * q rounding up to p).
+    """
+    u = torch.rand(q_x.shape, generator=generator, device=q_x.device, dtype=torch.float64)
+    return u * q_x.double() < p_x.double()
+
+
 def verify(
     draft_tokens: torch.Tensor,
     q: torch.Tensor,
@@ -330,9 +342,7 @@ def verify(
     idx = draft_tokens.unsqueeze(-1)
     q_x = q.gather(-1, idx).squeeze(-1)  # (B, γ)
     p_x = p[:, :gamma].gather(-1, idx).squeeze(-1)  # (B, γ)
-    u = torch.rand(q_x.shape, generator=generator, device=q_x.device, dtype=q_x.dtype)
-    # u ~ U[0, 1): P(u * q <= p) = min(1, p / q), with no division.
-    accepted = u * q_x <= p_x
+    accepted = accept(q_x, p_x, generator)
     num_accepted = first_rejection(accepted if real is None else accepted & real)
     # A zero row after the last draft makes the residual at position γ equal p[:, γ]: the bonus token.
     q_ext = torch.cat([q, q.new_zeros(batch, 1, q.shape[-1])], dim=1)  # (B, γ+1, V)

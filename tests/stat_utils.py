@@ -11,7 +11,9 @@ import itertools
 import numpy as np
 import torch
 from scipy import stats
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (LogitsProcessorList, MinPLogitsWarper, NoBadWordsLogitsProcessor,
+                          NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
 ALPHA = 1e-8
 MIN_EXPECTED = 5.0
@@ -42,14 +44,23 @@ def chi_square_pvalue(counts, probs) -> float:
 
 
 def warpers(settings: dict) -> LogitsProcessorList:
-    """transformers' own warpers for ``settings`` (temperature, top_k, top_p)."""
+    """transformers' own processors for ``settings``, in generate()'s order: the penalties and bad words, then the
+    warpers (temperature, top_k, top_p, min_p)."""
     out = LogitsProcessorList()
+    if "repetition_penalty" in settings:
+        out.append(RepetitionPenaltyLogitsProcessor(settings["repetition_penalty"]))
+    if "no_repeat_ngram_size" in settings:
+        out.append(NoRepeatNGramLogitsProcessor(settings["no_repeat_ngram_size"]))
+    if "bad_words_ids" in settings:
+        out.append(NoBadWordsLogitsProcessor(settings["bad_words_ids"], None))
     if "temperature" in settings:
         out.append(TemperatureLogitsWarper(settings["temperature"]))
     if "top_k" in settings:
         out.append(TopKLogitsWarper(settings["top_k"]))
     if "top_p" in settings:
         out.append(TopPLogitsWarper(settings["top_p"]))
+    if "min_p" in settings:
+        out.append(MinPLogitsWarper(settings["min_p"]))
     return out
 
 

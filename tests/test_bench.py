@@ -200,15 +200,15 @@ def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
     assert all(a["measured_target_ms"]["1"] > 0 for a in result["auto_costs"].values())
     assert set(result["modes"]) == {"greedy", "sample"}
     for name, mode in result["modes"].items():
-        assert set(mode["contenders"]) == {"plain", "hfspec-g0", "assisted", "assisted-default", "hfspec-auto",
-                                           "hfspec", "hfspec-heuristic", "hfspec-cost", "auto:useless",
+        assert set(mode["contenders"]) == {"plain", "plain-kernel", "hfspec-g0", "assisted", "assisted-default",
+                                           "hfspec-auto", "hfspec", "hfspec-heuristic", "hfspec-cost", "auto:useless",
                                            "assisted-default:useless"}
         assert sum(mode["contenders"]["hfspec-auto"]["gamma_histogram"]) > 0
         trees = mode["contenders"]["hfspec-auto"]["tree_steps"]  # auto may draft trees (tree="auto")
         assert trees is not None and 0 <= trees <= sum(mode["contenders"]["hfspec-auto"]["gamma_histogram"])
         assert mode["contenders"]["plain"]["tree_steps"] is None
         for row in mode["contenders"].values():
-            assert set(row) - {"greedy_mismatches"} == CONTENDER_KEYS
+            assert set(row) - {"greedy_mismatches", "greedy_mismatches_vs_kernel"} == CONTENDER_KEYS
             assert row["new_tokens"] > 0
         assert [s["gamma"] for s in mode["sweep"]] == [1, 2]
         assert [t["nodes"] for t in mode["tree_sweep"]] == [4, 8]
@@ -349,7 +349,7 @@ class _KernelSpy(Bench):
 
     def _generate(self, contender, rows, mode, seed):
         state = (fast.is_accelerated(self.target), fast.is_accelerated(self.draft))
-        self.seen.setdefault(contender.kind, set()).add(state)
+        self.seen.setdefault(contender.name if contender.kernels else contender.kind, set()).add(state)
         return super()._generate(contender, rows, mode, seed)
 
 
@@ -368,14 +368,15 @@ def test_transformers_contenders_run_eager_and_hfspec_runs_the_kernel(model_dir)
     prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}, {"id": "b", "kind": "-", "prompt": "w20 w21"}]
     result = bench.run_bench(spy, prompts, _tiny_settings(batch_size=2))
     assert spy.seen["plain"] == spy.seen["assisted"] == {(False, False)}
-    assert spy.seen["hfspec"] == {(True, True)}
+    assert spy.seen["hfspec"] == spy.seen["plain-kernel"] == {(True, True)}
     assert fast.is_accelerated(target) and fast.is_accelerated(draft)  # put back after every eager run
     greedy = result["modes"]["greedy"]
     g0 = greedy["contenders"]["hfspec-g0"]
     assert g0["gamma"] == 0 and g0["mean_gamma"] == 0 and g0["speedup_vs_hfspec_g0"] == pytest.approx(1.0)
     assert g0["alpha"] is None and g0["predicted_speedup"] is None
-    for row in greedy["contenders"].values():
-        assert row["speedup_vs_hfspec_g0"] > 0 and row["greedy_mismatches"] == []
+    for row in greedy["contenders"].values():  # against both references: plain and plain-kernel
+        assert row["speedup_vs_hfspec_g0"] > 0 and row["greedy_mismatches"] == row["greedy_mismatches_vs_kernel"] == []
+    assert greedy["sweep_mismatches_vs_kernel"] and "against plain-kernel: none" in bench.format_table(result)
     assert all(s["speedup_vs_hfspec_g0"] > 0 for s in greedy["sweep"])
 
 

@@ -1,107 +1,161 @@
-"""Grouped-query attention read in place for masked queries on CPU: the same bits as transformers' sdpa."""
+"""hfspec's CPU attention: close to exact attention, a row's bits independent of every other row and of the keys it
+cannot see, and the accelerated model's own attention (sdpa and eager models alike)."""
 from __future__ import annotations
 
 import pytest
 import tiny
 import torch
-import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
-from hfspec.cpu import attention as cpu_attention, fast
-from hfspec.models import cache_kwarg
+from hfspec.cpu import activations, attention as cpu_attention, fast
 
 
-@pytest.fixture
-def gqa_calls(monkeypatch):
-    """One entry per attention call: True where masked queries read grouped key/value heads in place."""
-    calls = []
-    sdpa = F.scaled_dot_product_attention
-
-    def counted(*args, **kwargs):
-        calls.append(bool(kwargs.get("enable_gqa")) and kwargs.get("attn_mask") is not None)
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
-    return calls
+@pytest.fixture(scope="module", autouse=True)
+def bound(library):
+    cpu_attention.bind(library)
 
 
-def logits_both_ways(model, prefix, new, mask=None, prefix_mask=None):
-    """Logits of ``new`` after ``prefix`` in the cache, with transformers' sdpa and with hfspec's."""
-    out = []
-    for switch in (cpu_attention.unuse, cpu_attention.use):
-        switch(model)
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            key = cache_kwarg(type(model))  # the forward's own name for the cache
-            model(prefix, attention_mask=prefix_mask, **{key: cache})
-            out.append(model(new, attention_mask=mask, **{key: cache}).logits)
-    cpu_attention.unuse(model)
-    return out
+def exact(q, k, v, mask=None, scale=None, softcap=None, causal=False):
+    """Attention in float64 (B, Q, H, Dv), keys and values repeated per query head."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    return (s.softmax(-1) @ v).transpose(1, 2)
 
 
-def test_a_chain_and_a_ragged_batch_get_the_same_bits(tiny_pair, gqa_calls):
-    target, _, _ = tiny_pair("llama", target_seed=21)
-    assert target.config.num_key_value_heads < target.config.num_attention_heads
-    g = torch.Generator().manual_seed(0)
-    prefix, new = torch.randint(3, 60, (2, 9), generator=g), torch.randint(3, 60, (2, 4), generator=g)
-    plain, ours = logits_both_ways(target, prefix[:1], new[:1])
-    assert torch.equal(plain, ours)
-    # Left padding in the first row: the mask hides it in every layer.
-    pad = torch.ones(2, 13, dtype=torch.long)
-    pad[0, :3] = 0
-    plain, ours = logits_both_ways(target, prefix, new, mask=pad, prefix_mask=pad[:, :9])
-    assert torch.equal(plain, ours)
-    layers = target.config.num_hidden_layers
-    # In every layer: the chain's 4 tokens, the padded prefix and the batch's 4 tokens (all masked).
-    assert gqa_calls.count(True) == 3 * layers
+def qkv(batch=2, heads=6, kv_heads=2, rows=5, length=11, dim=24, dv=None, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, rows, heads, dim, generator=g).transpose(1, 2)  # as models make it: a transposed view
+    k = torch.randn(batch, kv_heads, length, dim, generator=g)
+    v = torch.randn(batch, kv_heads, length, dv or dim, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def test_a_tree_mask_gets_the_same_bits(tiny_pair, gqa_calls):
-    target, _, _ = tiny_pair("llama", target_seed=22)
+def bits(t):
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dim, dv", [(24, 24), (64, 64), (8, 40), (130, 17)])
+def test_close_to_exact_attention_with_every_kind_of_mask(dim, dv):
+    q, k, v = qkv(dim=dim, dv=dv)
     g = torch.Generator().manual_seed(1)
-    prefix, new = torch.randint(3, 60, (1, 6), generator=g), torch.randint(3, 60, (1, 5), generator=g)
-    # Root, two children of the root, a child of each: every node sees the prefix, itself and its ancestors.
-    parents = [-1, 0, 0, 1, 2]
-    visible = torch.zeros(5, 11, dtype=torch.bool)
-    visible[:, :6] = True
-    for i, p in enumerate(parents):
-        visible[i, 6 + i] = True
-        while p >= 0:
-            visible[i, 6 + p] = True
-            p = parents[p]
-    mask = visible[None, None]
-    positions = torch.tensor([[6, 7, 7, 8, 8]])
-    out = []
-    for switch in (cpu_attention.unuse, cpu_attention.use):
-        switch(target)
-        cache = DynamicCache(config=target.config)
-        with torch.no_grad():
-            key = cache_kwarg(type(target))
-            target(prefix, **{key: cache})
-            out.append(target(new, attention_mask=mask, position_ids=positions, **{key: cache}).logits)
-    cpu_attention.unuse(target)
-    assert torch.equal(out[0], out[1]) and gqa_calls.count(True) == target.config.num_hidden_layers
+    seen = torch.rand(2, 1, 5, 11, generator=g) > 0.3
+    seen[..., 0] = True
+    additive = torch.zeros(seen.shape).masked_fill(~seen, torch.finfo(torch.float32).min)
+    for kwargs in ({}, {"mask": seen}, {"mask": additive}, {"mask": additive.bfloat16()},
+                   {"mask": additive.half()}, {"mask": seen, "softcap": 2.0, "scale": 0.3}):
+        got = cpu_attention.attention(q, k, v, **kwargs)
+        want = exact(q, k, v, kwargs.get("mask"), kwargs.get("scale"), kwargs.get("softcap"))
+        assert got.shape == (2, 5, 6, dv) and got.is_contiguous()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    q, k, v = qkv(rows=7, length=7, dim=dim, dv=dv)
+    torch.testing.assert_close(cpu_attention.attention(q, k, v, is_causal=True).double(), exact(q, k, v, causal=True),
+                               rtol=1e-5, atol=1e-5)
 
 
-def test_one_query_and_full_heads_keep_transformers_path(tiny_pair, gqa_calls):
-    llama, _, _ = tiny_pair("llama", target_seed=23)
-    plain, ours = logits_both_ways(llama, torch.tensor([[5, 6, 7]]), torch.tensor([[8]]))
-    assert torch.equal(plain, ours)
-    gpt2, _, _ = tiny_pair("gpt2", target_seed=23)  # one key/value head per query head: nothing to copy
-    plain, ours = logits_both_ways(gpt2, torch.tensor([[5, 6, 7]]), torch.tensor([[8, 9, 10]]))
-    assert torch.equal(plain, ours)
-    assert True not in gqa_calls
+def test_bfloat16_in_and_out_sums_in_float32():
+    q, k, v = qkv(dtype=torch.bfloat16)
+    got = cpu_attention.attention(q, k, v)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), exact(q, k, v), rtol=1e-2, atol=1e-2)  # bf16 rounding of the output
 
 
-def test_only_sdpa_models_switch_and_accelerate_restore_and_suspend_follow(model_dir, library):
-    eager = AutoModelForCausalLM.from_pretrained(model_dir("llama", seed=24), attn_implementation="eager")
-    assert cpu_attention.use(eager) is False and eager.config._attn_implementation == "eager"
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_alone_in_a_block_beside_padding_and_on_more_threads(dtype):
+    # One query row (batch 0, last position) computed: alone over its keys (a decoding step); as the last of a
+    # causal block (a prefill); under a boolean mask with other rows (a verification); with its keys shifted
+    # right behind masked padding full of NaN (a left-padded batch); and on two threads.
+    q, k, v = qkv(batch=1, rows=9, length=9, dtype=dtype)
+    alone = cpu_attention.attention(q[:, :, -1:], k, v)[:, 0]
+    prefill = cpu_attention.attention(q, k, v, is_causal=True)[:, -1]
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
+    verification = cpu_attention.attention(q[:, :, -4:], k, v, causal[..., -4:, :])[:, -1]
+    pad = torch.full((1, 2, 3, 24), float("nan"), dtype=dtype)
+    shifted = cpu_attention.attention(q[:, :, -4:], torch.cat([pad, k], 2), torch.cat([pad, v], 2),
+                                      torch.cat([torch.zeros(1, 1, 4, 3, dtype=torch.bool), causal[..., -4:, :]], -1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = cpu_attention.attention(q, k, v, is_causal=True)[:, -1]
+    finally:
+        torch.set_num_threads(threads)
+    for other in (prefill, verification, shifted[:, -1], two):
+        assert torch.equal(bits(alone), bits(other))
+
+
+def test_a_row_that_sees_no_key_gets_zeros():
+    q, k, v = qkv(batch=1, rows=2, length=4)
+    mask = torch.tensor([[False] * 4, [True] * 4])[None, None]
+    out = cpu_attention.attention(q, k, v, mask)
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0])) and out[0, 1].abs().sum() > 0
+
+
+def logits(model, ids, mask=None):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("arch, extra", [("llama", {}), ("gpt_neox", {}), ("gemma2", {"sliding_window": 4})])
+def test_the_models_own_forward_runs_it_close_to_torchs(model_dir, arch, extra):
+    model, _ = tiny.load(model_dir(arch, seed=24, **extra))
+    original = model.config._attn_implementation
+    ids = torch.randint(3, 60, (2, 9), generator=torch.Generator().manual_seed(0))
+    pad = torch.ones(2, 9, dtype=torch.long)
+    pad[0, :3] = 0
+    want = logits(model, ids, pad)
+    calls = []
+    report = fast.accelerate(model)
+    try:
+        assert report.attention and model.config._attn_implementation == (
+            cpu_attention.IMPLEMENTATION if original == "sdpa" else cpu_attention.EAGER)
+        entry = cpu_attention._ENTRY
+        cpu_attention._ENTRY = lambda *a: calls.append(1) or entry(*a)
+        got = logits(model, ids, pad)
+    finally:
+        cpu_attention._ENTRY = entry
+        fast.restore(model)
+    assert len(calls) == model.config.num_hidden_layers and model.config._attn_implementation == original
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[0, 3:], want[0, 3:], rtol=1e-4, atol=1e-4)
+
+
+def test_what_the_kernel_does_not_serve_keeps_the_models_attention(model_dir):
+    model, _ = tiny.load(model_dir("llama", seed=25))
+    fast.accelerate(model)
+    try:
+        assert model.config._attn_implementation == cpu_attention.IMPLEMENTATION
+        ids = torch.tensor([[5, 6, 7, 8]])
+        assert not cpu_attention.serves(*qkv(dtype=torch.float16), None)  # float16: the model's own sdpa
+        q, k, v = qkv()
+        assert cpu_attention.serves(q, k, v, None) and not cpu_attention.serves(q.requires_grad_(), k, v, None)
+        model.train()  # autograd: the model's own sdpa, so gradients flow
+        out = model(ids).logits.sum()
+        out.backward()
+        assert model.model.embed_tokens.weight.grad is not None
+    finally:
+        model.eval()
+        fast.restore(model)
+
+
+def test_only_sdpa_and_eager_models_switch_and_restore_and_suspend_follow(model_dir, library):
+    flash = AutoModelForCausalLM.from_pretrained(model_dir("llama", seed=24), attn_implementation="eager")
+    flash.config._attn_implementation = "flex_attention"  # any other implementation is left alone
+    assert cpu_attention.use(flash, library) is False
     model, _ = tiny.load(model_dir("llama", seed=24))
-    assert model.config._attn_implementation == "sdpa"
     report = fast.accelerate(model)
     assert report.attention and model.config._attn_implementation == cpu_attention.IMPLEMENTATION
+    assert report.activations == model.config.num_hidden_layers
     with fast.suspended(model):
         assert model.config._attn_implementation == "sdpa"
+        assert not any(type(m) is activations.InvariantActivation for m in model.modules())
     assert model.config._attn_implementation == cpu_attention.IMPLEMENTATION
     fast.restore(model)
     assert model.config._attn_implementation == "sdpa" and cpu_attention.unuse(model) is False
+    assert not any(type(m) is activations.InvariantActivation for m in model.modules())

@@ -1,10 +1,10 @@
 """The exactness suites on hfspec's CPU kernel: chi-square, end to end, batches and greedy, every linear on it.
 
-The statistical tests draw thousands of rows in one forward, far past ``fast.MAX_ROWS``, so their models run
-:func:`hfspec.fast.accelerate` with ``max_rows=ALL_ROWS``: the prefill, the verification of every row, the
+The statistical tests draw thousands of rows in one forward, and their models run every one on the kernel
+(:func:`hfspec.fast.accelerate`'s default): the prefill, the verification of every row, the
 draft's steps and the enumeration of the exact joint (``stat_utils.exact_joint``, on the same accelerated
-target: the kernel's own numerics) all take the kernel. The greedy tests keep the default ``MAX_ROWS``, as
-hfspec loads its models, with batches small enough to stay within it. Every test counts its ``FastLinear``
+target: the kernel's own numerics) all take the kernel. The greedy tests run as
+hfspec loads its models. Every test counts its ``FastLinear``
 forwards and asserts that each one ran the kernel, so none of them passes with the kernel silently off.
 """
 from __future__ import annotations
@@ -28,8 +28,6 @@ from hfspec import SpeculativeGenerator, sampling, tree
 from hfspec.cpu import fast, kernels
 from hfspec.drafters.eagle3 import Eagle3Drafter
 
-# More rows than any forward here feeds (the largest: a prefill of 6000 rows of 5 tokens).
-ALL_ROWS = 1 << 20
 # Rows per prompt: 3000 put both negative controls below p = 1e-150 (4 seeds tried; 1000 below 1e-40), the
 # tests ask for p < ALPHA = 1e-8.
 SAMPLES = 3_000
@@ -65,11 +63,11 @@ def calls(library, monkeypatch) -> KernelCalls:
 
 
 @contextlib.contextmanager
-def on_kernel(*models: nn.Module, max_rows: int = ALL_ROWS) -> Iterator[None]:
+def on_kernel(*models: nn.Module) -> Iterator[None]:
     """Run ``models`` with every ``nn.Linear`` on the kernel inside the block, then restore them."""
     with contextlib.ExitStack() as stack:
         for model in models:
-            report = stack.enter_context(fast.accelerated(model, max_rows=max_rows))
+            report = stack.enter_context(fast.accelerated(model))
             linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
             assert report.reason is None and len(report.layers) == len(linears) > 0, report
         yield
@@ -165,16 +163,15 @@ def test_eagle3_tree_samples_match_the_target(model_dir, calls):
     assert pv > ALPHA, f"EAGLE-3 tree samples differ from the target on the kernel (p-value {pv:.3g})"
 
 
-# -- greedy at the default MAX_ROWS: trees and the lookup (chains: test_kernels, test_fast_loading) ---
+# -- greedy: trees and the lookup (chains: test_kernels, test_fast_loading; bf16: test_bf16_exactness) -----
 
 @pytest.mark.parametrize("draft, nodes", [("model", 8), ("ngram", 0), ("ngram", 8)])
 def test_greedy_equals_the_accelerated_targets_own_generate(model_dir, draft, nodes, calls):
     common = dict(vocab_size=64, eos=None)
     target, tok = tiny.load(model_dir("llama", seed=0, **common))
     model = tiny.load(model_dir("llama", seed=0, perturb=0.3, **common))[0] if draft == "model" else None
-    # Three prompts: 3 x 9 rows verify a tree of 8, and the widest prefill is 3 x 11 rows, all within MAX_ROWS.
     prompts = [[5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6], [9, 9, 9, 9], [30, 31, 32]]
-    with on_kernel(*[m for m in (target, model) if m is not None], max_rows=fast.MAX_ROWS):
+    with on_kernel(*[m for m in (target, model) if m is not None]):
         want = [reference(target, p, 24) for p in prompts]
         gen = SpeculativeGenerator(target, model or "ngram", tok)
         out = gen.generate(prompts, max_new_tokens=24, gamma=3, tree=nodes)

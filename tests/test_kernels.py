@@ -21,11 +21,11 @@ RTOL, ATOL = 1e-5, 1e-4
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_equals_f_linear_for_1_to_48_rows(library, n, k, bias):
+def test_equals_f_linear_for_1_to_48_rows_and_a_prompt(library, n, k, bias):
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    for m in [*range(1, 18), 24, 31, 32, 33, 47, fast.MAX_ROWS]:  # every row count a chain or tree verifies
+    for m in [*range(1, 18), 24, 31, 32, 33, 47, 48, 200]:  # every row count a chain or tree verifies, a prompt
         x = torch.randn(m, k, generator=g)
         torch.testing.assert_close(kernels.linear(library, x, w, b), F.linear(x, w, b), rtol=RTOL, atol=ATOL)
 
@@ -38,13 +38,16 @@ def test_bf16_weights_equal_f_linear_on_the_widened_weights(library):
     torch.testing.assert_close(kernels.linear(library, x, w, b), F.linear(x, w.float(), b), rtol=RTOL, atol=ATOL)
 
 
-def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(library):
-    # Verification feeds k + 1 rows where decoding feeds one: the kernel must not tell them apart.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(library, dtype):
+    # Verification feeds k + 1 rows where decoding feeds one, a prompt many (the tiled path past 64 rows): the
+    # kernel must not tell them apart.
     g = torch.Generator().manual_seed(1)
-    w, b, x = torch.randn(45, 71, generator=g), torch.randn(45, generator=g), torch.randn(16, 71, generator=g)
-    together = kernels.linear(library, x, w, b)
-    for i in range(16):
-        assert torch.equal(kernels.linear(library, x[i:i + 1], w, b), together[i:i + 1]), f"row {i}"
+    w, b, x = torch.randn(45, 71, generator=g).to(dtype), torch.randn(45, generator=g), torch.randn(100, 71, generator=g)
+    for rows in (16, 100):
+        together = kernels.linear(library, x[:rows], w, b)
+        for i in range(rows):
+            assert torch.equal(kernels.linear(library, x[i:i + 1], w, b), together[i:i + 1]), f"row {i} of {rows}"
 
 
 def test_strided_rows_and_a_bad_layout(library):
@@ -151,7 +154,8 @@ def test_switched_off_by_environment_and_bad_max_rows(monkeypatch):
         fast.accelerate(layer, max_rows=0)
 
 
-def test_float32_layers_take_prompts_on_the_kernel_and_bfloat16_ones_few_rows(library, monkeypatch):
+def test_every_row_count_runs_on_the_kernel_in_both_dtypes(library, monkeypatch):
+    # Prompts too: a row's bits may not depend on how many rows share the call (tests/test_row_invariance.py).
     calls = []
     def counted(library, x, w, b=None, plan=None):
         calls.append(x.numel() // x.shape[-1])
@@ -161,9 +165,9 @@ def test_float32_layers_take_prompts_on_the_kernel_and_bfloat16_ones_few_rows(li
     f32, bf16 = nn.Linear(16, 8), nn.Linear(16, 8).bfloat16()
     fast.accelerate(f32)
     fast.accelerate(bf16)
-    assert (f32.max_rows, bf16.max_rows) == (fast.MAX_ROWS_F32, fast.MAX_ROWS)
+    assert f32.max_rows == bf16.max_rows == fast.ALL_ROWS
     with torch.no_grad():
-        f32(torch.randn(1, 400, 16))  # a prompt: on the kernel
-        bf16(torch.randn(400, 16).bfloat16())  # torch's bf16 GEMM
+        f32(torch.randn(1, 400, 16))
+        bf16(torch.randn(400, 16).bfloat16())
         bf16(torch.randn(40, 16).bfloat16())
-    assert calls == [400, 40]
+    assert calls == [400, 400, 40]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import sampling
+from hfspec import sampling, tree
 
 V, GAMMA, N = 6, 3, 200_000
 
@@ -104,10 +104,32 @@ def test_equal_distributions_accept_everything_and_bonus_comes_from_last_p():
 
 
 def test_zero_probability_draft_under_target_is_always_rejected():
+    # 100 000 draws of u, none of which may keep a token the target never emits.
+    rows = 100_000
+    p = torch.tensor([[[0.0, 1.0], [0.5, 0.5]]]).expand(rows, -1, -1)
+    q = torch.tensor([[[1.0, 0.0]]]).expand(rows, -1, -1)
+    n, nxt = sampling.verify(torch.zeros(rows, 1, dtype=torch.long), q, p, torch.Generator().manual_seed(0))
+    assert bool((n == 0).all()) and bool((nxt == 1).all())
+
+
+def zero_uniforms(monkeypatch):
+    """torch.rand returns exactly 0 from here on: the draw that a ``u * q <= p`` rule would accept at p = 0."""
+    rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.zeros_like(rand(*shape, **kwargs)))
+
+
+def test_a_uniform_of_exactly_zero_keeps_no_token_of_probability_zero(monkeypatch):
+    zero_uniforms(monkeypatch)
     p = torch.tensor([[[0.0, 1.0], [0.5, 0.5]]])
-    q = torch.tensor([[[1.0, 0.0]]])
-    n, nxt = sampling.verify(torch.tensor([[0]]), q, p, torch.Generator().manual_seed(0))
+    n, nxt = sampling.verify(torch.tensor([[0]]), torch.tensor([[[1.0, 0.0]]]), p)
     assert n.item() == 0 and nxt.item() == 1
+    tiny = torch.tensor([[[1e-30, 1.0], [0.5, 0.5]]])
+    n, _ = sampling.verify(torch.tensor([[0]]), torch.tensor([[[1.0, 0.0]]]), tiny)
+    assert n.item() == 1  # any p(x) > 0 is kept at u = 0
+    # The tree's walk: a root with one child whose token the target gives 0.
+    proposal = tree.TreeProposal(torch.tensor([[0]]), torch.tensor([[-1]]), torch.tensor([[[1.0, 0.0]]]))
+    path, accepted, nxt = tree.verify_tree(proposal, p)
+    assert accepted.item() == 0 and nxt.item() == 1
 
 
 def test_verify_rejects_wrong_shapes():

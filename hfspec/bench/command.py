@@ -29,6 +29,8 @@ from hfspec.timing import cpu_model
 DESCRIPTION = """\
 Measure one target with its draft (and other drafters) in one process. Contenders, interleaved per prompt:
   plain             the target's own generate(), on torch's own linears (transformers' kernels)
+  plain-kernel      the target's own generate() on hfspec's CPU kernels, where the target runs them: the
+                    reference greedy hfspec equals token for token (in bfloat16 too)
   hfspec-g0         hfspec with γ = 0: the target alone in hfspec's loop, on the same kernels as hfspec
   assisted          transformers assisted generation, γ drafts per step, constant schedule
   assisted-default  transformers assisted generation with its defaults (what users get)
@@ -48,15 +50,16 @@ per-token rate of the cost model, fitted to tokens per target pass), tokens per
 target pass, γ per step, the predicted speed-up (1-α^(γ+1))/((1-α)(γc+1)), the same
 with v(γ) for the 1, and efficiency (measured ÷ predicted with v). For every hfspec
 contender with gamma="auto": the costs it measured and the γ it chose, step by step
-(a histogram). At greedy, every contender's tokens are checked against plain's.
+(a histogram). At greedy, every contender's tokens are checked against plain's and, where the target runs
+hfspec's kernels, against plain-kernel's (the 'mism' column: differing prompts, 'against plain/plain-kernel').
 Then a fixed-γ sweep (--gammas), a tree sweep (--trees: generate(tree=N), a draft tree
 of N nodes per step; tokens per target pass, speed-ups and acceptance of tree steps by
-depth; greedy tokens checked against plain's) and a batch row (--batch-size). The machine (CPU
+depth; greedy tokens checked as above) and a batch row (--batch-size). The machine (CPU
 model name, torch threads) is printed and saved with every result.
 
-Kernels: the pair runs hfspec's CPU linear kernel where it sits on CPU in float32 or
+Kernels: the pair runs hfspec's CPU kernels where it sits on CPU in float32 or
 bfloat16 (--no-fast-kernels: torch's own). transformers' contenders (plain, assisted,
-prompt lookup) always run torch's linears, the baseline users compare with; the
+prompt lookup) run torch's linears, the baseline users compare with (plain-kernel aside); the
 target step and v(γ) are measured both with the kernel and without (costs: eager).
 
 Lookup stores: an 'ngram' or 'hybrid' drafter (or --draft ngram) also drafts from a

@@ -16,6 +16,7 @@ from hfspec.errors import HfspecError
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "bench.jsonl"
 MAIN = "draft"  # the drafter key of the main draft
 GAMMA0 = "hfspec-g0"  # hfspec drafting nothing: the baseline on hfspec's own kernels
+PLAIN_KERNEL = "plain-kernel"  # the target's own generate() on hfspec's CPU kernels: greedy hfspec's exact reference
 USELESS = "useless"  # random weights of the main draft's shape: a draft that cannot help
 HYBRID = "hybrid"  # the main draft plus n-gram lookup (hfspec.drafters.hybrid.with_ngram)
 
@@ -53,17 +54,21 @@ class Contender:
     schedule: str  # "-", "constant", "transformers-default", "fixed", "heuristic", "cost-model", "auto" or "tree"
     drafter: str = MAIN  # which drafter: the main draft, or a name from --drafters
     tree: int = 0  # a draft tree's node budget per step (schedule "tree"); 0 drafts chains
+    kernels: bool = False  # a transformers contender run on hfspec's CPU kernels, as the loaded models are
 
 
 def contenders(gamma: int, gammas: Sequence[int], drafters: Sequence[str] = (), assisted: bool = True,
-               lookup_tokens: int | None = 10) -> tuple[list[Contender], list[Contender]]:
+               lookup_tokens: int | None = 10, kernels: bool = False) -> tuple[list[Contender], list[Contender]]:
     """The main field and the extra fixed-γ points of the sweep (γ itself is the main ``hfspec``).
 
     ``assisted`` is False when transformers cannot assist with the main draft (not a model, or a
-    recurrent target); ``lookup_tokens`` None leaves transformers' prompt lookup out.
+    recurrent target); ``lookup_tokens`` None leaves transformers' prompt lookup out; ``kernels``: the target runs
+    hfspec's CPU kernels, so its own generate() on them (``PLAIN_KERNEL``) runs too, the second reference.
     """
     # γ = 0 is the target alone in hfspec's loop: what speculation adds, measured on the same kernels.
     main = [Contender("plain", "plain", None, "-"), Contender(GAMMA0, "hfspec", 0, "fixed")]
+    if kernels:
+        main.insert(1, Contender(PLAIN_KERNEL, "plain", None, "-", kernels=True))
     if assisted:
         main += [Contender("assisted", "assisted", gamma, "constant"),
                  Contender("assisted-default", "assisted", None, "transformers-default")]

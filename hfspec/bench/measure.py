@@ -181,8 +181,9 @@ class Bench:
         tokens: list[list[int]] = []
         seconds, stats = 0.0, None
         draft_model = self.specs[contender.drafter].draft
-        # transformers' contenders are the users' baseline: torch's own linears, whatever hfspec runs on.
-        kernels = contextlib.nullcontext() if hfspec else fast.suspended(*self.models())
+        # transformers' contenders are the users' baseline: torch's own linears, whatever hfspec runs on (but the
+        # target's own generate() on hfspec's kernels, the reference greedy hfspec equals bit for bit).
+        kernels = contextlib.nullcontext() if hfspec or contender.kernels else fast.suspended(*self.models())
         with kernels, counting(self.target, draft_model) as (on_target, on_draft), torch.inference_mode():
             for i, part in enumerate(parts):
                 if hfspec:

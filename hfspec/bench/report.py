@@ -75,7 +75,7 @@ def _mode_lines(name: str, mode: dict[str, Any]) -> list[str]:
     lines = ["", f"== {title} ==",
              f"{'contender':<24}{'γ':>5}{'tok/s':>7}{'[p25-p75]':>13}{'×plain':>7}{'×γ0':>6}{'×asst':>6}"
              f"{'×a-def':>7}"
-             f"{'acc':>5}{'α':>5}{'tok/pass':>9}{'pred':>5}{'pred(v)':>8}{'eff':>5}{'mism':>5}"]
+             f"{'acc':>5}{'α':>5}{'tok/pass':>9}{'pred':>5}{'pred(v)':>8}{'eff':>5}{'mism':>6}"]
     lines += [_contender_line(cname, row) for cname, row in mode["contenders"].items()]
     autos = {c: r for c, r in mode["contenders"].items() if r["schedule"] == "auto"}
     if autos:
@@ -87,9 +87,7 @@ def _mode_lines(name: str, mode: dict[str, Any]) -> list[str]:
                      f"{_fmt(s.get('speedup_vs_hfspec_g0')):>6}"
                      f"{_fmt(s['acceptance_rate']):>6}{_fmt(s['alpha']):>6}{_fmt(s['predicted_speedup_v']):>9}"
                      f"{_fmt(s['efficiency']):>6}")
-    if "sweep_mismatches" in mode:
-        bad = {k: len(v) for k, v in mode["sweep_mismatches"].items() if v}
-        lines.append(f"sweep greedy mismatches: {bad or 'none'}")
+    lines += _mismatch_lines(mode, "sweep")
     lines += _tree_lines(mode)
     if "batch" in mode:
         lines += _batch_lines(mode["batch"])
@@ -105,9 +103,17 @@ def _tree_lines(mode: dict[str, Any]) -> list[str]:
         depths = " ".join(f"{a:.2f}" for a in t["acceptance_by_depth"])
         lines.append(f"{'':40}{t['nodes']:>5}{_fmt(t['tokens_per_second'], '.1f'):>7}{_fmt(t['speedup_vs_plain']):>8}"
                      f"{_fmt(t['speedup_vs_hfspec_g0']):>6}{_fmt(t['tokens_per_pass']):>10}  {depths}")
-    if "tree_mismatches" in mode:
-        bad = {k: len(v) for k, v in mode["tree_mismatches"].items() if v}
-        lines.append(f"tree sweep greedy mismatches: {bad or 'none'}")
+    return lines + _mismatch_lines(mode, "tree")
+
+
+def _mismatch_lines(mode: dict[str, Any], part: str) -> list[str]:
+    """Greedy mismatches of the sweep or tree sweep (``part``): against plain (torch's kernels) and, where the
+    target runs hfspec's, against plain-kernel (the reference that holds bit for bit)."""
+    lines = []
+    for suffix, against in (("", ""), ("_vs_kernel", " against plain-kernel")):
+        if f"{part}_mismatches{suffix}" in mode:
+            bad = {k: len(v) for k, v in mode[f"{part}_mismatches{suffix}"].items() if v}
+            lines.append(f"{'sweep' if part == 'sweep' else 'tree sweep'} greedy mismatches{against}: {bad or 'none'}")
     return lines
 
 
@@ -115,6 +121,9 @@ def _contender_line(name: str, row: dict[str, Any]) -> str:
     tps = row["tokens_per_second"]
     g = row["gamma"] if row["gamma"] is not None else (f"~{row['mean_gamma']:.1f}" if row["mean_gamma"] else "-")
     mism = row.get("greedy_mismatches")
+    mism = "-" if mism is None else str(len(mism))
+    if "greedy_mismatches_vs_kernel" in row:  # against plain, then against plain-kernel
+        mism += f"/{len(row['greedy_mismatches_vs_kernel'])}"
     iqr = f"[{tps['p25']:.1f}-{tps['p75']:.1f}]"
     return (f"{name:<24}{g!s:>5}{tps['median']:>7.1f}{iqr:>13}"
             f"{_fmt(row['speedup_vs_plain']):>7}{_fmt(row.get('speedup_vs_hfspec_g0')):>6}"
@@ -122,7 +131,7 @@ def _contender_line(name: str, row: dict[str, Any]) -> str:
             f"{_fmt(row['speedup_vs_assisted_default']):>7}"
             f"{_fmt(row['acceptance_rate']):>5}{_fmt(row['alpha']):>5}{_fmt(row['mean_accepted_length']):>9}"
             f"{_fmt(row['predicted_speedup']):>5}{_fmt(row['predicted_speedup_v']):>8}"
-            f"{_fmt(row['efficiency']):>5}{'-' if mism is None else len(mism):>5}")
+            f"{_fmt(row['efficiency']):>5}{mism:>6}")
 
 
 def _batch_lines(b: dict[str, Any]) -> list[str]:

@@ -12,8 +12,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from hfspec.bench.field import GAMMA0, MAIN, Contender, Mode, Settings, contenders, encode, tree_contenders
+from hfspec.bench.field import (GAMMA0, MAIN, PLAIN_KERNEL, Contender, Mode, Settings, contenders, encode,
+                                tree_contenders)
 from hfspec.bench.measure import Bench, Run
+from hfspec.cpu import fast
 from hfspec.bench.summary import mismatches, summarize, tree_summary
 from hfspec.policy import predicted_speedup
 from hfspec.costs import rollback_cost
@@ -40,7 +42,8 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
         runs = run_field(bench, main + sweep + trees, encoded, mode, settings, seed)
         greedy = not mode.do_sample
         table = {c.name: summarize(c, runs[c.name], runs["plain"], runs.get("assisted"), bench.cost,
-                                   bench.verify_cost, greedy, runs.get("assisted-default"), runs.get(GAMMA0))
+                                   bench.verify_cost, greedy, runs.get("assisted-default"), runs.get(GAMMA0),
+                                   runs.get(PLAIN_KERNEL))
                  for c in main + sweep}
         by_gamma = {settings.gamma: "hfspec", **{c.gamma: c.name for c in sweep}}
         result["modes"][mode.name] = out = {
@@ -52,11 +55,13 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
                             **{c.name: round(runs[c.name][i].tokens_per_second, 3) for c in main}}
                            for i, (p, e) in enumerate(zip(prompts, encoded))],
         }
-        out["tree_sweep"] = [{"nodes": c.tree, **tree_summary(runs[c.name], runs["plain"], runs.get(GAMMA0), greedy)}
-                             for c in trees]
+        out["tree_sweep"] = [{"nodes": c.tree, **tree_summary(runs[c.name], runs["plain"], runs.get(GAMMA0), greedy,
+                                                              runs.get(PLAIN_KERNEL))} for c in trees]
         if greedy:
-            out["sweep_mismatches"] = {c.name: table[c.name]["greedy_mismatches"] for c in sweep}
-            out["tree_mismatches"] = {f"hfspec-t{t['nodes']}": t["greedy_mismatches"] for t in out["tree_sweep"]}
+            for key, suffix in (("greedy_mismatches", ""), ("greedy_mismatches_vs_kernel", "_vs_kernel")):
+                if PLAIN_KERNEL in runs or not suffix:
+                    out["sweep_mismatches" + suffix] = {c.name: table[c.name][key] for c in sweep}
+                    out["tree_mismatches" + suffix] = {f"hfspec-t{t['nodes']}": t[key] for t in out["tree_sweep"]}
         if settings.batch_size:
             rows = [encoded[i % len(encoded)] for i in range(settings.batch_size)]
             out["batch"] = run_batch(bench, rows, mode, settings, seed)
@@ -66,13 +71,15 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
 
 
 def field_of(bench: Bench, settings: Settings, gammas: Sequence[int]) -> tuple[list[Contender], list[Contender]]:
-    """The main field (less what ``settings.skip`` names; plain always runs) and the sweep, for this bench."""
+    """The main field (less what ``settings.skip`` names; plain, and plain-kernel where the target runs hfspec's
+    kernels, always run) and the sweep, for this bench."""
     extra = [name for name in bench.specs if name != MAIN]
     # transformers assists only a model draft, and refuses stateful (recurrent) targets.
     assists = not is_recurrent(bench.target)
     main, sweep = contenders(settings.gamma, gammas, extra, assisted=assists and bench.draft is not None,
-                             lookup_tokens=settings.lookup_tokens if assists else None)
-    return [c for c in main if c.name == "plain" or c.name not in settings.skip], sweep
+                             lookup_tokens=settings.lookup_tokens if assists else None,
+                             kernels=fast.is_accelerated(bench.target))
+    return [c for c in main if c.kind == "plain" or c.name not in settings.skip], sweep
 
 
 def run_field(bench: Bench, field: Sequence[Contender], encoded: Sequence[Sequence[int]], mode: Mode,

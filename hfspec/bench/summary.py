@@ -79,8 +79,18 @@ def prediction(alpha: float | None, gamma: float | None, cost: float,
     return predicted_speedup(alpha, g, cost), predicted_speedup(alpha, g, cost, v or 1.0), g
 
 
+def greedy_checks(runs: Sequence[Run], plain: Sequence[Run], plain_kernel: Sequence[Run] | None) -> dict[str, Any]:
+    """Greedy tokens against the target's own generate(): on torch's kernels (``greedy_mismatches``) and, where the
+    target runs hfspec's, on those (``greedy_mismatches_vs_kernel``: the reference that holds bit for bit)."""
+    out = {"greedy_mismatches": mismatches([r.tokens[0] for r in plain], [r.tokens[0] for r in runs])}
+    if plain_kernel is not None:
+        out["greedy_mismatches_vs_kernel"] = mismatches([r.tokens[0] for r in plain_kernel],
+                                                        [r.tokens[0] for r in runs])
+    return out
+
+
 def tree_summary(runs: Sequence[Run], plain: Sequence[Run], gamma0: Sequence[Run] | None,
-                 greedy: bool) -> dict[str, Any]:
+                 greedy: bool, plain_kernel: Sequence[Run] | None = None) -> dict[str, Any]:
     """One point of the tree sweep: speed, tokens per target pass, nodes verified per pass and the acceptance of
     tree steps by depth (of the steps whose path reached depth d - 1, the share that kept a node at depth d)."""
     stats = Stats.combine([r.stats for r in runs])
@@ -98,7 +108,7 @@ def tree_summary(runs: Sequence[Run], plain: Sequence[Run], gamma0: Sequence[Run
         "depth_histogram": hist,
     }
     if greedy:
-        row["greedy_mismatches"] = mismatches([r.tokens[0] for r in plain], [r.tokens[0] for r in runs])
+        row.update(greedy_checks(runs, plain, plain_kernel))
     return row
 
 
@@ -115,9 +125,11 @@ def mismatches(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[in
 
 def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], assisted: Sequence[Run] | None,
               cost: float, verify_cost: dict[int, float], greedy: bool,
-              assisted_default: Sequence[Run] | None = None, gamma0: Sequence[Run] | None = None) -> dict[str, Any]:
+              assisted_default: Sequence[Run] | None = None, gamma0: Sequence[Run] | None = None,
+              plain_kernel: Sequence[Run] | None = None) -> dict[str, Any]:
     """Everything reported for one contender in one mode (``assisted*`` are None without a draft model;
-    ``gamma0``, hfspec at γ = 0 on the same kernels, is None when skipped)."""
+    ``gamma0``, hfspec at γ = 0 on the same kernels, is None when skipped; ``plain_kernel``, the target's own
+    generate() on hfspec's kernels, is None where the target runs torch's)."""
     tps = [r.tokens_per_second for r in runs]
     acc = acceptance(contender, runs)
     vs_plain = median_ratio(tps, [r.tokens_per_second for r in plain])
@@ -145,6 +157,6 @@ def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], a
         "seconds": sum(r.seconds for r in runs),
     }
     if greedy:
-        row["greedy_mismatches"] = mismatches([r.tokens[0] for r in plain], [r.tokens[0] for r in runs])
+        row.update(greedy_checks(runs, plain, plain_kernel))
     return row
 

@@ -1,30 +1,33 @@
-"""Opt-in fast CPU forwards: a model's ``nn.Linear`` layers run hfspec's kernel for a handful of rows.
+"""Opt-in fast CPU forwards: a model's ``nn.Linear`` layers and its attention run hfspec's kernels.
 
 Verification feeds k + 1 tokens through the target in one forward; on CPU that should cost about one
 decoding step, since both stream the same weights once, but torch's small-M GEMMs are far from that.
 :func:`accelerate` turns every plain ``nn.Linear`` of a model the caller passes (attention, MLP, output
-head) into a :class:`FastLinear`, which runs :mod:`hfspec.cpu.kernels` for inputs of at most ``max_rows``
-rows on CPU with fp32 or bf16 weights (fp32: up to 2048 rows, prompts included; bf16: up to 48) and
-torch's ``F.linear`` for anything else (longer bf16 prompts, other devices and dtypes, autograd).
+head) into a :class:`FastLinear`, which runs :mod:`hfspec.cpu.kernels` on CPU with fp32 or bf16 weights for
+inputs of any number of rows (prompts included; ``max_rows`` hands longer inputs to torch), and torch's
+``F.linear`` for anything else (other devices and dtypes, autograd). A model running transformers' ``sdpa`` or
+``eager`` attention also switches to :mod:`hfspec.cpu.attention`'s kernel. Both give a row the same bits whatever
+rows share the call, so an accelerated model scores a token alike in a decoding step, a verification, a tree, a
+ragged batch or a prefill: greedy hfspec equals the accelerated model's own ``generate()`` in float32 and
+bfloat16 (tests/test_row_invariance.py).
 Weights keep their tensors and layout: nothing is copied, and a head tied to the embedding stays tied.
 Layers that hold GGUF blocks (:mod:`hfspec.cpu.quant`, loaded by :mod:`hfspec.gguf_native`) run the quantized
-kernel on their own; :func:`accelerate` times their block shapes and switches their model's attention too.
-:func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off. A model running transformers' ``sdpa``
-attention also switches to :mod:`hfspec.cpu.attention`'s, which reads grouped key/value heads in place for
-masked (verification) queries instead of copying the cache per layer.
+kernel on their own; :func:`accelerate` times their block shapes and switches their model's attention and
+activations too. :func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off.
 
 :func:`accelerate_loaded` is the policy ``hfspec.loading.load_pair`` applies to the models it loads
 itself (CPU, fp32 or bf16, a vectorised kernel); :func:`describe` says what a model runs, for reports;
-:func:`suspended` runs a block with torch's own linears (a benchmark's eager baseline).
+:func:`suspended` runs a block with torch's own linears and attention (a benchmark's eager baseline).
 
-The kernel sums in a different order than torch's GEMMs, so logits differ in the last bits of fp32
-(see ``scripts/kernel_speed.py``); a patched model is consistent with itself, e.g. its own
+The kernels sum in another order than torch, so logits differ from torch's in the last bits
+(see ``scripts/kernel_speed.py``); an accelerated model is consistent with itself, e.g. its own
 ``generate()``.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,19 +36,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hfspec.cpu import attention as cpu_attention, kernels, plan as kernel_plan, quant
+from hfspec.cpu import activations as cpu_activations, attention as cpu_attention, conv1d as cpu_conv1d, kernels
+from hfspec.cpu import plan as kernel_plan, quant
 from hfspec.errors import HfspecError
 
-__all__ = ["AccelerationReport", "FastLinear", "accelerate", "accelerate_loaded", "accelerated", "describe",
+__all__ = ["ALL_ROWS", "AccelerationReport", "FastLinear", "accelerate", "accelerate_loaded", "accelerated", "describe",
            "is_accelerated", "restore", "suspended"]
 
-# Rows per call that run on the kernel, by weight dtype. Up to 48 rows it beat torch's GEMM on every layer of the
-# offline target (1.3-2.1x at 17-48 rows), enough for a 32-node tree's verification. With fp32 weights it also
-# beat or tied torch's blocked GEMM on whole prefills (a 64/400/2000-token prompt: 1.54x/1.20x/1.04x, 2 threads),
-# so prompts run on it too; with bf16 weights torch's own bf16 GEMM is twice as fast from a few hundred rows.
-MAX_ROWS = 48
-MAX_ROWS_F32 = 2048
+# Rows per call that run on the kernel by default: all of them. A row's bits then do not depend on how many rows
+# share the call, prompts included (hfspec prefills all prompt tokens but the last, generate() all of them). The price
+# is in long bf16 prompts, where torch's bf16 GEMM (oneDNN, AMX where the CPU has it) is much faster (README, Fast CPU
+# forwards); ``accelerate(model, max_rows=n)`` gives inputs of more than n rows to torch, and with them the invariance.
+ALL_ROWS = sys.maxsize
 _DTYPES = (torch.float32, torch.bfloat16)
+# What accelerate() switches beside the linears, each with use(model, library) and unuse(model): attention, activations
+# and Conv1D layers that give a row the same bits whatever rows come with it.
+_COMPANIONS = (cpu_attention, cpu_activations, cpu_conv1d)
 # The kernel :func:`accelerate` loaded, read on every forward (finding it again would hash the source);
 # a FastLinear unpickled in a process that never called accelerate() runs torch's linear.
 _KERNEL: kernels.KernelLibrary | None = None
@@ -57,7 +63,7 @@ class FastLinear(nn.Linear):
     Made only by :func:`accelerate` (which swaps the class of an existing layer); ``max_rows`` is set there.
     """
 
-    max_rows: int = MAX_ROWS
+    max_rows: int = ALL_ROWS
     plan: tuple[int, ...] | None = None  # the block shape per row count (kernel_plan); None: the default
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -89,8 +95,9 @@ class AccelerationReport:
     library: Path | None
     build_seconds: float             # compile time paid by this call (0.0 from the cache)
     reason: str | None = None        # why nothing was converted, if so
-    attention: bool = False          # whether the model's sdpa attention switched to hfspec.cpu.attention
+    attention: bool = False          # whether the model's attention switched to hfspec.cpu.attention
     quantized: int = 0               # layers holding GGUF blocks on the quantized kernel (hfspec.cpu.quant)
+    activations: int = 0             # activation modules switched to hfspec.cpu.activations
 
 
 def _skip_reason(module: nn.Linear) -> str | None:
@@ -106,7 +113,7 @@ def _skip_reason(module: nn.Linear) -> str | None:
 
 def accelerate(model: nn.Module, *, max_rows: int | None = None) -> AccelerationReport:
     """Make ``model``'s plain ``nn.Linear`` layers run hfspec's kernel for inputs of at most ``max_rows`` rows
-    (by default ``MAX_ROWS_F32`` for fp32 weights, prompts included, and ``MAX_ROWS`` for bf16 ones).
+    (by default all of them), and its ``sdpa`` or ``eager`` attention run :mod:`hfspec.cpu.attention`'s.
 
     Builds the kernel on first use (seconds, cached afterwards), and times its block shapes on the model's
     layers the first time this machine sees their shapes (seconds, cached: :mod:`hfspec.cpu.plan`). The
@@ -131,22 +138,25 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None) -> Acceleration
             skipped.append((name, why))
             continue
         module.__class__ = FastLinear
-        module.max_rows = max_rows or (MAX_ROWS_F32 if module.weight.dtype == torch.float32 else MAX_ROWS)
+        module.max_rows = max_rows or ALL_ROWS
         layers.append(name)
         converted.append(module)
     plan = kernel_plan.plan_for(library, converted)
     for module in converted:
         module.plan = plan
     quantized = quant.plan_layers(model)
-    attention = bool(converted or quantized) and cpu_attention.use(model)
+    layers += cpu_conv1d.use(model, library) if converted else []
+    attention = bool(converted or quantized) and cpu_attention.use(model, library)
+    acts = cpu_activations.use(model, library) if converted or quantized else 0
     return AccelerationReport(tuple(layers), tuple(skipped), 0, library.isa, library.path, library.build_seconds,
-                              attention=attention, quantized=quantized)
+                              attention=attention, quantized=quantized, activations=acts)
 
 
 def restore(model: nn.Module) -> int:
-    """Turn ``model``'s :class:`FastLinear` layers back into ``nn.Linear`` and its attention back to ``sdpa``;
-    the number of layers restored."""
-    cpu_attention.unuse(model)
+    """Turn ``model``'s :class:`FastLinear` layers back into ``nn.Linear``, and its attention and activations back
+    to their own; the number of layers restored."""
+    for part in _COMPANIONS:
+        part.unuse(model)
     count = 0
     for module in model.modules():
         if type(module) is FastLinear:
@@ -210,7 +220,7 @@ def describe(model: nn.Module | None) -> dict[str, object]:
     (:func:`hfspec.cpu.quant.describe`)."""
     if model is None:
         return {"on": False, "isa": None, "layers": 0, "bytes_added": 0, "reason": "off: no draft model"}
-    layers = sum(type(m) is FastLinear for m in model.modules())
+    layers = sum(type(m) in (FastLinear, cpu_conv1d.FastConv1D) for m in model.modules())
     held = quant.describe(model)
     extra = {"quantized": held} if held["formats"] else {}
     qk = quant.kernel() if held["layers"] else None
@@ -228,10 +238,10 @@ def describe(model: nn.Module | None) -> dict[str, object]:
 
 @contextlib.contextmanager
 def suspended(*models: nn.Module | None) -> Iterator[None]:
-    """``with suspended(target, draft):`` runs torch's own linears inside the block; the same layers run
-    the kernel again afterwards (a benchmark's eager baseline on an accelerated model)."""
+    """``with suspended(target, draft):`` runs torch's own linears, attention and activations inside the block; the
+    same layers run the kernels again afterwards (a benchmark's eager baseline on an accelerated model)."""
     layers = [m for model in models if model is not None for m in model.modules() if type(m) is FastLinear]
-    switched = [model for model in models if model is not None and cpu_attention.unuse(model)]
+    switched = [(part, model) for part in _COMPANIONS for model in models if model is not None and part.unuse(model)]
     for layer in layers:
         layer.__class__ = nn.Linear
     try:
@@ -239,5 +249,5 @@ def suspended(*models: nn.Module | None) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.__class__ = FastLinear
-        for model in switched:
-            cpu_attention.use(model)
+        for part, model in switched:
+            part.use(model, _KERNEL)

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 # Every C++ file in csrc/ is compiled into the one library (the linears here; other modules bind their own entries
 # through KernelLibrary.function).
 SOURCES = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp")))
+HEADERS = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.h")))  # included by them: in the cache key
 # -march=native picks AVX-512 or AVX2+FMA for this CPU (the cache key holds the CPU's flags);
 # no -ffast-math, so every sum is IEEE fp32 (FMA contraction aside).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -109,8 +110,8 @@ def _cpu_flags() -> str:
 def library_path(cxx: str | None = None) -> Path:
     """Where the library for this source, compiler, flags and CPU is cached."""
     cxx = cxx or compiler()
-    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES), cxx.encode(), " ".join(FLAGS).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS), cxx.encode(),
+                                     " ".join(FLAGS).encode(), _cpu_flags().encode()])).hexdigest()[:16]
     return cache_dir() / "kernels" / f"linear-{key}.so"
 
 

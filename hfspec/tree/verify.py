@@ -96,8 +96,7 @@ def _walk(parents: list[int], tokens: torch.Tensor, q: torch.Tensor, p: torch.Te
                 continue
             q_child = q_child / q_child.sum()
             x = tokens[child]
-            u = torch.rand((), generator=generator, device=p.device, dtype=q_child.dtype)
-            if bool(u * q_child[x] <= target[x]):  # P = min(1, p'(x) / q'(x)), no division
+            if bool(sampling.accept(q_child[x], target[x], generator)):  # P = min(1, p'(x) / q'(x))
                 accepted = child
                 break
             if residual_update:
