@@ -5,6 +5,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -361,10 +362,14 @@ def test_optional_commands_are_registered_when_present(capsys, name):
 
 # -- a real process -------------------------------------------------------------------------------
 
-def test_subprocess_stream_chat_and_json(pair, preset, tmp_path):
+def test_subprocess_stream_chat_and_json(pair, preset, tmp_path, library):
     root = Path(__file__).resolve().parent.parent
     # One thread each: the three processes run side by side on what may be two cores.
     env = {**os.environ, "HFSPEC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    # A fresh cache, but with the kernel the session built (building it again would take most of the test's time).
+    kernels_dir = tmp_path / "cache" / "kernels"
+    kernels_dir.mkdir(parents=True, mode=0o755)
+    shutil.copy2(library.path, kernels_dir / library.path.name)
 
     def hfspec_cmd(*argv: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "hfspec.cli", "generate", PROMPT, *argv], cwd=root, env=env,

@@ -51,7 +51,9 @@ def compiler(tmp_path: Path, body: str, name: str = "cxx") -> tuple[str, Path]:
 
 
 def runs(log: Path) -> int:
-    return len(log.read_text().splitlines()) if log.exists() else 0
+    """Builds the stand-in was asked for: each compiles the first source once (the others go beside it)."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sum(kernels.SOURCES[0].name in line for line in lines)
 
 
 def copying(tmp_path: Path, library: kernels.KernelLibrary, pause: float = 0.0) -> tuple[str, Path]:
@@ -123,7 +125,7 @@ def test_a_hung_compiler_is_stopped_and_remembered(fresh, caplog, monkeypatch, t
 def test_a_compiler_that_writes_nothing(fresh, caplog, monkeypatch, tmp_path):
     cxx, _ = compiler(tmp_path, "exit 0")
     monkeypatch.setenv("HFSPEC_CXX", cxx)
-    torch_runs(caplog, "wrote no library")
+    torch_runs(caplog, "wrote no")
 
 
 def test_a_corrupt_library_is_built_again(fresh, library, caplog, monkeypatch, tmp_path):
@@ -209,8 +211,9 @@ def test_platforms_without_a_build_are_told_why_before_any_compile(fresh, caplog
                                    "-mavx2 -mno-fma", "-mno-avx"])
 def test_each_vector_path_uses_only_what_its_guard_names(flags, tmp_path):
     # A CPU with AVX-512F but not BW/VL (Xeon Phi), AVX2 with or without FMA, none: each builds what it defines.
+    # -O0 is enough: an intrinsic the flags do not allow fails to inline at any level.
     for source in kernels.SOURCES:
-        proc = subprocess.run(["g++", "-O1", "-march=x86-64", *flags.split(), "-fopenmp", "-std=c++17", "-fPIC",
+        proc = subprocess.run(["g++", "-O0", "-march=x86-64", *flags.split(), "-fopenmp", "-std=c++17", "-fPIC",
                                "-c", "-o", str(tmp_path / "out.o"), str(source)], capture_output=True, text=True)
         assert proc.returncode == 0, f"{source.name} with {flags}: {proc.stderr[-1500:]}"
 

@@ -122,12 +122,12 @@ def test_the_default_loaded_pair_runs_the_kernel_and_equals_its_own_generate(dra
     gen = SpeculativeGenerator.from_pretrained("offline", draft, dtype="float32")
     described = gen.describe()["fast_kernels"]
     assert described["target"]["on"] and described["draft"]["on"] and described["target"]["layers"] == 211
-    for prompt in PROMPTS:
-        ids = chat_ids(gen.tokenizer, prompt)
-        want = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
-                                   eos_token_id=None)
-        out = gen.generate(ids, max_new_tokens=40, gamma=3, eos_token_id=[])
-        assert torch.equal(out.sequences, want), gen.tokenizer.decode(out.sequences[0, ids.shape[1]:])
+    prompt = PROMPTS[["shipped", "shipped-eagle3"].index(draft)]  # one each: the other tests run both
+    ids = chat_ids(gen.tokenizer, prompt)
+    want = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                               eos_token_id=None)
+    out = gen.generate(ids, max_new_tokens=32, gamma=3, eos_token_id=[])
+    assert torch.equal(out.sequences, want), gen.tokenizer.decode(out.sequences[0, ids.shape[1]:])
 
 
 @pytest.mark.parametrize("drafter", ["model", "eagle3"])

@@ -165,17 +165,50 @@ def locked(path: Path, required: bool = True) -> Iterator[None]:
 
 
 def _compile(cxx: str, out: Path) -> None:
-    """Run the compiler, in a process group of its own so that a hung one is ended with everything it started."""
-    proc = subprocess.Popen([cxx, *FLAGS, "-o", str(out), *map(str, SOURCES)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    """Compile every source to an object file, as many at once as there are cores (quant.cpp alone takes about as
+    long as the rest), then link them into ``out``. Each compiler runs in a process group of its own, so that a hung
+    one is ended with everything it started; all share one deadline."""
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    objects = [out.with_name(f"{out.name}.{source.stem}.o") for source in SOURCES]
+    jobs = [[cxx, *FLAGS, "-c", "-o", str(obj), str(source)] for source, obj in zip(SOURCES, objects)]
     try:
-        _, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+        running: list[subprocess.Popen] = []
+        for job in jobs:
+            if len(running) >= max(1, os.cpu_count() or 1):
+                _finish(running.pop(0), cxx, deadline, running)
+            running.append(subprocess.Popen(job, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                            start_new_session=True))
+        while running:
+            _finish(running.pop(0), cxx, deadline, running)
+        missing = [obj.name for obj in objects if not obj.is_file()]
+        if missing:
+            raise BuildError(f"{cxx} exited with 0 but wrote no object file ({', '.join(missing)})")
+        link = subprocess.Popen([cxx, *FLAGS, "-o", str(out), *map(str, objects)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        _finish(link, cxx, deadline, [])
+    finally:
+        for obj in objects:
+            obj.unlink(missing_ok=True)
+
+
+def _finish(proc: subprocess.Popen, cxx: str, deadline: float, others: list[subprocess.Popen]) -> None:
+    """Wait for one compiler until the deadline; a failure or a timeout ends ``others`` too."""
+    try:
+        _, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL) if hasattr(os, "killpg") else proc.kill()
-        proc.communicate()
+        for hung in (proc, *others):
+            _kill(hung)
         raise BuildError(f"{cxx} did not finish within {BUILD_TIMEOUT_S} s") from None
     if proc.returncode != 0:
+        for other in others:
+            _kill(other)
         raise BuildError(f"{cxx} exited with {proc.returncode}: {err.strip()[-500:] or 'no message'}")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL) if hasattr(os, "killpg") else proc.kill()
+    proc.communicate()
 
 
 def build(path: Path, cxx: str) -> float:

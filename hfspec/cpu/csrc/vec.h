@@ -31,7 +31,9 @@ inline vec vset(float x) { return _mm512_set1_ps(x); }
 // Loads and stores of the first n <= VW lanes (the others read as 0 and are not written).
 inline vec vload(const float* p, int n) { return n == VW ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(first(n), p); }
 inline vec vload(const uint16_t* p, int n) {  // bfloat16 is the high half of a float32: widened exactly
-    __m256i h = n == VW ? _mm256_loadu_si256((const __m256i*)p) : _mm256_maskz_loadu_epi16(first(n), p);
+    uint16_t buf[16] = {0};  // a tail through a zeroed buffer: a masked 16-bit load would need AVX512BW and VL
+    if (n < VW) p = (const uint16_t*)memcpy(buf, p, n * sizeof(uint16_t));
+    __m256i h = _mm256_loadu_si256((const __m256i*)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline void vstore(float* p, vec v, int n) {
