@@ -8,7 +8,10 @@ after any processing. Losslessness does not depend on the choice: q is what the 
 from, and a token with q = 0 is simply never drafted; the target still samples every token from its own p.
 What the cut costs is acceptance where the target's next token lies outside the set; what it saves is the
 draft's reading time. ``cut_head`` swaps a model's output layer for one; ``frequent_ids`` picks the set
-from token counts (``count_tokens``).
+from token counts (``count_tokens``), and ``first_ids`` without any: byte-pair vocabularies number their tokens
+in the order their merges were learnt, most frequent first, so the lowest ids are a corpus-free stand-in for
+the most frequent (on Qwen2.5's tokenizer the 32,768 lowest ids hold 92-96% of the tokens of English prose,
+Python and C++; counting over 8 MB of Python's standard library first raised that by at most 2 points).
 """
 from __future__ import annotations
 
@@ -19,32 +22,38 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hfspec.cpu.quant import QuantLinear
 from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.sampling import OUTSIDE
 
-__all__ = ["CutReport", "FrequentHead", "count_tokens", "cut_head", "frequent_ids"]
+__all__ = ["CutReport", "FrequentHead", "count_tokens", "cut_head", "first_ids", "frequent_ids"]
 
 
 class FrequentHead(nn.Module):
     """An output layer over the rows ``ids`` of ``head`` only: logits (..., vocab) with ``OUTSIDE`` elsewhere.
 
-    The kept rows are copied into a plain ``nn.Linear`` (which hfspec's CPU kernel can then run); the kept
-    logits are those ``head`` computes for these rows, bit for bit on the same kernel.
+    The kept rows are copied into a layer of the head's kind, a plain ``nn.Linear`` (which hfspec's CPU kernel can
+    then run) or a ``QuantLinear`` over the same GGUF blocks; the kept logits are those ``head`` computes for these
+    rows, bit for bit on the same kernel.
     """
 
-    def __init__(self, head: nn.Linear, ids: torch.Tensor):
+    def __init__(self, head: nn.Linear | QuantLinear, ids: torch.Tensor):
         super().__init__()
         ids = torch.as_tensor(ids, dtype=torch.long, device=head.weight.device).unique(sorted=True)
         vocab = head.weight.shape[0]
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise HfspecError(f"the kept ids must be a non-empty set within the head's {vocab} rows")
         self.vocab_size = vocab
-        self.kept = nn.Linear(head.in_features, ids.numel(), bias=head.bias is not None,
-                              device=head.weight.device, dtype=head.weight.dtype)
-        with torch.no_grad():
-            self.kept.weight.copy_(head.weight.index_select(0, ids))
-            if head.bias is not None:
-                self.kept.bias.copy_(head.bias.index_select(0, ids))
+        bias = None if head.bias is None else head.bias.detach().index_select(0, ids)
+        if isinstance(head, QuantLinear):
+            self.kept = QuantLinear(head.weight.detach().index_select(0, ids), head.fmt, head.in_features, bias)
+        else:
+            self.kept = nn.Linear(head.in_features, ids.numel(), bias=head.bias is not None,
+                                  device=head.weight.device, dtype=head.weight.dtype)
+            with torch.no_grad():
+                self.kept.weight.copy_(head.weight.index_select(0, ids))
+                if bias is not None:
+                    self.kept.bias.copy_(bias)
         self.kept.requires_grad_(False)
         self.register_buffer("ids", ids, persistent=False)
 
@@ -70,15 +79,15 @@ class CutReport:
 def cut_head(model: PreTrainedModel, ids: torch.Tensor | Iterable[int]) -> CutReport:
     """Replace ``model``'s output layer with a :class:`FrequentHead` over ``ids`` (in place).
 
-    The head must be a plain ``nn.Linear`` (before hfspec's kernel or quantization swaps it); a head tied to
-    the input embedding keeps the embedding as it is, the kept rows being a copy.
+    The head must be a plain ``nn.Linear`` (before hfspec's kernel swaps it) or a GGUF ``QuantLinear``; a head
+    tied to the input embedding keeps the embedding as it is, the kept rows being a copy.
     """
     head = model.get_output_embeddings()
     if isinstance(head, FrequentHead):
         raise HfspecError("this model's head is already cut; cut the original model once")
-    if type(head) is not nn.Linear:
-        raise HfspecTypeError(f"cut_head needs the model's output layer as a plain nn.Linear, got "
-                              f"{type(head).__name__}; cut the head before the model is accelerated or quantized")
+    if type(head) not in (nn.Linear, QuantLinear):
+        raise HfspecTypeError(f"cut_head needs the model's output layer as a plain nn.Linear or a QuantLinear, got "
+                              f"{type(head).__name__}; cut the head before the model is accelerated")
     cut = FrequentHead(head, torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids))
     model.set_output_embeddings(cut)
     saved = (head.weight.shape[0] - cut.ids.numel()) * head.weight.shape[1] * head.weight.element_size()
@@ -111,3 +120,11 @@ def frequent_ids(counts: torch.Tensor, n: int, always: Iterable[int] = ()) -> to
         raise HfspecError(f"keep at least one token, got {n}")
     order = torch.argsort(-counts, stable=True)[:n]  # stable: among equal counts, the lower id first
     return torch.cat([order, torch.as_tensor(list(always), dtype=torch.long)]).unique(sorted=True)
+
+
+def first_ids(vocab: int, n: int, always: Iterable[int] = ()) -> torch.Tensor:
+    """The ``n`` lowest ids of a vocabulary of ``vocab`` (for byte-pair vocabularies, the tokens merged first: the
+    most frequent in the tokenizer's own corpus), plus ``always`` (e.g. the special tokens)."""
+    if n < 1:
+        raise HfspecError(f"keep at least one token, got {n}")
+    return frequent_ids(torch.zeros(vocab, dtype=torch.long), min(n, vocab), always)

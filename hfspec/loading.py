@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec import assets, gguf_meta, gguf_native
+from hfspec import assets, gguf_meta, gguf_native, head_cut
 from hfspec.cpu import fast
 from hfspec.drafters import Drafter
 from hfspec.drafters.cross_tokenizer import CrossTokenizerDrafter
@@ -140,6 +140,7 @@ def load_pair(
     gguf_native: bool = True,
     tokenizer: PreTrainedTokenizerBase | str | Path | None = None,
     fast_kernels: bool = True,
+    draft_vocab: int | str | None = "auto",
 ) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
     """Load ``(target, draft, tokenizer)`` by hub name or local path; the draft may be a ``Drafter``.
 
@@ -156,10 +157,13 @@ def load_pair(
     ``CrossTokenizerDrafter``, which drafts the tokens both tokenizers share.
     ``fast_kernels`` (default on) makes the target and the draft (model or EAGLE-3
     head) run hfspec's CPU kernel where they sit on CPU in fp32 or bf16
-    (``hfspec.fast``); ``False`` keeps torch's own linears.
+    (``hfspec.fast``); ``False`` keeps torch's own linears. ``draft_vocab`` cuts a draft model's LM head to that
+    many tokens (``hfspec.head_cut``: q is 0 for the others, which keeps the output exact); ``"auto"`` keeps
+    :data:`DRAFT_VOCAB` where the draft sits on CPU and its vocabulary is more than twice that; None keeps it all.
     """
     _check_fast_kernels(fast_kernels)
     _check_bool("gguf_native", gguf_native, "False dequantizes GGUF weights as transformers does")
+    _check_draft_vocab(draft_vocab)
     if device is not None and device_map is not None:
         raise HfspecError("pass device or device_map, not both (device_map='auto' places the target itself)")
     target_dev = _check_device(device, "target")
@@ -195,6 +199,7 @@ def load_pair(
                             trust_remote_code)
     if isinstance(draft_model, PreTrainedModel):
         draft_tok = _draft_tokenizer(draft, draft_path, trust_remote_code, _tokenizer_gguf(draft_path, draft_gguf_file))
+        _cut_draft_head(draft_model, draft_tok or tok, draft_vocab)
         if draft_tok is not None and not same_tokenizer(tok, draft_tok):
             draft_model = _cross_tokenizer_drafter(draft_model, draft_tok, tok, target, draft)
     if fast_kernels:
@@ -202,6 +207,41 @@ def load_pair(
         _accelerate(draft_module(draft_model), "draft")
     log.info("loaded target %s (%s, %s) and draft %s", target, target_model.dtype, _input_device(target_model), draft)
     return target_model, draft_model, tok
+
+
+# Tokens a draft's head keeps by default (draft_vocab="auto"): on Qwen2.5's 151,936-token vocabulary, 92-96% of
+# the tokens of prose and code, for a fifth of the head's reading (hfspec.head_cut).
+DRAFT_VOCAB = 32768
+
+
+def _check_draft_vocab(value: Any) -> None:
+    if not (value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool)
+                                                  and value >= 1)):
+        raise HfspecError(f"draft_vocab must be a number of tokens >= 1, 'auto' or None (the whole head), got "
+                          f"{value!r}")
+
+
+def _cut_draft_head(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
+                    draft_vocab: int | str | None) -> None:
+    """Cut ``model``'s head to ``draft_vocab`` of its lowest ids, its special tokens and those of ``tokenizer``
+    (``hfspec.head_cut``)."""
+    head = model.get_output_embeddings()
+    if draft_vocab is None or head is None:
+        return
+    vocab = head.weight.shape[0]
+    keep = DRAFT_VOCAB if draft_vocab == "auto" else draft_vocab
+    if draft_vocab == "auto" and (vocab <= 2 * keep or not head.weight.is_cpu):
+        return
+    if keep >= vocab:
+        return
+    special = [] if tokenizer is None else [*tokenizer.added_tokens_decoder, *tokenizer.all_special_ids]
+    config = model.generation_config
+    for token in (config.eos_token_id, config.bos_token_id, config.pad_token_id):
+        special += token if isinstance(token, list) else [] if token is None else [token]
+    always = [i for i in special if 0 <= i < vocab]
+    report = head_cut.cut_head(model, head_cut.first_ids(vocab, keep, always))
+    log.info("draft: LM head cut to %d of its %d tokens (the rest are never drafted; %.0f MB less read per step)",
+             report.kept, report.vocab, report.bytes_saved / 1e6)
 
 
 def _check_fast_kernels(value: Any) -> None:
@@ -303,20 +343,25 @@ def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.
 def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str | torch.dtype = "auto",
                device: str | torch.device | None = None, trust_remote_code: bool = False,
                fast_kernels: bool = True, gguf_file: str | None = None,
-               gguf_native: bool = True) -> PreTrainedModel | Drafter:
+               gguf_native: bool = True, draft_vocab: int | str | None = "auto") -> PreTrainedModel | Drafter:
     """Load the draft named ``draft`` (hub name, path, ``"shipped"``, ``"shipped-eagle3"``, a model fetched by name)
     for an already loaded target.
 
     It goes to ``device``, else to the device of the target's embeddings; ``fast_kernels``, ``gguf_file``
-    (the draft's) and ``gguf_native`` as in ``load_pair``.
+    (the draft's), ``gguf_native`` and ``draft_vocab`` as in ``load_pair``.
     """
     _check_fast_kernels(fast_kernels)
     _check_bool("gguf_native", gguf_native, "False dequantizes GGUF weights as transformers does")
+    _check_draft_vocab(draft_vocab)
     dev = _check_device(device, "draft") or _input_device(target_model)
     path = resolve_model(draft, "draft")
+    gguf_file = gguf_file or lone_gguf(path)
     loaded = _load_draft(path, target_model, dtype=parse_dtype(dtype), device=dev,
-                         trust_remote_code=trust_remote_code, gguf_file=gguf_file or lone_gguf(path),
+                         trust_remote_code=trust_remote_code, gguf_file=gguf_file,
                          gguf_native=gguf_native and fast_kernels and _on_cpu(dev))
+    if isinstance(loaded, PreTrainedModel):
+        _cut_draft_head(loaded, _draft_tokenizer(draft, path, trust_remote_code, _tokenizer_gguf(path, gguf_file)),
+                        draft_vocab)
     if fast_kernels:
         _accelerate(draft_module(loaded), "draft")
     return loaded

@@ -27,6 +27,7 @@ GENERATE_FLAGS = [
     "--adaptive", "--ngram", "--no-ngram", "--draft-cost", "--tree",
     "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed",
     "--chat", "--no-chat", "--system", "--prompts-file", "--batch-size", "--stream", "--stats", "--json",
+    "--draft-vocab",
 ]
 PROMPTS = ["w10 w11 w12", "w30", "w20 w21 w22 w23 w24 w25 w26"]  # different lengths, so batches are padded
 
@@ -74,6 +75,15 @@ def test_generate_help_explains_every_flag(capsys):
     for flag in GENERATE_FLAGS:
         assert flag in out, flag
     assert "'-' to read it from stdin" in out and "smollm2-offline" in out
+
+
+def test_draft_vocab_takes_a_count_auto_or_full(capsys):
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "x", "--draft-vocab", "full"])
+    assert cli._load_kwargs(args)["draft_vocab"] is None
+    assert cli._load_kwargs(parser.parse_args(["generate", "x", "--draft-vocab", "4096"]))["draft_vocab"] == 4096
+    code, _, err = run(capsys, "generate", "x", "--draft-vocab", "0")
+    assert code == 2 and "expected a number of tokens >= 1, 'auto' or 'full'" in err
 
 
 def test_no_command_prints_help_and_fails(capsys):

@@ -109,3 +109,41 @@ def test_a_head_that_is_not_a_plain_linear_is_refused(tiny_pair):
     cut, _ = cut_copy(draft, [1, 2])
     with pytest.raises(ValueError, match="already cut"):
         head_cut.cut_head(cut, [1])
+
+
+def test_a_gguf_head_is_cut_in_its_blocks_with_the_same_bits(tmp_path, library):
+    import gguf_files
+
+    from hfspec import gguf_native
+    from hfspec.cpu import quant
+
+    path = gguf_files.write(tmp_path, "llama", {"*": "Q8_0", "token_embd": "Q4_1"}, tied=True)
+    whole = gguf_native.load(str(path.parent), path.name, "draft")
+    cut = gguf_native.load(str(path.parent), path.name, "draft")
+    fast.accelerate(whole)
+    ids = head_cut.first_ids(64, 20, always=[63])
+    report = head_cut.cut_head(cut, ids)
+    fast.accelerate(cut)
+    assert isinstance(cut.get_output_embeddings().kept, quant.QuantLinear) and report.kept == 21
+    assert report.bytes_saved == 43 * quant.FORMATS["Q4_1"].row_bytes(whole.config.hidden_size)
+    x = torch.tensor([[4, 7, 9, 11]])
+    with torch.no_grad():
+        assert torch.equal(cut(x).logits[..., ids], whole(x).logits[..., ids])
+
+
+def test_load_pair_cuts_the_drafts_head_when_asked_and_stays_exact(model_dir):
+    from hfspec.errors import HfspecError
+    from hfspec.loading import load_pair
+
+    target, draft, tok = load_pair(model_dir("llama"), model_dir("llama", seed=1), draft_vocab=20)
+    head = draft.get_output_embeddings()
+    assert isinstance(head, head_cut.FrequentHead) and 20 <= head.ids.numel() < 30
+    assert tok.eos_token_id in head.ids.tolist()
+    _, whole, _ = load_pair(model_dir("llama"), model_dir("llama", seed=1))  # "auto": a small vocabulary stays
+    assert not isinstance(whole.get_output_embeddings(), head_cut.FrequentHead)
+    gen = SpeculativeGenerator(target, draft, tok)
+    for ids in prompts(target.config.vocab_size, 2, seed=5):
+        want = reference(target, ids, 16, eos_token_id=None)
+        assert torch.equal(gen.generate(ids, max_new_tokens=16, gamma=3, eos_token_id=[]).sequences, want)
+    with pytest.raises(HfspecError, match="draft_vocab must be a number of tokens >= 1, 'auto' or None"):
+        load_pair(model_dir("llama"), model_dir("llama", seed=1), draft_vocab=0)
