@@ -146,10 +146,10 @@ def _add_generate(sub) -> None:
     pair.add_argument("--gguf-native", action=argparse.BooleanOptionalAction, default=None,
                       help="on CPU, keep GGUF models' quantized blocks and run hfspec's quantized kernel, exactly as "
                       "the float32 dequantized model (default: on; --no-gguf-native dequantizes as transformers does)")
-    pair.add_argument("--draft-vocab", type=_draft_vocab, default=None, metavar="N|auto|full",
-                      help="cut the draft model's LM head to its N lowest token ids and its special tokens (the "
-                      "others are never drafted; the output stays exact): 'auto' (default) keeps 32768 on CPU "
-                      "where the vocabulary is more than twice that, 'full' keeps every token")
+    pair.add_argument("--draft-vocab", type=_draft_vocab, default=None, metavar="N",
+                      help="cut the draft model's LM head to its N lowest token ids and its special tokens: a "
+                      "smaller step for a large vocabulary, fewer tokens drafted (the others are never drafted; "
+                      "the output stays exact). Default: the whole head")
 
     spec = p.add_argument_group("speculation")
     spec.add_argument("--gamma", type=gamma_value, metavar="N|auto", help="γ: draft tokens per verification step, >= 1, "
@@ -335,15 +335,13 @@ def _read_prompts_file(path: str) -> list[tuple[Any, str]]:
     return items
 
 
-def _draft_vocab(text: str) -> int | str:
-    if text in ("auto", "full"):
-        return text
+def _draft_vocab(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 1, 'auto' or 'full', got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 1, got {text!r}")
     return value
 
 
@@ -357,7 +355,7 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     if getattr(args, "draft_vocab", None) is not None:
-        kwargs["draft_vocab"] = None if args.draft_vocab == "full" else args.draft_vocab
+        kwargs["draft_vocab"] = args.draft_vocab
     if args.device == "auto":
         kwargs["device_map"] = "auto"
     elif args.device is not None:

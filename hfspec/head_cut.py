@@ -12,6 +12,10 @@ from token counts (``count_tokens``), and ``first_ids`` without any: byte-pair v
 in the order their merges were learnt, most frequent first, so the lowest ids are a corpus-free stand-in for
 the most frequent (on Qwen2.5's tokenizer the 32,768 lowest ids hold 92-96% of the tokens of English prose,
 Python and C++; counting over 8 MB of Python's standard library first raised that by at most 2 points).
+
+The cut is not free: a chain stops at the first token outside the set. Qwen2.5-Coder-0.5B drafting for the 1.5B
+at γ = 5 on code prompts kept 4.73 tokens per target pass with its whole head, 4.31 with 65,536 tokens and 4.06
+with 32,768, which costs more than the smaller head saves; hence it is asked for (``draft_vocab=``), not a default.
 """
 from __future__ import annotations
 

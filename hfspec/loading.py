@@ -140,7 +140,7 @@ def load_pair(
     gguf_native: bool = True,
     tokenizer: PreTrainedTokenizerBase | str | Path | None = None,
     fast_kernels: bool = True,
-    draft_vocab: int | str | None = "auto",
+    draft_vocab: int | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
     """Load ``(target, draft, tokenizer)`` by hub name or local path; the draft may be a ``Drafter``.
 
@@ -158,8 +158,8 @@ def load_pair(
     ``fast_kernels`` (default on) makes the target and the draft (model or EAGLE-3
     head) run hfspec's CPU kernel where they sit on CPU in fp32 or bf16
     (``hfspec.fast``); ``False`` keeps torch's own linears. ``draft_vocab`` cuts a draft model's LM head to that
-    many tokens (``hfspec.head_cut``: q is 0 for the others, which keeps the output exact); ``"auto"`` keeps
-    :data:`DRAFT_VOCAB` where the draft sits on CPU and its vocabulary is more than twice that; None keeps it all.
+    many of its lowest token ids and its special tokens (``hfspec.head_cut``: q is 0 for the others, which keeps
+    the output exact); None (the default) keeps the whole head.
     """
     _check_fast_kernels(fast_kernels)
     _check_bool("gguf_native", gguf_native, "False dequantizes GGUF weights as transformers does")
@@ -209,37 +209,27 @@ def load_pair(
     return target_model, draft_model, tok
 
 
-# Tokens a draft's head keeps by default (draft_vocab="auto"): on Qwen2.5's 151,936-token vocabulary, 92-96% of
-# the tokens of prose and code, for a fifth of the head's reading (hfspec.head_cut).
-DRAFT_VOCAB = 32768
-
-
 def _check_draft_vocab(value: Any) -> None:
-    if not (value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool)
-                                                  and value >= 1)):
-        raise HfspecError(f"draft_vocab must be a number of tokens >= 1, 'auto' or None (the whole head), got "
-                          f"{value!r}")
+    if not (value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)):
+        raise HfspecError(f"draft_vocab must be a number of tokens >= 1 or None (the whole head), got {value!r}")
 
 
 def _cut_draft_head(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
-                    draft_vocab: int | str | None) -> None:
+                    draft_vocab: int | None) -> None:
     """Cut ``model``'s head to ``draft_vocab`` of its lowest ids, its special tokens and those of ``tokenizer``
     (``hfspec.head_cut``)."""
     head = model.get_output_embeddings()
     if draft_vocab is None or head is None:
         return
     vocab = head.weight.shape[0]
-    keep = DRAFT_VOCAB if draft_vocab == "auto" else draft_vocab
-    if draft_vocab == "auto" and (vocab <= 2 * keep or not head.weight.is_cpu):
-        return
-    if keep >= vocab:
+    if draft_vocab >= vocab:
         return
     special = [] if tokenizer is None else [*tokenizer.added_tokens_decoder, *tokenizer.all_special_ids]
     config = model.generation_config
     for token in (config.eos_token_id, config.bos_token_id, config.pad_token_id):
         special += token if isinstance(token, list) else [] if token is None else [token]
     always = [i for i in special if 0 <= i < vocab]
-    report = head_cut.cut_head(model, head_cut.first_ids(vocab, keep, always))
+    report = head_cut.cut_head(model, head_cut.first_ids(vocab, draft_vocab, always))
     log.info("draft: LM head cut to %d of its %d tokens (the rest are never drafted; %.0f MB less read per step)",
              report.kept, report.vocab, report.bytes_saved / 1e6)
 
@@ -343,7 +333,7 @@ def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.
 def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str | torch.dtype = "auto",
                device: str | torch.device | None = None, trust_remote_code: bool = False,
                fast_kernels: bool = True, gguf_file: str | None = None,
-               gguf_native: bool = True, draft_vocab: int | str | None = "auto") -> PreTrainedModel | Drafter:
+               gguf_native: bool = True, draft_vocab: int | None = None) -> PreTrainedModel | Drafter:
     """Load the draft named ``draft`` (hub name, path, ``"shipped"``, ``"shipped-eagle3"``, a model fetched by name)
     for an already loaded target.
 

@@ -77,13 +77,12 @@ def test_generate_help_explains_every_flag(capsys):
     assert "'-' to read it from stdin" in out and "smollm2-offline" in out
 
 
-def test_draft_vocab_takes_a_count_auto_or_full(capsys):
+def test_draft_vocab_takes_a_count(capsys):
     parser = cli.build_parser()
-    args = parser.parse_args(["generate", "x", "--draft-vocab", "full"])
-    assert cli._load_kwargs(args)["draft_vocab"] is None
+    assert "draft_vocab" not in cli._load_kwargs(parser.parse_args(["generate", "x"]))
     assert cli._load_kwargs(parser.parse_args(["generate", "x", "--draft-vocab", "4096"]))["draft_vocab"] == 4096
     code, _, err = run(capsys, "generate", "x", "--draft-vocab", "0")
-    assert code == 2 and "expected a number of tokens >= 1, 'auto' or 'full'" in err
+    assert code == 2 and "expected a number of tokens >= 1" in err
 
 
 def test_no_command_prints_help_and_fails(capsys):

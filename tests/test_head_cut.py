@@ -139,11 +139,11 @@ def test_load_pair_cuts_the_drafts_head_when_asked_and_stays_exact(model_dir):
     head = draft.get_output_embeddings()
     assert isinstance(head, head_cut.FrequentHead) and 20 <= head.ids.numel() < 30
     assert tok.eos_token_id in head.ids.tolist()
-    _, whole, _ = load_pair(model_dir("llama"), model_dir("llama", seed=1))  # "auto": a small vocabulary stays
+    _, whole, _ = load_pair(model_dir("llama"), model_dir("llama", seed=1))  # by default the whole head
     assert not isinstance(whole.get_output_embeddings(), head_cut.FrequentHead)
     gen = SpeculativeGenerator(target, draft, tok)
     for ids in prompts(target.config.vocab_size, 2, seed=5):
         want = reference(target, ids, 16, eos_token_id=None)
         assert torch.equal(gen.generate(ids, max_new_tokens=16, gamma=3, eos_token_id=[]).sequences, want)
-    with pytest.raises(HfspecError, match="draft_vocab must be a number of tokens >= 1, 'auto' or None"):
+    with pytest.raises(HfspecError, match="draft_vocab must be a number of tokens >= 1 or None"):
         load_pair(model_dir("llama"), model_dir("llama", seed=1), draft_vocab=0)
