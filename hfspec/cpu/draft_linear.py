@@ -42,6 +42,7 @@ LANES = 16  # weight rows packed side by side: one 16-lane vector of sums
 BITS = (4, 8)
 # Rows quantized at a time while packing: bounds the fp32 copies of a large head.
 _CHUNK_ROWS = 4096
+_INPUTS = (torch.float32, torch.bfloat16)  # input dtypes the kernel takes (bf16 widened to fp32 first)
 
 
 def _block_bytes(bits: int) -> int:
@@ -183,21 +184,27 @@ class DraftLinear(nn.Module):
         return dequantize(self.packed, self.bits, self.out_features)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        dk, b, k = _KERNEL, self.bias, self.in_features
-        if (dk is None or not (input.is_cpu and self.packed.is_cpu) or input.shape[-1] != k
-                or input.dtype not in (torch.float32, torch.bfloat16)
-                or (torch.is_grad_enabled() and input.requires_grad)):
-            bias = None if b is None else b.to(device=input.device, dtype=input.dtype)
-            return F.linear(input, self.dequantized().to(device=input.device, dtype=input.dtype), bias)
-        x = input.reshape(-1, k)
-        if x.dtype != torch.float32 or x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < k):
-            x = x.float().contiguous()
-        if b is not None and b.dtype != torch.float32:
+        dk, k, n = _KERNEL, self.in_features, self.out_features
+        if (dk is None or not input.is_cpu or input.shape[-1] != k or input.dtype not in _INPUTS
+                or (input.requires_grad and torch.is_grad_enabled())):
+            return self._torch(input)
+        packed, b = self.packed, self.bias
+        if not packed.is_cpu:
+            return self._torch(input)
+        x = input if input.dtype is torch.float32 and input.is_contiguous() else input.float().contiguous()
+        if b is not None and b.dtype is not torch.float32:
             b = b.float()
-        out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
-        dk.linear(self.bits, x.data_ptr(), x.stride(0), self.packed.data_ptr(), None if b is None else b.data_ptr(),
-                  out.data_ptr(), self.out_features, x.shape[0], self.out_features, k, torch.get_num_threads())
-        return out.to(input.dtype).reshape(*input.shape[:-1], self.out_features)
+        out = torch.empty((*input.shape[:-1], n), dtype=torch.float32)
+        m = x.numel() // k
+        dk.linear(self.bits, x.data_ptr(), k, packed.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(), n,
+                  m, n, k, torch.get_num_threads())
+        return out if input.dtype is torch.float32 else out.to(input.dtype)
+
+    def _torch(self, input: torch.Tensor) -> torch.Tensor:
+        """``F.linear`` on the dequantized weight, in the input's dtype and on its device (dequantized per call)."""
+        b = self.bias
+        bias = None if b is None else b.to(device=input.device, dtype=input.dtype)
+        return F.linear(input, self.dequantized().to(device=input.device, dtype=input.dtype), bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
