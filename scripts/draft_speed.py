@@ -9,7 +9,10 @@ Sections:
   model   Qwen2.5-Coder-0.5B-Instruct (GGUF, hfspec.gguf_native, accelerated) before and after
           quantize_for_drafting: the decoding step with a 64-token cache (the two models take turns; the least of
           --rounds medians), and the agreement of their greedy next tokens over --positions positions of hfspec's
-          own source, a proxy of acceptance. With --target, also the 1.5B target's step and its agreement with each.
+          own source, a proxy of acceptance. With --target, also the 1.5B target's step and its agreement with each,
+          and with --generate N, greedy hfspec (SpeculativeGenerator, gamma "auto") with each draft against the
+          target's own generate() on three prompts of N new tokens: tokens per second, acceptance, and whether
+          every output is the target's.
 Prints one JSON object (lscpu's model name, the threads, the load average before and after).
 """
 from __future__ import annotations
@@ -115,7 +118,37 @@ def load(name: str) -> nn.Module:
     return model
 
 
-def model(threads: list[int], positions: int, rounds: int, bits: int, target: bool) -> dict:
+def generate(target: nn.Module, drafts: dict[str, nn.Module], tokenizer, prompts: list[list[int]],
+             new_tokens: int) -> dict:
+    """Greedy hfspec with each draft, and the target alone, taking turns on each of ``prompts``: seconds, tokens/s,
+    acceptance, and whether hfspec's output is the target's (the target's eos ends both alike)."""
+    from hfspec import SpeculativeGenerator
+
+    gens = {name: SpeculativeGenerator(target, draft, tokenizer) for name, draft in drafts.items()}
+    seconds = {name: 0.0 for name in ["target_alone", *drafts]}
+    accepted: dict[str, list[float]] = {name: [] for name in drafts}
+    exact = {name: True for name in drafts}
+    made = 0
+    for ids in prompts:
+        feed = torch.tensor([ids])
+        t0 = time.perf_counter()
+        want = target.generate(feed, attention_mask=torch.ones_like(feed), max_new_tokens=new_tokens, do_sample=False)
+        seconds["target_alone"] += time.perf_counter() - t0
+        made += want.shape[1] - len(ids)
+        for name, gen in gens.items():
+            t0 = time.perf_counter()
+            got = gen.generate(feed, max_new_tokens=new_tokens)
+            seconds[name] += time.perf_counter() - t0
+            exact[name] &= torch.equal(got.sequences, want)
+            accepted[name].append(got.stats.acceptance_rate)
+    out: dict = {name: {"s": round(s, 2), "tokens_per_s": round(made / s, 2)} for name, s in seconds.items()}
+    for name in drafts:
+        out[name] |= {"acceptance": round(sum(accepted[name]) / len(prompts), 3), "equals_target": exact[name]}
+    out["tokens"] = made
+    return out
+
+
+def model(threads: list[int], positions: int, rounds: int, bits: int, target: bool, new_tokens: int) -> dict:
     from transformers import AutoTokenizer
 
     exact, converted = load("qwen2.5-coder-0.5b"), load("qwen2.5-coder-0.5b")
@@ -146,6 +179,9 @@ def model(threads: list[int], positions: int, rounds: int, bits: int, target: bo
     if big is not None:
         out["agreement_with_target"] = {name: round((tokens[name] == tokens["target"]).float().mean().item(), 4)
                                         for name in ("exact", "converted")}
+    if big is not None and new_tokens:
+        prompts = [ids[start:start + 48] for start in (0, positions // 2, positions)]
+        out["generate"] = generate(big, {"exact": exact, "converted": converted}, tokenizer, prompts, new_tokens)
     return out
 
 
@@ -160,6 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds of step timings, the models taking turns")
     p.add_argument("--bits", type=int, default=4, choices=draft_linear.BITS)
     p.add_argument("--target", action="store_true", help="also the 1.5B target: its step, c and agreement")
+    p.add_argument("--generate", type=int, default=0, help="with --target: new tokens per prompt of greedy hfspec")
     return p.parse_args(argv)
 
 
@@ -174,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     if "layers" in sections:
         result["layers"] = layers(threads, [int(r) for r in args.rows.split(",")], args.total_mb, args.repeats)
     if "model" in sections:
-        result["model"] = model(threads, args.positions, args.rounds, args.bits, args.target)
+        result["model"] = model(threads, args.positions, args.rounds, args.bits, args.target, args.generate)
     result["load_after"] = os.getloadavg()
     print(json.dumps(result, indent=1))
 
