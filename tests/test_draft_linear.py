@@ -78,6 +78,14 @@ def test_packing_round_trip_is_within_one_step(bits, draft_kernel):
     assert not draft_linear.dequantize(packed, bits, 48)[37:].any()
 
 
+def test_bf16_and_fast_linears_pack_from_their_values(draft_kernel):
+    layer = linear(64, 24).bfloat16()
+    want = draft_linear.pack(layer.weight.float())
+    assert torch.equal(draft_linear.DraftLinear.from_module(layer).packed, want)
+    fast.accelerate(layer)
+    assert type(layer) is fast.FastLinear and torch.equal(draft_linear.DraftLinear.from_module(layer).packed, want)
+
+
 @pytest.mark.parametrize("bits", draft_linear.BITS)
 def test_kernel_equals_the_integer_arithmetic(bits, draft_kernel):
     layer = draft_linear.DraftLinear.from_module(linear(96, 37), bits)  # 37 rows: a partial group of 16
