@@ -152,9 +152,11 @@ def model(threads: list[int], positions: int, rounds: int, bits: int, target: bo
     from transformers import AutoTokenizer
 
     exact, converted = load("qwen2.5-coder-0.5b"), load("qwen2.5-coder-0.5b")
+    torch.set_num_threads(threads[0])
     t0 = time.perf_counter()
     report = draft_linear.quantize_for_drafting(converted, bits)
-    out: dict = {"bits": bits, "pack_s": round(time.perf_counter() - t0, 2), "layers": len(report.layers),
+    out: dict = {"bits": bits, f"pack_s_{threads[0]}_threads": round(time.perf_counter() - t0, 2),
+                 "layers": len(report.layers),
                  "skipped": len(report.skipped), "bytes_before": report.bytes_before,
                  "bytes_after": report.bytes_after, "isa": report.isa}
     big = load("qwen2.5-coder-1.5b") if target else None
