@@ -165,8 +165,8 @@ _PAIRS = PairCache(MAX_PAIRS)
 def load(preset: Preset, **load_kwargs: Any) -> SpeculativeGenerator:
     """The generator for ``preset``, loaded on first use and cached for the process (``MAX_PAIRS`` of them, by the
     models and the loading options' values)."""
-    # fast_kernels is spelled out so that leaving it unset and passing its default share one pair.
-    kwargs = {"fast_kernels": True, **preset.load_kwargs(), **load_kwargs}
+    # fast_kernels and draft_bits are spelled out so that leaving them unset and passing their defaults share a pair.
+    kwargs = {"fast_kernels": True, "draft_bits": 4, **preset.load_kwargs(), **load_kwargs}
 
     def load_pair() -> SpeculativeGenerator:
         log.info("loading target %s and draft %s", preset.target, preset.draft)

@@ -36,7 +36,7 @@ from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, Pre
 
 from hfspec import config as cfg
 from hfspec import costs, recurrent, sampling, tree as trees
-from hfspec.cpu import fast
+from hfspec.cpu import draft_linear, fast
 from hfspec.cache import KVState
 from hfspec.costs import Costs, Price
 from hfspec.drafters import Drafter, Features, Proposal, builds_trees, cross_tokenizer
@@ -158,7 +158,14 @@ class SpeculativeGenerator:
 
     def describe(self) -> dict[str, Any]:
         """The drafter, and whether the target and the draft run hfspec's CPU kernel (``hfspec.fast.describe``)."""
-        kernels = {"target": fast.describe(self.target), "draft": fast.describe(draft_module(self.drafter))}
+        draft = draft_module(self.drafter)
+        kernels = {"target": fast.describe(self.target), "draft": fast.describe(draft)}
+        integer = draft_linear.describe(draft)
+        if integer["layers"]:  # a draft in integer arithmetic: its linears run the draft kernel
+            dk = draft_linear.kernel()
+            kernels["draft"] = {**kernels["draft"], "on": True, "reason": None, "integer": integer,
+                                "isa": kernels["draft"]["isa"] or (dk.isa if dk else None),
+                                "layers": kernels["draft"]["layers"] + integer["layers"]}
         return {"drafter": self.drafter.describe(), "fast_kernels": kernels}
 
     @classmethod

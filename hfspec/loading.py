@@ -35,7 +35,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import assets, gguf_meta, gguf_native, head_cut
-from hfspec.cpu import fast
+from hfspec.cpu import draft_linear, fast
 from hfspec.drafters import Drafter
 from hfspec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from hfspec.drafters.eagle3 import Eagle3Drafter
@@ -141,6 +141,7 @@ def load_pair(
     tokenizer: PreTrainedTokenizerBase | str | Path | None = None,
     fast_kernels: bool = True,
     draft_vocab: int | None = None,
+    draft_bits: int | None = 4,
 ) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
     """Load ``(target, draft, tokenizer)`` by hub name or local path; the draft may be a ``Drafter``.
 
@@ -159,11 +160,15 @@ def load_pair(
     head) run hfspec's CPU kernel where they sit on CPU in fp32 or bf16
     (``hfspec.fast``); ``False`` keeps torch's own linears. ``draft_vocab`` cuts a draft model's LM head to that
     many of its lowest token ids and its special tokens (``hfspec.head_cut``: q is 0 for the others, which keeps
-    the output exact); None (the default) keeps the whole head.
+    the output exact); None (the default) keeps the whole head. ``draft_bits`` (4, the default, or 8) runs a draft
+    model that sits on CPU with fast kernels on in integer arithmetic (``hfspec.cpu.draft_linear``: weights of that
+    many bits, int8 activations): its step streams fewer bytes and computes cheaply, while the output stays
+    exact, since q is whatever the draft computes; None keeps its own weights and arithmetic.
     """
     _check_fast_kernels(fast_kernels)
     _check_bool("gguf_native", gguf_native, "False dequantizes GGUF weights as transformers does")
     _check_draft_vocab(draft_vocab)
+    _check_draft_bits(draft_bits)
     if device is not None and device_map is not None:
         raise HfspecError("pass device or device_map, not both (device_map='auto' places the target itself)")
     target_dev = _check_device(device, "target")
@@ -205,6 +210,7 @@ def load_pair(
     if fast_kernels:
         _accelerate(target_model, "target")
         _accelerate(draft_module(draft_model), "draft")
+        _quantize_draft(draft_model, draft_bits)
     log.info("loaded target %s (%s, %s) and draft %s", target, target_model.dtype, _input_device(target_model), draft)
     return target_model, draft_model, tok
 
@@ -232,6 +238,26 @@ def _cut_draft_head(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase |
     report = head_cut.cut_head(model, head_cut.first_ids(vocab, draft_vocab, always))
     log.info("draft: LM head cut to %d of its %d tokens (the rest are never drafted; %.0f MB less read per step)",
              report.kept, report.vocab, report.bytes_saved / 1e6)
+
+
+def _check_draft_bits(value: Any) -> None:
+    if value is not None and value not in draft_linear.BITS:
+        raise HfspecError(f"draft_bits must be 4, 8 or None (the draft's own weights), got {value!r}")
+
+
+def _quantize_draft(draft: PreTrainedModel | Drafter | None, bits: int | None) -> None:
+    """A draft model (not an EAGLE-3 head: it is small, and reads the target's features) on CPU runs in integer
+    arithmetic (``hfspec.cpu.draft_linear``); log what happened."""
+    model = draft_module(draft)
+    if bits is None or model is None or isinstance(model, Eagle3Head) \
+            or not all(p.is_cpu for p in model.parameters()):
+        return
+    report = draft_linear.quantize_for_drafting(model, bits)
+    if report.layers:
+        log.info("draft: %d linear layers in %d-bit integer arithmetic on the %s kernel (%.0f MB read per step, "
+                 "was %.0f)", len(report.layers), bits, report.isa, report.bytes_after / 1e6, report.bytes_before / 1e6)
+    elif report.reason:
+        log.info("draft: integer arithmetic off (%s)", report.reason)
 
 
 def _check_fast_kernels(value: Any) -> None:
@@ -333,16 +359,18 @@ def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.
 def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str | torch.dtype = "auto",
                device: str | torch.device | None = None, trust_remote_code: bool = False,
                fast_kernels: bool = True, gguf_file: str | None = None,
-               gguf_native: bool = True, draft_vocab: int | None = None) -> PreTrainedModel | Drafter:
+               gguf_native: bool = True, draft_vocab: int | None = None,
+               draft_bits: int | None = 4) -> PreTrainedModel | Drafter:
     """Load the draft named ``draft`` (hub name, path, ``"shipped"``, ``"shipped-eagle3"``, a model fetched by name)
     for an already loaded target.
 
     It goes to ``device``, else to the device of the target's embeddings; ``fast_kernels``, ``gguf_file``
-    (the draft's), ``gguf_native`` and ``draft_vocab`` as in ``load_pair``.
+    (the draft's), ``gguf_native``, ``draft_vocab`` and ``draft_bits`` as in ``load_pair``.
     """
     _check_fast_kernels(fast_kernels)
     _check_bool("gguf_native", gguf_native, "False dequantizes GGUF weights as transformers does")
     _check_draft_vocab(draft_vocab)
+    _check_draft_bits(draft_bits)
     dev = _check_device(device, "draft") or _input_device(target_model)
     path = resolve_model(draft, "draft")
     gguf_file = gguf_file or lone_gguf(path)
@@ -354,6 +382,7 @@ def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str |
                         draft_vocab)
     if fast_kernels:
         _accelerate(draft_module(loaded), "draft")
+        _quantize_draft(loaded, draft_bits)
     return loaded
 
 

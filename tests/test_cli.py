@@ -27,7 +27,7 @@ GENERATE_FLAGS = [
     "--adaptive", "--ngram", "--no-ngram", "--draft-cost", "--tree",
     "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed",
     "--chat", "--no-chat", "--system", "--prompts-file", "--batch-size", "--stream", "--stats", "--json",
-    "--draft-vocab",
+    "--draft-vocab", "--draft-bits",
 ]
 PROMPTS = ["w10 w11 w12", "w30", "w20 w21 w22 w23 w24 w25 w26"]  # different lengths, so batches are padded
 
@@ -83,6 +83,8 @@ def test_draft_vocab_takes_a_count(capsys):
     assert cli._load_kwargs(parser.parse_args(["generate", "x", "--draft-vocab", "4096"]))["draft_vocab"] == 4096
     code, _, err = run(capsys, "generate", "x", "--draft-vocab", "0")
     assert code == 2 and "expected a number of tokens >= 1" in err
+    assert cli._load_kwargs(parser.parse_args(["generate", "x", "--draft-bits", "off"]))["draft_bits"] is None
+    assert cli._load_kwargs(parser.parse_args(["generate", "x", "--draft-bits", "8"]))["draft_bits"] == 8
 
 
 def test_no_command_prints_help_and_fails(capsys):

@@ -260,3 +260,28 @@ def test_greedy_with_a_converted_draft_equals_the_targets_generate(arch, model_d
         assert torch.equal(out.sequences, want), length
         accepted.append(out.stats.acceptance_rate)
     assert 0 < sum(accepted) / len(accepted)
+
+
+def test_load_pair_runs_a_cpu_draft_in_integer_arithmetic_by_default(model_dir):
+    from hfspec import SpeculativeGenerator
+    from hfspec.errors import HfspecError
+    from hfspec.loading import load_pair
+
+    if draft_linear.kernel() is None:
+        pytest.skip(f"no draft kernel: {draft_linear.unavailable()}")
+    target, draft, tok = load_pair(model_dir("llama"), model_dir("llama", seed=1))
+    assert any(isinstance(m, draft_linear.DraftLinear) for m in draft.modules())
+    assert not any(isinstance(m, draft_linear.DraftLinear) for m in target.modules())
+    gen = SpeculativeGenerator(target, draft, tok)
+    described = gen.describe()["fast_kernels"]["draft"]
+    assert described["on"] and described["integer"]["bits"] == [4]
+    assert gen.describe()["drafter"]["parameters"] == sum(p.numel() for p in load_pair(
+        model_dir("llama"), model_dir("llama", seed=1), draft_bits=None)[1].parameters())
+    ids = torch.tensor([[1, 9, 10, 11, 12]])
+    want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                           eos_token_id=None)
+    assert torch.equal(gen.generate(ids, max_new_tokens=16, gamma=3, eos_token_id=[]).sequences, want)
+    _, kept, _ = load_pair(model_dir("llama"), model_dir("llama", seed=1), draft_bits=None)
+    assert not any(isinstance(m, draft_linear.DraftLinear) for m in kept.modules())
+    with pytest.raises(HfspecError, match="draft_bits must be 4, 8 or None"):
+        load_pair(model_dir("llama"), model_dir("llama", seed=1), draft_bits=3)

@@ -10,7 +10,7 @@ from torch import nn
 
 import eagle3_heads
 from hfspec import SpeculativeGenerator, api
-from hfspec.cpu import fast, kernels
+from hfspec.cpu import draft_linear, fast, kernels
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import save_head
 from hfspec.loading import draft_module, load_pair, load_preset
@@ -35,7 +35,11 @@ def linear_count(model: nn.Module) -> int:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_load_pair_accelerates_both_models_by_default(model_dir, dtype):
     target, draft, _ = load_pair(model_dir("llama", seed=0), model_dir("llama", seed=1), dtype=dtype)
-    for model in (target, draft):
+    # The draft's linears run in integer arithmetic where that kernel is on (hfspec.cpu.draft_linear).
+    assert draft_linear.kernel() is None or draft_linear.describe(draft)["layers"] == linear_count(
+        tiny.load(model_dir("llama", seed=1))[0])
+    _, kept, _ = load_pair(model_dir("llama", seed=0), model_dir("llama", seed=1), dtype=dtype, draft_bits=None)
+    for model in (target, kept):
         assert fast.is_accelerated(model)
         assert all(type(m) is fast.FastLinear for m in model.modules() if isinstance(m, nn.Linear))
 
@@ -80,7 +84,7 @@ def test_the_constructor_leaves_the_callers_models_alone(model_dir):
 def test_greedy_equals_the_loaded_targets_own_generate(model_dir, arch):
     gen = SpeculativeGenerator.from_pretrained(str(model_dir(arch, seed=0)), str(model_dir(arch, seed=1)),
                                                dtype="float32")
-    assert fast.is_accelerated(gen.target) and fast.is_accelerated(gen.draft)
+    assert fast.is_accelerated(gen.target) and gen.describe()["fast_kernels"]["draft"]["on"]
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
         reference = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
@@ -94,9 +98,12 @@ def test_describe_reports_isa_layers_and_no_memory_added(model_dir, library):
                                                dtype="float32")
     described = gen.describe()
     assert described["drafter"]["kind"] == gen.drafter.kind
-    for role, model in (("target", gen.target), ("draft", gen.draft)):
-        assert described["fast_kernels"][role] == {"on": True, "isa": library.isa, "layers": linear_count(model),
-                                                   "bytes_added": 0, "reason": None}
+    assert described["fast_kernels"]["target"] == {"on": True, "isa": library.isa, "bytes_added": 0, "reason": None,
+                                                   "layers": linear_count(gen.target)}
+    draft = described["fast_kernels"]["draft"]  # in integer arithmetic (hfspec.cpu.draft_linear) where it can be
+    integer = draft_linear.describe(gen.draft)
+    assert draft["on"] and draft["layers"] == linear_count(tiny.load(model_dir("llama", seed=1))[0])
+    assert draft.get("integer", {"layers": 0}) == integer and (integer["layers"] or draft["isa"] == library.isa)
     lookup = SpeculativeGenerator.from_pretrained(str(model_dir("llama", seed=0)), "ngram", dtype="float32")
     assert lookup.describe()["fast_kernels"]["target"]["on"] is True
     assert lookup.describe()["fast_kernels"]["draft"]["reason"] == "off: no draft model"
@@ -116,7 +123,8 @@ def test_an_eagle3_heads_linears_run_the_kernel(model_dir, tmp_path):
 
 
 def test_suspended_runs_torch_and_puts_the_kernel_back(model_dir):
-    target, draft, _ = load_pair(model_dir("llama", seed=0), model_dir("llama", seed=1), dtype="float32")
+    target, draft, _ = load_pair(model_dir("llama", seed=0), model_dir("llama", seed=1), dtype="float32",
+                                 draft_bits=None)
     layers = fast.describe(target)["layers"]
     with fast.suspended(target, draft, None):
         assert not fast.is_accelerated(target) and not fast.is_accelerated(draft)

@@ -81,16 +81,20 @@ def test_a_tied_head_reads_the_embeddings_blocks(files):
 
 def test_load_pair_keeps_both_models_blocks_and_speculation_is_exact(files):
     target_file, draft_file = files["qwen2-k-mix"], files["qwen2-legacy-mix"]
-    target, draft, tok = load_pair(str(target_file.parent), str(draft_file.parent), gguf_file=target_file.name,
-                                   draft_gguf_file=draft_file.name, tokenizer=str(target_file.parent))
-    assert quant.quantized_layers(target) and quant.quantized_layers(draft)
     want = dequantized(target_file)
-    gen = SpeculativeGenerator(target, draft, tok)
-    assert gen.describe()["fast_kernels"]["draft"]["quantized"]["formats"]["Q5_0"] > 0
     ids = torch.tensor([[1, 9, 17, 33, 4]])
-    for gamma in (1, 3, "auto"):
-        out = gen.generate(ids, max_new_tokens=20, gamma=gamma, eos_token_id=[])
-        assert torch.equal(out.sequences, want.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
+    for bits in (None, 4):  # the draft's blocks as stored, or converted to integer arithmetic (the default)
+        target, draft, tok = load_pair(str(target_file.parent), str(draft_file.parent), gguf_file=target_file.name,
+                                       draft_gguf_file=draft_file.name, tokenizer=str(target_file.parent),
+                                       draft_bits=bits)
+        assert quant.quantized_layers(target) and (bits or quant.quantized_layers(draft))
+        gen = SpeculativeGenerator(target, draft, tok)
+        described = gen.describe()["fast_kernels"]["draft"]
+        assert described["quantized"]["formats"]["Q5_0"] > 0 if bits is None else described["integer"]["layers"]
+        for gamma in (1, 3, "auto"):
+            out = gen.generate(ids, max_new_tokens=20, gamma=gamma, eos_token_id=[])
+            assert torch.equal(out.sequences, want.generate(ids, max_new_tokens=20, do_sample=False,
+                                                            eos_token_id=None))
 
 
 def test_gguf_native_false_and_no_fast_kernels_dequantize_as_transformers_does(files):

@@ -28,11 +28,11 @@ def pair():
     return gen, ids, want
 
 
-def test_both_keep_their_blocks(pair):
+def test_the_target_keeps_its_blocks_and_the_draft_runs_in_integer_arithmetic(pair):
     gen, _, _ = pair
     kernels = gen.describe()["fast_kernels"]
     assert kernels["target"]["quantized"]["formats"].get("Q4_K", 0) > 100
-    assert kernels["draft"]["quantized"]["layers"] > 100
+    assert kernels["draft"]["integer"]["layers"] > 100
 
 
 @pytest.mark.parametrize("draft", ["model", "ngram"])

@@ -15,7 +15,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hfspec.cpu import fast
+from hfspec.cpu import draft_linear, fast
 from hfspec.bench.field import HYBRID, MAIN, USELESS, Mode, Settings, load_prompts
 from hfspec.bench.formats import format_costs, formats_table
 from hfspec.bench.measure import Bench
@@ -214,7 +214,17 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gguf = {"gguf_file": getattr(args, "gguf_file", None), "draft_gguf_file": getattr(args, "draft_gguf_file", None),
             "gguf_native": getattr(args, "gguf_native", True)}
-    return load_pair(args.target, args.draft, dtype=dtype, device=device, fast_kernels=_fast_kernels(args), **gguf)
+    return load_pair(args.target, args.draft, dtype=dtype, device=device, fast_kernels=_fast_kernels(args),
+                     draft_bits=None, **gguf)
+
+
+def integer_draft(draft: Any, fast_kernels: bool) -> Any:
+    """The draft hfspec's contenders run: a copy in 4-bit integer arithmetic where load_pair would give a user one
+    (a draft model on CPU with fast kernels on); transformers' contenders keep the draft as loaded."""
+    if not fast_kernels or not isinstance(draft, PreTrainedModel) or not all(p.is_cpu for p in draft.parameters()):
+        return draft
+    twin = copy.deepcopy(draft)
+    return twin if draft_linear.quantize_for_drafting(twin).layers else draft
 
 
 def _fast_kernels(args: argparse.Namespace) -> bool:
@@ -223,14 +233,17 @@ def _fast_kernels(args: argparse.Namespace) -> bool:
 
 def load_drafters(names: Sequence[str], target: Any, draft: Any, seed: int = 0,
                   fast_kernels: bool = True) -> dict[str, Any]:
-    """The --drafters, by name: the useless control and the hybrid are built from the main ``draft``;
-    models loaded here run the CPU kernel as the main pair does (``fast_kernels``)."""
+    """The --drafters, by name: the useless control and the hybrid are built from the main ``draft`` (as hfspec
+    runs it); models loaded here run the CPU kernel as the main pair does (``fast_kernels``)."""
     out: dict[str, Any] = {}
     for name in names:
         if name == USELESS:
             out[name] = useless_copy(draft, seed)
-            if fast_kernels and fast.is_accelerated(draft):
+            bits = draft_linear.describe(draft)["bits"]
+            if fast_kernels and (fast.is_accelerated(draft) or bits):
                 fast.accelerate_loaded(out[name])  # the control costs what the draft costs
+                if bits:
+                    draft_linear.quantize_for_drafting(out[name], bits[0])
         elif name == HYBRID:
             out[name] = with_ngram(make_drafter(draft, target=target))
         else:  # "ngram", "shipped-eagle3" or a directory: whatever hfspec.loading makes of it
@@ -299,8 +312,10 @@ def run(args: argparse.Namespace) -> int:
             write_json({"environment": {"cpu": cpu_model(), "threads": torch.get_num_threads()}, "formats": formats},
                        args.json)
             return 0
-    bench = Bench(target, draft, tokenizer, max_new_tokens=args.max_new_tokens, gamma=args.gamma, seed=args.seed,
-                  drafters=load_drafters(args.drafters, target, draft, args.seed, _fast_kernels(args)))
+    hfspec_draft = integer_draft(draft, _fast_kernels(args))
+    bench = Bench(target, hfspec_draft, tokenizer, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
+                  seed=args.seed, assistant=draft if hfspec_draft is not draft else None,
+                  drafters=load_drafters(args.drafters, target, hfspec_draft, args.seed, _fast_kernels(args)))
     result = {"environment": environment(args, bench), **run_bench(bench, prompts, settings),
               "prompts": [p["id"] for p in prompts], **({"formats": formats} if formats else {})}
     write_outputs(result, args.json, args.plot)

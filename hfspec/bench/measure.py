@@ -116,8 +116,9 @@ class Bench:
     """
 
     def __init__(self, target: Any, draft: Any, tokenizer: Any, *, max_new_tokens: int, gamma: int = 4,
-                 seed: int = 0, drafters: dict[str, Any] | None = None):
+                 seed: int = 0, drafters: dict[str, Any] | None = None, assistant: Any = None):
         self.target, self.tokenizer = target.eval(), tokenizer
+        self.plain_draft = assistant  # the draft as loaded, for transformers' contenders (None: ``draft`` itself)
         self.specs = {MAIN: SpeculativeGenerator(target, draft, tokenizer)}
         self.specs.update({name: SpeculativeGenerator(target, d, tokenizer) for name, d in (drafters or {}).items()})
         self.spec = self.specs[MAIN]
@@ -137,12 +138,15 @@ class Bench:
         self._assistants: dict[str, Any] = {}
 
     def assistant(self, name: str) -> Any:
-        """The draft model that transformers' assisted generation runs for drafter ``name``.
+        """The draft model that transformers' assisted generation runs for drafter ``name``: for the main one, the
+        draft as loaded (``assistant``) where hfspec runs a copy in integer arithmetic.
 
         With another tokenizer, transformers' universal assisted sampling prunes the assistant's LM head and
         maps its embeddings in place, for good: it gets a copy of its own, so hfspec's draft stays whole.
         """
         spec = self.specs[name]
+        if name == MAIN and self.plain_draft is not None:
+            return self.plain_draft
         if spec.drafter.draft_tokenizer is None or spec.draft is None:
             return spec.draft
         if name not in self._assistants:
@@ -225,7 +229,7 @@ class Bench:
 
     def models(self) -> list[torch.nn.Module | None]:
         """The target and every drafter's module (model or head): what the CPU kernel may run."""
-        return [self.target, *(draft_module(spec.drafter) for spec in self.specs.values())]
+        return [self.target, self.plain_draft, *(draft_module(spec.drafter) for spec in self.specs.values())]
 
     def measure_costs(self, context: Sequence[int], gammas: Sequence[int], repeats: int = 20) -> dict[str, Any]:
         """c = draft step ÷ target step, v(γ) = target over γ+1 tokens ÷ target over 1, both with caches.

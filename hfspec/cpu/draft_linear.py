@@ -34,8 +34,8 @@ from hfspec.cpu import kernels, quant
 from hfspec.cpu.fast import FastLinear
 from hfspec.errors import HfspecError, HfspecTypeError
 
-__all__ = ["BITS", "LANES", "QK", "DraftKernel", "DraftLinear", "DraftingReport", "dequantize", "kernel", "pack",
-           "quantize_for_drafting", "unavailable", "unpack"]
+__all__ = ["BITS", "LANES", "QK", "DraftKernel", "DraftLinear", "DraftingReport", "dequantize", "describe", "kernel",
+           "pack", "quantize_for_drafting", "unavailable", "unpack", "weights"]
 
 QK = 32     # weights per block along in_features, each with its own scale and offset
 LANES = 16  # weight rows packed side by side: one 16-lane vector of sums
@@ -262,3 +262,17 @@ def quantize_for_drafting(model: nn.Module, bits: int = 4) -> DraftingReport:
         setattr(model.get_submodule(parent), leaf, replacement)
         layers.append(name)
     return DraftingReport(tuple(layers), tuple(skipped), bits, before, after, dk.isa)
+
+
+def describe(model: nn.Module | None) -> dict[str, object]:
+    """What of ``model`` runs in integer arithmetic: ``layers`` (DraftLinears), ``bits`` (their widths) and
+    ``bytes`` of packed weights."""
+    layers = [] if model is None else [m for m in model.modules() if isinstance(m, DraftLinear)]
+    return {"layers": len(layers), "bits": sorted({m.bits for m in layers}),
+            "bytes": sum(m.packed.numel() for m in layers)}
+
+
+def weights(model: nn.Module) -> int:
+    """The weights ``model`` computes with: its parameters, and those its DraftLinears hold packed."""
+    return sum(p.numel() for p in model.parameters()) + sum(m.in_features * m.out_features for m in model.modules()
+                                                            if isinstance(m, DraftLinear))

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hfspec.cpu import draft_linear
 from hfspec.cache import KVState
 from hfspec.costs import forward_seconds
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
@@ -186,7 +187,7 @@ class CrossTokenizerDrafter(Drafter):
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "model": type(self.model).__name__,
-                "parameters": sum(p.numel() for p in self.model.parameters()), "shared_tokens": self.map.shared}
+                "parameters": draft_linear.weights(self.model), "shared_tokens": self.map.shared}
 
     # -- greedy decoding by text (SLEM) --------------------------------------------------------
 

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from hfspec import sampling, tree
 from hfspec.cache import KVState
+from hfspec.cpu import draft_linear
 from hfspec.costs import forward_seconds
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
 from hfspec.models import check_causal_lm, check_tree_attention, forward, model_vocab_size, sliding_window
@@ -135,7 +136,7 @@ class ModelDrafter(Drafter):
 
     @property
     def parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return draft_linear.weights(self.model)
 
     def describe(self) -> dict:
         return {"kind": self.kind, "model": type(self.model).__name__, "parameters": self.parameters}
