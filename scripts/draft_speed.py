@@ -5,7 +5,8 @@ Sections:
           151936x896 head, at 1, 2, 4 and 8 rows: the draft kernel on its packed blocks, the exact kernel
           (hfspec.cpu.quant) on Q4_0 and Q5_0 blocks, and a plain read of the packed bytes (the bound). Calls rotate
           over copies of the layer totalling --total-mb, so that every call streams its weights from memory, not
-          from cache; a time is the least over --repeats sweeps of the copies.
+          from cache. Each sweep of the copies takes every kernel and row count in turn, so that a neighbour's load
+          hits all alike; a time is the least over --repeats sweeps.
   model   Qwen2.5-Coder-0.5B-Instruct (GGUF, hfspec.gguf_native, accelerated) before and after
           quantize_for_drafting: the decoding step with a 64-token cache (the two models take turns; the least of
           --rounds medians), and the agreement of their greedy next tokens over --positions positions of hfspec's
@@ -46,15 +47,12 @@ def rotation(first: torch.Tensor, total_bytes: int) -> list[torch.Tensor]:
     return [first] + [first.clone() for _ in range(count - 1)]
 
 
-def least_seconds(call: Callable[[torch.Tensor], object], copies: list[torch.Tensor], repeats: int) -> float:
-    """Seconds per call, the least over ``repeats`` sweeps of ``call`` over ``copies``."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for c in copies:
-            call(c)
-        best = min(best, (time.perf_counter() - t0) / len(copies))
-    return best
+def sweep_seconds(call: Callable[[torch.Tensor], object], copies: list[torch.Tensor]) -> float:
+    """Seconds per call of ``call`` over ``copies``, one after the other."""
+    t0 = time.perf_counter()
+    for c in copies:
+        call(c)
+    return (time.perf_counter() - t0) / len(copies)
 
 
 def tiled(block: torch.Tensor, rows: int) -> torch.Tensor:
@@ -64,36 +62,42 @@ def tiled(block: torch.Tensor, rows: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def layers(threads: list[int], rows: list[int], total_mb: int, repeats: int) -> list[dict]:
+    """Per shape and thread count: the plain read, then the draft kernel and the exact kernel on Q4_0 and Q5_0 for each
+    row count, taking turns in every sweep (a neighbour's load hits all alike); the least time of ``repeats``."""
     dk, qk = draft_linear.kernel(), quant.kernel()
     read = dk.library.function("hfspec_draft_read", [draft_linear._PTR, draft_linear._I64, draft_linear._INT],
                                draft_linear._I64)
     out = []
     for k, n in SHAPES:
         layer = nn.Linear(k, min(n, DISTINCT_ROWS), bias=False)
-        packed = tiled(draft_linear.pack(layer.weight), -(-n // draft_linear.LANES))
-        exact = {fmt: tiled(quant.quantize_linear(layer, fmt).weight.data, n) for fmt in ("Q4_0", "Q5_0")}
+        held = {"draft": rotation(tiled(draft_linear.pack(layer.weight), -(-n // draft_linear.LANES)), total_mb << 20)}
+        held |= {fmt: rotation(tiled(quant.quantize_linear(layer, fmt.upper()).weight.data, n), total_mb << 20)
+                 for fmt in ("q4_0", "q5_0")}
+        size = {name: copies[0].numel() for name, copies in held.items()}
         for t in threads:
             torch.set_num_threads(t)
-            copies = rotation(packed, total_mb << 20)
-            nbytes = packed.numel()
-            read_s = least_seconds(lambda c: read(c.data_ptr(), c.numel() // 64 * 64, t), copies, repeats)
+            calls: dict[tuple[str, int], Callable[[torch.Tensor], object]] = {
+                ("read", 0): lambda c: read(c.data_ptr(), c.numel() // 64 * 64, t)}
             for m in rows:
-                x = torch.randn(m, k)
-                y = torch.empty(m, n)
-                draft_s = least_seconds(lambda c: dk.linear(4, x.data_ptr(), k, c.data_ptr(), None, y.data_ptr(), n, m,
-                                                            n, k, t), copies, repeats)
-                row = {"threads": t, "in": k, "out": n, "rows": m, "read_gbs": round(nbytes / read_s / 1e9, 2),
-                       "draft_gbs": round(nbytes / draft_s / 1e9, 2), "draft_of_read": round(read_s / draft_s, 3),
-                       "draft_ms": round(draft_s * 1e3, 3)}
-                for fmt, blocks in exact.items():
-                    held = rotation(blocks, total_mb << 20)
-                    s = least_seconds(lambda c: quant.linear(qk, x, c, quant.FORMATS[fmt]), held, repeats)
-                    row[f"{fmt.lower()}_gbs"] = round(blocks.numel() / s / 1e9, 2)
-                    row[f"{fmt.lower()}_ms"] = round(s * 1e3, 3)
-                    del held
+                x, y = torch.randn(m, k), torch.empty(m, n)
+                calls[("draft", m)] = lambda c, x=x, y=y, m=m: dk.linear(4, x.data_ptr(), k, c.data_ptr(), None,
+                                                                        y.data_ptr(), n, m, n, k, t)
+                for fmt in ("q4_0", "q5_0"):
+                    calls[(fmt, m)] = lambda c, x=x, fmt=fmt: quant.linear(qk, x, c, quant.FORMATS[fmt.upper()])
+            best = {key: float("inf") for key in calls}
+            for _ in range(repeats):
+                for (name, m), call in calls.items():
+                    best[name, m] = min(best[name, m], sweep_seconds(call, held["draft" if name == "read" else name]))
+            for m in rows:
+                row = {"threads": t, "in": k, "out": n, "rows": m,
+                       "read_gbs": round(size["draft"] / best["read", 0] / 1e9, 2),
+                       "draft_of_read": round(best["read", 0] / best["draft", m], 3)}
+                for name in ("draft", "q4_0", "q5_0"):
+                    row[f"{name}_gbs"] = round(size[name] / best[name, m] / 1e9, 2)
+                    row[f"{name}_ms"] = round(best[name, m] * 1e3, 3)
                 out.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-            del copies
+        del held
     return out
 
 

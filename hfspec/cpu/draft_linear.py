@@ -51,7 +51,7 @@ def _block_bytes(bits: int) -> int:
 
 @dataclass(frozen=True)
 class DraftKernel:
-    """The draft kernel in the loaded library: its vector ISA and C entry."""
+    """The draft kernel in the loaded library: its vector ISA and C entries."""
 
     library: kernels.KernelLibrary
     isa: str  # "avx512vnni", "avxvnni", "avx2" or "scalar"
@@ -157,7 +157,7 @@ class DraftLinear(nn.Module):
         super().__init__()
         if bits not in BITS or packed.dtype != torch.uint8 or packed.shape != (-(-out_features // LANES),
                                                                              in_features // QK, _block_bytes(bits)):
-            raise ValueError(f"packed weights for {out_features} x {in_features} at {bits} bits are uint8 "
+            raise HfspecError(f"packed weights for {out_features} x {in_features} at {bits} bits are uint8 "
                              f"({-(-out_features // LANES)}, {in_features // QK}, {_block_bytes(bits)}) (pack() makes "
                              f"them); got {packed.dtype} {tuple(packed.shape)}")
         self.bits, self.in_features, self.out_features = bits, in_features, out_features
