@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -346,6 +347,33 @@ struct Q4_K {
 #endif
         return s;
     }
+#if defined(__AVX512F__)
+    // ``scales`` of four blocks at once, one block a 128-bit lane: their first 16 bytes are d, dmin (dword 0) and the
+    // 12 bytes of scale_min_k4 (dwords 1-3), whose four output dwords are (D1 & 63s), (D3 & 15s) | (D1 >> 2 & 48s),
+    // (D2 & 63s), (D3 >> 4 & 15s) | (D2 >> 2 & 48s).
+    static void scales4(const uint8_t* const* b, Scales* s) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)b[0]));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)b[1]), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)b[2]), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)b[3]), 3);
+        const __m512i low = _mm512_srlv_epi32(_mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(3, 2, 3, 1)),
+                                              _mm512_set4_epi32(4, 0, 0, 0));
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi32(_mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(2, 2, 1, 1)), 2),
+                                              _mm512_set4_epi32(0x30303030, 0, 0x30303030, 0));
+        alignas(64) uint8_t sm[64];  // block k's 8 scales and 8 minimums: bytes 16k .. 16k + 15
+        const __m512i mask = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
+        _mm512_store_si512(sm, _mm512_ternarylogic_epi32(low, high, mask, 0xEC));  // (low & mask) | high
+        // d, dmin of the four blocks as floats: [d0, dmin0, d1, dmin1, ...]
+        const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(
+            _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v))));
+        for (int k = 0; k < 4; ++k) {
+            const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(2 * k),
+                                                  _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+            _mm512_storeu_ps(s[k].dl, _mm512_mul_ps(_mm512_permutexvar_ps(pick, dm),
+                                                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(sm + 16 * k))))));
+        }
+    }
+#endif
     static Scale at(const Scales& s, int g) { return {s.dl[g], s.ml[g]}; }
     static ivec codes(const uint8_t* b, const Scales&, int g, int c) {
 #if defined(__AVX512F__)
@@ -364,6 +392,9 @@ struct Q5_K {
     using Scale = Q4_K::Scale;
     using Scales = Q4_K::Scales;
     static Scales scales(const uint8_t* b) { return Q4_K::scales(b); }
+#if defined(__AVX512F__)
+    static void scales4(const uint8_t* const* b, Scales* s) { Q4_K::scales4(b, s); }
+#endif
     static Scale at(const Scales& s, int g) { return Q4_K::at(s, g); }
     static ivec codes(const uint8_t* b, const Scales&, int g, int c) {
         const ivec low = iand(isrl(iload_u8(b + 48 + (g / 2) * 32 + c * VW), 4 * (g % 2)), 0x0F);
@@ -452,26 +483,47 @@ inline vec weights(const uint8_t* b, const typename F::Scales& s, int g, int c, 
     return F::value(p.s, vcvt(F::codes(b, s, g, c)));
 }
 
-// A block's scales, kept in memory: the group tables then broadcast them from there (a load) rather than from a
-// register (a shuffle, on the port the permutes need).
-template <class F>
-inline void in_memory(const typename F::Scales& s) {
+// Scales kept in memory: the group tables then broadcast them from there (a load) rather than from a register (a
+// shuffle, on the port the permutes need).
+template <class T>
+inline void in_memory(const T& s) {
 #if defined(__GNUC__)
     asm volatile("" : : "r"(&s) : "memory");
 #endif
 }
 
+template <class F, class = void>
+struct has_scales4 : std::false_type {};
+template <class F>
+struct has_scales4<F, std::void_t<decltype(&F::scales4)>> : std::true_type {};
+
+// The scales of the n blocks at b[0, n) into s[0, n): four at a time where the format decodes them so.
+template <class F>
+inline void decode_scales(const uint8_t* const* b, int n, typename F::Scales* s) {
+    int k = 0;
+    if constexpr (has_scales4<F>::value)
+        for (; k + 4 <= n; k += 4) F::scales4(b + k, s + k);
+    for (; k < n; ++k) s[k] = F::scales(b[k]);
+}
+
+// Block ``w`` (its scales decoded) to out[c * stride] for its chunks c, in the format's lane order.
+template <class F>
+ALWAYS_INLINE void dequantize_block(const uint8_t* __restrict w, const typename F::Scales& scales,
+                                    float* __restrict out, int64_t stride) {
+    UNROLL for (int g = 0; g < F::QK / F::GROUP; ++g) {
+        const Prepared<F> p = prepare<F>(scales, g);
+        UNROLL for (int c = 0; c < F::GROUP / VW; ++c)
+            vstore(out + (g * F::GROUP / VW + c) * stride, weights<F>(w, scales, g, c, p));
+    }
+}
+
 // Blocks [0, blocks) of weight row ``w`` to out[c * stride] for their chunks c, in the format's lane order.
 template <class F>
-void dequantize_blocks(const uint8_t* __restrict w, int64_t blocks, float* __restrict out, int64_t stride) {
+void dequantize_blocks(const uint8_t* w, int64_t blocks, float* out, int64_t stride) {
     for (int64_t blk = 0; blk < blocks; ++blk, w += F::BYTES, out += F::QK / VW * stride) {
         const typename F::Scales scales = F::scales(w);
-        in_memory<F>(scales);
-        UNROLL for (int g = 0; g < F::QK / F::GROUP; ++g) {
-            const Prepared<F> p = prepare<F>(scales, g);
-            UNROLL for (int c = 0; c < F::GROUP / VW; ++c)
-                vstore(out + (g * F::GROUP / VW + c) * stride, weights<F>(w, scales, g, c, p));
-        }
+        in_memory(scales);
+        dequantize_block<F>(w, scales, out, stride);
     }
 }
 
@@ -562,10 +614,10 @@ NOINLINE void tile_blocks(const float* xp, int64_t xs, const uint8_t* w, int64_t
                 for (int off = 0; off < F::BYTES; off += 64) __builtin_prefetch(next + j * ldw + blk * F::BYTES + off, 0, 2);
         }
         typename F::Scales scales[C];
-        UNROLL for (int j = 0; j < C; ++j) {
-            scales[j] = F::scales(w + j * ldw);
-            in_memory<F>(scales[j]);
-        }
+        const uint8_t* rows[C];
+        UNROLL for (int j = 0; j < C; ++j) rows[j] = w + j * ldw;
+        decode_scales<F>(rows, C, scales);
+        in_memory(scales);
         UNROLL for (int g = 0; g < F::QK / F::GROUP; ++g) {
             Prepared<F> p[C];
             UNROLL for (int j = 0; j < C; ++j) p[j] = prepare<F>(scales[j], g);
@@ -636,6 +688,8 @@ void linear_panels(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, c
         std::vector<Line> scratch_lines, acc_lines;
         float* scratch = P ? lines(scratch_lines, P * KC) : nullptr;  // [P / C][KC / VW][C][VW]
         float* acc = lines(acc_lines, PN * M * VW);                    // [P / C][M][C][VW]
+        const uint8_t* blocks[P ? P * KC / F::QK : 1];                  // a slice's blocks, row by row
+        std::vector<typename F::Scales> scales(P ? P * KC / F::QK : 0);  // and their scales
 #pragma omp for schedule(static)
         for (int64_t pn = 0; pn < panels; ++pn) {
             const int64_t n0 = pn * PN;
@@ -664,10 +718,18 @@ void linear_panels(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, c
                     for (int j = 0; j < ahead; ++j)
                         for (int64_t o = 0; o < bytes; o += 64)
                             __builtin_prefetch(w + (n0 + AHEAD + j) * ldw + from + o, 0, 2);
-                    // A short last panel repeats its last row in the slots past it (summed, never stored).
+                    // Every block's scales first (a short last panel repeats its last row in the slots past it,
+                    // summed, never stored), then the weights.
+                    const int nb = (int)(kn / F::QK);
                     for (int j = 0; j < P; ++j)
-                        dequantize_blocks<F>(w + (n0 + (j < rows ? j : rows - 1)) * ldw + from, kn / F::QK,
-                                             scratch + ((j / C) * (KC / VW) * C + j % C) * VW, C * VW);
+                        for (int k = 0; k < nb; ++k)
+                            blocks[j * nb + k] = w + (n0 + (j < rows ? j : rows - 1)) * ldw + from + k * F::BYTES;
+                    decode_scales<F>(blocks, P * nb, scales.data());
+                    for (int j = 0; j < P; ++j)
+                        for (int k = 0; k < nb; ++k)
+                            dequantize_block<F>(blocks[j * nb + k], scales[j * nb + k],
+                                                scratch + ((j / C) * (KC / VW) * C + k * F::QK / VW * C + j % C) * VW,
+                                                C * VW);
                     for (int blk = 0; blk < P / C; ++blk)
                         for (int64_t p = 0, m0 = 0; p < passes; ++p) {
                             // Passes of about equal size (9 rows in passes of up to 8: 5 + 4).
