@@ -74,6 +74,24 @@ inline vec iota(int start) {
 inline vec transpose_lanes(vec v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
 }
+// Lane j: the sum of acc[j]'s lanes held in the transposed order, paired as _mm512_reduce_add_ps pairs the lanes of
+// the natural order -- (i, i + 8), (i, i + 4), (i, i + 2), (0, 1) -- which puts the first two steps inside 128-bit
+// lanes and the last two across them (vec.h's vsums the other way round): the sums of 16 vectors share their shuffles.
+inline vec transposed_sums(const vec* acc) {
+    vec x[8], y[4], z[2];
+    for (int m = 0; m < 8; ++m)  // elements 0, 1 of each 128-bit lane: acc[2m]'s natural i + (i + 8); 2, 3: acc[2m + 1]'s
+        x[m] = _mm512_add_ps(_mm512_shuffle_ps(acc[2 * m], acc[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(acc[2 * m], acc[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int n = 0; n < 4; ++n)  // 128-bit lane q, element k: acc[4n + k]'s natural q + (q + 4)
+        y[n] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * n], x[2 * n + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(x[2 * n], x[2 * n + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int p = 0; p < 2; ++p)  // lanes 0, 1: y[2p]'s natural 0 + 2, 1 + 3; lanes 2, 3: y[2p + 1]'s
+        z[p] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * p], y[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(y[2 * p], y[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // lane q, element k: acc[4q + k]'s 0 + 1
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
 // Lane l: byte 4 (l % 4) + l / 4 of p[0, 16), shifted right by ``shift`` (bits above left set).
 inline ivec transposed_bytes(const uint8_t* p, int shift) {
     const ivec by = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
@@ -639,30 +657,30 @@ void tile_blocks_rows(int r, const float* xp, int64_t xs, const uint8_t* w, int6
     tile_blocks<R, C, F>(xp, xs, w, ldw, blocks, acc, next);
 }
 
-// y[i, n0 + j] = the horizontal sum of accumulator (j, i) (+ b[n0 + j]) for j < rows, i < M: VW sums at a time
-// (vec.h's vsums, linear.cpp's pairing of lanes), the lanes put back in order first.
+// y[i, n0 + j] = the horizontal sum of accumulator (i, j) (+ b[n0 + j]) for i < M, j < rows, from the panel's
+// accumulators acc[((j / C) * M + i) * C + j % C]: VW consecutive ones at a time, each paired as linear.cpp pairs a
+// vector's lanes (vec.h's vsums, or ``transposed_sums``). ``acc`` holds VW vectors past the panel's.
 template <class F, int C>
-void store_sums(const float* acc, int rows, int64_t M, const float* b, float* y, int64_t ldy, int64_t n0) {
-    hfspec_vec::vec v[VW];
-    float* out[VW];  // where each sum goes
-    float bias[VW];
-    int t = 0;
-    for (int j = 0; j < rows; ++j)
-        for (int64_t i = 0; i < M; ++i) {
-            v[t] = vload(acc + ((j / C * M + i) * C + j % C) * VW);
+void store_sums(const float* acc, int panel, int rows, int64_t M, const float* b, float* y, int64_t ldy, int64_t n0) {
+    alignas(64) float sums[VW];
+    int64_t i = 0;
+    int j0 = 0, jc = 0;  // accumulator t is (i, j0 + jc)
+    for (int64_t t0 = 0; t0 < panel * M; t0 += VW) {
+        const hfspec_vec::vec* v = (const hfspec_vec::vec*)(acc + t0 * VW);
 #if defined(__AVX512F__)
-            if constexpr (F::TRANSPOSED) v[t] = transpose_lanes(v[t]);
+        if constexpr (F::TRANSPOSED)
+            vstore(sums, transposed_sums(v));
+        else
 #endif
-            out[t] = y + i * ldy + n0 + j;
-            bias[t] = b ? b[n0 + j] : 0.0f;
-            if (++t == VW || (j == rows - 1 && i == M - 1)) {
-                for (int u = t; u < VW; ++u) v[u] = v[0];
-                float sums[VW];
-                vstore(sums, hfspec_vec::vsums(v));
-                for (int u = 0; u < t; ++u) *out[u] = sums[u] + bias[u];
-                t = 0;
+            vstore(sums, hfspec_vec::vsums(v));
+        for (int u = 0; u < VW && j0 < rows; ++u) {
+            if (j0 + jc < rows) y[i * ldy + n0 + j0 + jc] = sums[u] + (b ? b[n0 + j0 + jc] : 0.0f);
+            if (++jc == C) {
+                jc = 0;
+                if (++i == M) i = 0, j0 += C;
             }
         }
+    }
 }
 
 constexpr int KC = 512;  // weights per slice: a multiple of every format's block
@@ -687,7 +705,7 @@ void linear_panels(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, c
         for (int64_t c0 = 0; c0 < chunks; c0 += 64) pack_rows<F>(x, ldx, M, c0, c0 + 64 < chunks ? c0 + 64 : chunks, xp);
         std::vector<Line> scratch_lines, acc_lines;
         float* scratch = P ? lines(scratch_lines, P * KC) : nullptr;  // [P / C][KC / VW][C][VW]
-        float* acc = lines(acc_lines, PN * M * VW);                    // [P / C][M][C][VW]
+        float* acc = lines(acc_lines, (PN * M + VW) * VW);             // [P / C][M][C][VW]
         const uint8_t* blocks[P ? P * KC / F::QK : 1];                  // a slice's blocks, row by row
         std::vector<typename F::Scales> scales(P ? P * KC / F::QK : 0);  // and their scales
 #pragma omp for schedule(static)
@@ -740,7 +758,7 @@ void linear_panels(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, c
                         }
                 }
             }
-            store_sums<F, C>(acc, rows, M, b, y, ldy, n0);
+            store_sums<F, C>(acc, PN, rows, M, b, y, ldy, n0);
         }
     }
 }
