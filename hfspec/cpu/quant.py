@@ -138,10 +138,10 @@ def default_plan(qk: QuantKernel) -> tuple[int, ...]:
     per accumulator chain), then panels dequantized once into a scratch for every pass of rows."""
     index = {shape: i for i, shape in enumerate(qk.shapes)}
     if qk.library.isa == "avx512":
-        pick = [(1, 8, 0) if m <= 1 else (2, 6, 0) if m <= 3 else (4, 4, 0) if m <= 4 else (6, 4, 8)
+        pick = [(1, 8, 0) if m <= 1 else (2, 6, 0) if m <= 2 else (4, 4, 0) if m <= 4 else (8, 3, 6)
                 for m in range(kernels.PLAN_ROWS + 1)]
     else:
-        pick = [(2, 4, 0) if m <= 2 else (4, 3, 6) for m in range(kernels.PLAN_ROWS + 1)]
+        pick = [(1, 4, 0) if m <= 1 else (2, 3, 0) if m <= 2 else (4, 3, 6) for m in range(kernels.PLAN_ROWS + 1)]
     return tuple(index.get(shape, 0) for shape in pick)
 
 
