@@ -424,7 +424,8 @@ struct Q5_K {
 // Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 weights), f16 d.
 // Weight e: h = e / 128, r = e % 128; low nibble of byte h*64 + r%64 (shifted by 4 * (r / 64)); high bits of byte
 // 128 + h*32 + r%32 (shifted by 2 * (r / 32)). w = (d * sc) * (q - 32). A block's 256 codes minus 32 are
-// assembled once per block as bytes, 64 at a time on AVX-512 (``six_bit_codes``), and widened per chunk.
+// assembled once per block as bytes, 64 at a time on AVX-512 and 32 on AVX2 (``six_bit_codes``), and widened per
+// chunk.
 inline void six_bit_codes(const uint8_t* b, int8_t* q) {
 #if defined(__AVX512BW__)
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(32);
@@ -440,6 +441,24 @@ inline void six_bit_codes(const uint8_t* b, int8_t* q) {
         const __m512i high = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hi_hi);
         _mm512_storeu_si512((void*)(q + h * 128), _mm512_sub_epi8(low, bias));
         _mm512_storeu_si512((void*)(q + h * 128 + 64), _mm512_sub_epi8(high, bias));
+    }
+#elif defined(__AVX2__)
+    // Codes r of a half: r < 32 low nibbles of ql[0, 32) with qh bits 0-1; < 64 of ql[32, 64) with bits 2-3; < 96
+    // high nibbles of ql[0, 32) with bits 4-5; < 128 of ql[32, 64) with bits 6-7. (16-bit shifts: what crosses a
+    // byte is masked off.)
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(b + h * 64));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(b + h * 64 + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + h * 32));
+        const __m256i codes[4] = {
+            _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2)),
+            _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2))};
+        for (int k = 0; k < 4; ++k)
+            _mm256_storeu_si256((__m256i*)(q + h * 128 + 32 * k), _mm256_sub_epi8(codes[k], bias));
     }
 #else
     for (int e = 0; e < 256; ++e) {
