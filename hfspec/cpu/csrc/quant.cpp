@@ -790,7 +790,7 @@ void linear_panels(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, c
 #if defined(__AVX512F__)
 constexpr int SHAPES[][3] = {{1, 8, 0}, {2, 6, 0}, {4, 4, 0}, {4, 6, 6}, {8, 3, 6}, {6, 4, 8}};
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int SHAPES[][3] = {{1, 4, 0}, {2, 3, 0}, {4, 3, 6}, {6, 2, 6}};
+constexpr int SHAPES[][3] = {{4, 2, 0}, {2, 4, 0}, {4, 3, 6}, {6, 2, 6}};
 #else
 constexpr int SHAPES[][3] = {{2, 2, 0}, {4, 2, 4}};
 #endif
