@@ -79,7 +79,8 @@ inline vec transpose_lanes(vec v) {
 // lanes and the last two across them (vec.h's vsums the other way round): the sums of 16 vectors share their shuffles.
 inline vec transposed_sums(const vec* acc) {
     vec x[8], y[4], z[2];
-    for (int m = 0; m < 8; ++m)  // elements 0, 1 of each 128-bit lane: acc[2m]'s natural i + (i + 8); 2, 3: acc[2m + 1]'s
+    // elements 0, 1 of each 128-bit lane: acc[2m]'s natural i + (i + 8); elements 2, 3: acc[2m + 1]'s
+    for (int m = 0; m < 8; ++m)
         x[m] = _mm512_add_ps(_mm512_shuffle_ps(acc[2 * m], acc[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_ps(acc[2 * m], acc[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     for (int n = 0; n < 4; ++n)  // 128-bit lane q, element k: acc[4n + k]'s natural q + (q + 4)
@@ -358,7 +359,8 @@ struct Q4_K {
         memcpy(&dm, b, 4);
         const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                                _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm))));
-        _mm512_storeu_ps(s.dl, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)sm)))));
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)sm));
+        _mm512_storeu_ps(s.dl, _mm512_mul_ps(d, _mm512_cvtepi32_ps(codes)));
 #else
         scaled_bytes8(sm, f16(b), s.dl);  // dl = d * sc, in the order d * (float)sc as gguf's
         scaled_bytes8(sm + 8, f16(b + 2), s.ml);
@@ -376,8 +378,9 @@ struct Q4_K {
         v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)b[3]), 3);
         const __m512i low = _mm512_srlv_epi32(_mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(3, 2, 3, 1)),
                                               _mm512_set4_epi32(4, 0, 0, 0));
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi32(_mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(2, 2, 1, 1)), 2),
-                                              _mm512_set4_epi32(0x30303030, 0, 0x30303030, 0));
+        const __m512i high = _mm512_and_si512(
+            _mm512_srli_epi32(_mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(2, 2, 1, 1)), 2),
+            _mm512_set4_epi32(0x30303030, 0, 0x30303030, 0));
         alignas(64) uint8_t sm[64];  // block k's 8 scales and 8 minimums: bytes 16k .. 16k + 15
         const __m512i mask = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
         _mm512_store_si512(sm, _mm512_ternarylogic_epi32(low, high, mask, 0xEC));  // (low & mask) | high
@@ -387,8 +390,8 @@ struct Q4_K {
         for (int k = 0; k < 4; ++k) {
             const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(2 * k),
                                                   _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-            _mm512_storeu_ps(s[k].dl, _mm512_mul_ps(_mm512_permutexvar_ps(pick, dm),
-                                                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(sm + 16 * k))))));
+            const __m512i codes = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(sm + 16 * k)));
+            _mm512_storeu_ps(s[k].dl, _mm512_mul_ps(_mm512_permutexvar_ps(pick, dm), _mm512_cvtepi32_ps(codes)));
         }
     }
 #endif
@@ -648,7 +651,8 @@ NOINLINE void tile_blocks(const float* xp, int64_t xs, const uint8_t* w, int64_t
     for (int64_t blk = 0; blk < blocks; ++blk, w += F::BYTES) {
         if (next) {
             for (int j = 0; j < C; ++j)
-                for (int off = 0; off < F::BYTES; off += 64) __builtin_prefetch(next + j * ldw + blk * F::BYTES + off, 0, 2);
+                for (int off = 0; off < F::BYTES; off += 64)
+                    __builtin_prefetch(next + j * ldw + blk * F::BYTES + off, 0, 2);
         }
         typename F::Scales scales[C];
         const uint8_t* rows[C];
@@ -721,7 +725,8 @@ void linear_panels(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, c
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t c0 = 0; c0 < chunks; c0 += 64) pack_rows<F>(x, ldx, M, c0, c0 + 64 < chunks ? c0 + 64 : chunks, xp);
+        for (int64_t c0 = 0; c0 < chunks; c0 += 64)
+            pack_rows<F>(x, ldx, M, c0, c0 + 64 < chunks ? c0 + 64 : chunks, xp);
         std::vector<Line> scratch_lines, acc_lines;
         float* scratch = P ? lines(scratch_lines, P * KC) : nullptr;  // [P / C][KC / VW][C][VW]
         float* acc = lines(acc_lines, (PN * M + VW) * VW);             // [P / C][M][C][VW]
@@ -739,7 +744,8 @@ void linear_panels(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, c
                 std::vector<uint8_t> padded;
                 if (rows < C) {
                     padded.resize(C * ldw);
-                    for (int j = 0; j < C; ++j) memcpy(padded.data() + j * ldw, rows_w + (j < rows ? j : rows - 1) * ldw, ldw);
+                    for (int j = 0; j < C; ++j)
+                        memcpy(padded.data() + j * ldw, rows_w + (j < rows ? j : rows - 1) * ldw, ldw);
                     rows_w = padded.data();
                 }
                 for (int64_t p = 0, m0 = 0; p < passes; ++p) {
