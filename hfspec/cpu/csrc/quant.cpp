@@ -11,10 +11,11 @@
 // Each thread takes a contiguous range of output rows, P at a time (a panel), and walks K in slices of KC weights.
 // Per slice it dequantizes the panel's rows once into a scratch buffer in L1, then runs an fp32 micro-kernel over
 // it: every block of R input rows against every block of C weight rows, R * C FMAs per R + C loads, the
-// accumulators kept in an L1 buffer between slices. So the weights stream from memory once per call, are
+// accumulators kept in an L1 buffer between slices. So the weights stream from memory once per call and are
 // dequantized once whatever the row count, and M rows cost about what one row costs until the FMAs fill the
-// machine. The input rows are packed once per call, chunk by chunk, so that a block's R rows of a chunk are R
-// consecutive aligned vectors.
+// machine. For a few rows (the shapes with P = 0) each pass of rows dequantizes C weight rows in registers instead,
+// which saves the scratch's stores and loads. The input rows are packed once per call, chunk by chunk, so that a
+// block's R rows of a chunk are R consecutive aligned vectors.
 //
 // One small struct per block format says where its codes sit and what value a code stands for (ggml-quants.c's
 // layouts; gguf/quants.py's arithmetic). On AVX-512 a format of at most 32 codes builds, per group of weights
