@@ -578,10 +578,19 @@ void dequantize_row(const uint8_t* w, int64_t K, float* out) {
 #endif
 }
 
-// A buffer of at least n floats on a cache line's boundary.
+// A buffer of at least n floats on a cache line's boundary. Each thread keeps its buffers from call to call (a
+// decoding step is too short to pay for allocating and zeroing them every time), those of up to KEEP_LINES lines.
 struct alignas(64) Line { float f[16]; };
+constexpr size_t KEEP_LINES = 1 << 16;  // 4 MB
+thread_local std::vector<Line> packed_rows, panel_scratch, panel_sums;
 inline float* lines(std::vector<Line>& buf, int64_t n) {
-    buf.resize((n + 15) / 16);
+    const size_t need = (size_t)(n + 15) / 16;
+    if (buf.size() < need) {
+        buf.resize(need);
+    } else if (buf.size() > KEEP_LINES && buf.size() > need) {
+        buf.resize(need);
+        buf.shrink_to_fit();
+    }
     return buf[0].f;
 }
 
@@ -721,16 +730,15 @@ void linear_panels(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, c
     static_assert(PN % C == 0 && KC % F::QK == 0, "a panel holds whole blocks of weight rows, a slice whole blocks");
     const int64_t chunks = K / VW, panels = (N + PN - 1) / PN, passes = (M + R - 1) / R;
     constexpr int64_t AHEAD = (PREFETCH_ROWS_AHEAD + PN - 1) / PN * PN;
-    std::vector<Line> packed;
-    float* xp = lines(packed, chunks * M * VW);
+    float* xp = lines(packed_rows, chunks * M * VW);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t c0 = 0; c0 < chunks; c0 += 64)
             pack_rows<F>(x, ldx, M, c0, c0 + 64 < chunks ? c0 + 64 : chunks, xp);
-        std::vector<Line> scratch_lines, acc_lines;
-        float* scratch = P ? lines(scratch_lines, P * KC) : nullptr;  // [P / C][KC / VW][C][VW]
-        float* acc = lines(acc_lines, (PN * M + VW) * VW);             // [P / C][M][C][VW]
+        float* scratch = P ? lines(panel_scratch, P * KC) : nullptr;  // [P / C][KC / VW][C][VW]
+        float* acc = lines(panel_sums, (PN * M + VW) * VW);           // [P / C][M][C][VW], then VW zeros
+        memset(acc + PN * M * VW, 0, sizeof(float) * VW * VW);
         const uint8_t* blocks[P ? P * KC / F::QK : 1];                  // a slice's blocks, row by row
         std::vector<typename F::Scales> scales(P ? P * KC / F::QK : 0);  // and their scales
 #pragma omp for schedule(static)
