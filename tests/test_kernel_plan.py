@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -56,6 +57,23 @@ def test_time_shapes_times_every_shape_at_every_row_count(library):
                                       progress=False)
     assert set(medians) == {1, 3}  # each layer's call takes one tick: a pass, two
     assert all(len(times) == len(library.shapes) and all(t == 2 for t in times) for times in medians.values())
+
+
+def test_a_shape_far_slower_than_the_fastest_is_timed_in_one_round_only(library):
+    # A kernel offering shapes for a few rows and for many spends most of its timing on the slow ones otherwise.
+    now, calls = [0.0], Counter()
+
+    class Layer(nn.Linear):
+        kernel_kind = "fake"
+
+        def kernel_call(self, x, w, bias, plan):
+            calls[plan[0]] += 1
+            now[0] += (1.0, 1.5, kernel_plan.SLOWER + 1.0)[plan[0]]
+
+    medians = kernel_plan.time_shapes(library, [Layer(8, 4)], rows=(1, 4), rounds=3, clock=lambda: now[0],
+                                      progress=False, shapes=[(1, 1, 0), (2, 2, 0), (3, 3, 0)])
+    assert medians == {1: [1.0, 1.5, kernel_plan.SLOWER + 1.0], 4: [1.0, 1.5, kernel_plan.SLOWER + 1.0]}
+    assert calls == {0: 2 * 4, 1: 2 * 4, 2: 2 * 2}  # per row count: a warm-up and 3 rounds, or 1
 
 
 def test_a_few_layers_per_distinct_shape_are_timed_for_all_of_them(monkeypatch):

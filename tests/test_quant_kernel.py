@@ -1,7 +1,8 @@
 """The quantized kernel: every format's output equals the fp32 kernel's on the dequantized weights, bit for bit.
 
 The reference weights are the gguf package's numpy dequantization (what transformers loads); the reference output
-is ``kernels.linear`` on them, for every row count 1..50, every block shape, odd N, with and without a bias.
+is ``kernels.linear`` on them, for every row count 1..50, every block shape, odd N, K within one slice of a panel and
+across several, with and without a bias.
 """
 from __future__ import annotations
 
@@ -31,10 +32,23 @@ def reference(blocks: torch.Tensor, fmt: quant.Format, k: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values)).reshape(blocks.shape[0], k)
 
 
-def case(name: str, n: int = 37, seed: int = 0) -> tuple[quant.Format, int, torch.Tensor]:
+def case(name: str, n: int = 37, seed: int = 0, blocks: int | None = None) -> tuple[quant.Format, int, torch.Tensor]:
     fmt = quant.FORMATS[name]
-    k = 2 * fmt.elements if fmt.elements == 256 else 6 * fmt.elements
+    k = (blocks or (2 if fmt.elements == 256 else 6)) * fmt.elements
     return fmt, k, torch.from_numpy(random_blocks(name, n, k, np.random.default_rng(seed)))
+
+
+def assert_every_shape_matches(library, qk, name: str, fmt: quant.Format, k: int, blocks: torch.Tensor,
+                               rows: list[int]) -> None:
+    weight = reference(blocks, fmt, k)
+    g = torch.Generator().manual_seed(1)
+    x, bias = torch.randn(max(rows), k, generator=g), torch.randn(blocks.shape[0], generator=g)
+    for m in rows:
+        for b in (None, bias):
+            want = kernels.linear(library, x[:m], weight, b)
+            for shape in range(len(qk.shapes)):
+                got = quant.linear(qk, x[:m], blocks, fmt, b, (shape,))
+                assert torch.equal(got, want), f"{name}: {m} rows, shape {qk.shapes[shape]}, bias {b is not None}"
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -49,15 +63,15 @@ def test_dequantization_is_the_gguf_packages_bit_for_bit(qk, name):
 @pytest.mark.parametrize("name", FORMATS)
 def test_every_row_count_and_shape_gives_the_fp32_kernels_bits(library, qk, name):
     fmt, k, blocks = case(name)
-    weight = reference(blocks, fmt, k)
-    g = torch.Generator().manual_seed(1)
-    x, bias = torch.randn(50, k, generator=g), torch.randn(blocks.shape[0], generator=g)
-    for m in [*range(1, 18), 23, 24, 25, 33, 49, 50]:
-        for b in (None, bias):
-            want = kernels.linear(library, x[:m], weight, b)
-            for shape in range(len(qk.shapes)):
-                got = quant.linear(qk, x[:m], blocks, fmt, b, (shape,))
-                assert torch.equal(got, want), f"{name}: {m} rows, shape {qk.shapes[shape]}, bias {b is not None}"
+    assert_every_shape_matches(library, qk, name, fmt, k, blocks, list(range(1, 51)))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_rows_longer_than_a_slice_give_the_fp32_kernels_bits(library, qk, name):
+    # A panel's weights are dequantized a slice of K at a time (512 weights), its sums carried over: K of 3 K-quant
+    # blocks is a slice and a half, 33 blocks of 32 two slices and one block.
+    fmt, k, blocks = case(name, n=13, blocks=3 if quant.FORMATS[name].elements == 256 else 33)
+    assert_every_shape_matches(library, qk, name, fmt, k, blocks, [1, 2, 3, 4, 5, 8, 9, 13, 17])
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])

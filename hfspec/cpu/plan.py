@@ -4,7 +4,9 @@ The shape that streams M rows fastest depends on the CPU (its prefetchers, cache
 the arithmetic: on one AMD EPYC a forward over 3-4 rows ran fastest over 3 weight rows at once, on another
 25% faster one weight row at a time. So :func:`plan_for` times every shape the library offers at the row
 counts that verification uses (``TUNED_ROWS``), on a sample of the layers it will serve (a few per distinct
-layer shape, weighted back to all of them), in interleaved rounds so that a passing load hits all shapes alike, and takes a shape over :func:`hfspec.cpu.kernels.default_plan`'s only
+layer shape, weighted back to all of them), in interleaved rounds so that a passing load hits all shapes alike (a
+shape ``SLOWER`` times slower than the fastest after the first round, e.g. one for a few rows at many rows, is not timed
+again), and takes a shape over :func:`hfspec.cpu.kernels.default_plan`'s only
 where it is faster by ``MARGIN``. The plan is cached on disk per library (source, compiler, CPU flags),
 thread count and layer shapes (``$HFSPEC_CACHE/kernels/plan-*.json``; delete it to time again): a few
 seconds once per machine and model, one process at a time (a file lock: two processes timing at once would
@@ -32,8 +34,8 @@ from tqdm.auto import tqdm
 
 from hfspec.cpu import kernels
 
-__all__ = ["MARGIN", "ROUNDS", "SAMPLE_LAYERS", "SAMPLE_ROWS", "TUNED_ROWS", "choose", "plan_for", "plan_path", "sample",
-           "sample_layers", "time_shapes"]
+__all__ = ["MARGIN", "ROUNDS", "SAMPLE_LAYERS", "SAMPLE_ROWS", "SLOWER", "TUNED_ROWS", "choose", "plan_for",
+           "plan_path", "sample", "sample_layers", "time_shapes"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 TUNED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24)
 ROUNDS = 5
 MARGIN = 0.97  # a shape replaces the default only when its median time is at most this fraction of the default's
+SLOWER = 2.0  # a shape this many times slower than the fastest in the first round is not timed in the others
 
 # Plans this process has made or read, by their file.
 _PLANS: dict[Path, tuple[int, ...]] = {}
@@ -117,7 +120,8 @@ def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Module], row
                 progress: bool | None = None,
                 shapes: Sequence[tuple[int, int]] | None = None) -> dict[int, list[float]]:
     """Median seconds a pass over ``layers`` takes in each shape (the library's, or ``shapes`` for layers of another
-    kernel), at each row count in ``rows`` (estimated from :func:`sample`'s layers, weighted back to all of them)."""
+    kernel), at each row count in ``rows`` (estimated from :func:`sample`'s layers, weighted back to all of them).
+    A shape ``SLOWER`` times slower than the fastest in the first round keeps that round's time."""
     weights = sample_layers(layers)
     inputs = {k: torch.randn(max(rows), k) for k in {layer.in_features for layer, _, _, _ in weights}}
 
@@ -141,10 +145,14 @@ def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Module], row
         for m in rows:
             for shape in shapes:
                 run(shape, m)  # warm-up: caches, page faults
+            timed = list(shapes)
             for r in range(rounds):
-                for i in shapes:
-                    shape = (i + r) % len(shapes)  # rotate the order so that no shape always runs first
+                for i in range(len(timed)):
+                    shape = timed[(i + r) % len(timed)]  # rotate the order so that no shape always runs first
                     seconds[m][shape].append(run(shape, m))
+                if r == 0:  # a shape far slower than the fastest is not timed again (a few rows in many passes)
+                    fastest = min(seconds[m][shape][0] for shape in timed)
+                    timed = [shape for shape in timed if seconds[m][shape][0] <= SLOWER * fastest]
                 bar.update()
     return {m: [statistics.median(s) for s in by_shape] for m, by_shape in seconds.items()}
 

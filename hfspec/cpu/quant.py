@@ -70,10 +70,11 @@ def format_of(kind: str | int) -> Format | None:
 
 @dataclass(frozen=True)
 class QuantKernel:
-    """The quantized kernel in the loaded library: its block shapes and C entries."""
+    """The quantized kernel in the loaded library: its block shapes (rows per pass, weight rows per tile, weight rows
+    per panel dequantized into a scratch, 0 for dequantized in registers) and C entries."""
 
     library: kernels.KernelLibrary
-    shapes: tuple[tuple[int, int], ...]
+    shapes: tuple[tuple[int, int, int], ...]
     linear: ctypes._CFuncPtr = field(repr=False, compare=False)
     rows: ctypes._CFuncPtr = field(repr=False, compare=False)
 
@@ -91,12 +92,12 @@ def _bind(library: kernels.KernelLibrary) -> QuantKernel | str:
     if isa != library.isa:  # the same FMAs, lanes and sums as the fp32 kernel, or no exactness
         return f"the quantized kernel was built for {isa}, the fp32 kernel for {library.isa}"
     count = library.function("hfspec_quant_shape_count", [], _INT)()
-    shape = library.function("hfspec_quant_shape", [_INT, _PTR, _PTR])
+    shape = library.function("hfspec_quant_shape", [_INT, _PTR, _PTR, _PTR])
     shapes = []
     for i in range(count):
-        mb, nb = ctypes.c_int(), ctypes.c_int()
-        shape(i, ctypes.byref(mb), ctypes.byref(nb))
-        shapes.append((mb.value, nb.value))
+        found = [ctypes.c_int() for _ in range(3)]
+        shape(i, *map(ctypes.byref, found))
+        shapes.append(tuple(v.value for v in found))
     supports = library.function("hfspec_quant_supports", [_INT], _INT)
     missing = [f.name for f in FORMATS.values() if not supports(f.type)]
     if missing:
@@ -133,13 +134,15 @@ def unavailable() -> str | None:
 
 @functools.cache
 def default_plan(qk: QuantKernel) -> tuple[int, ...]:
-    """The shape per row count before any timing: enough independent sums for few rows (4 weight rows at once up to
-    4 rows on AVX-512, 2 rows on AVX2), then more rows over fewer weight rows."""
+    """The shape per row count before any timing: for a few rows the weights dequantized in registers by each pass,
+    for more a panel dequantized once into a scratch for every pass (what ran fastest on one Sapphire Rapids core,
+    in its AVX-512 build and in an AVX2 build)."""
     index = {shape: i for i, shape in enumerate(qk.shapes)}
     if qk.library.isa == "avx512":
-        pick = [(4, 4) if m <= 4 else (8, 2) for m in range(kernels.PLAN_ROWS + 1)]
+        pick = [(1, 8, 0) if m <= 1 else (2, 6, 0) if m <= 2 else (4, 4, 0) if m <= 4 else (8, 3, 6)
+                for m in range(kernels.PLAN_ROWS + 1)]
     else:
-        pick = [(2, 4) if m <= 2 else (4, 2) if m <= 4 else (8, 1) for m in range(kernels.PLAN_ROWS + 1)]
+        pick = [(4, 2, 0) if m <= 2 else (4, 3, 6) if m <= 5 else (6, 2, 6) for m in range(kernels.PLAN_ROWS + 1)]
     return tuple(index.get(shape, 0) for shape in pick)
 
 
