@@ -209,7 +209,7 @@ def load_pair(
             draft_model = _cross_tokenizer_drafter(draft_model, draft_tok, tok, target, draft)
     if fast_kernels:
         _accelerate(target_model, "target")
-        _accelerate(draft_module(draft_model), "draft")
+        _accelerate(draft_module(draft_model), "draft", plan=not _integer_draft(draft_model, draft_bits))
         _quantize_draft(draft_model, draft_bits)
     log.info("loaded target %s (%s, %s) and draft %s", target, target_model.dtype, _input_device(target_model), draft)
     return target_model, draft_model, tok
@@ -245,13 +245,19 @@ def _check_draft_bits(value: Any) -> None:
         raise HfspecError(f"draft_bits must be 4, 8 or None (the draft's own weights), got {value!r}")
 
 
-def _quantize_draft(draft: PreTrainedModel | Drafter | None, bits: int | None) -> None:
-    """A draft model (not an EAGLE-3 head: it is small, and reads the target's features) on CPU runs in integer
-    arithmetic (``hfspec.cpu.draft_linear``); log what happened."""
+def _integer_draft(draft: PreTrainedModel | Drafter | None, bits: int | None) -> bool:
+    """Whether the draft is one that runs in integer arithmetic: a draft model (not an EAGLE-3 head: it is small,
+    and reads the target's features) on CPU, where the draft kernel runs."""
     model = draft_module(draft)
-    if bits is None or model is None or isinstance(model, Eagle3Head) \
-            or not all(p.is_cpu for p in model.parameters()):
+    return bits is not None and model is not None and not isinstance(model, Eagle3Head) \
+        and all(p.is_cpu for p in model.parameters()) and draft_linear.kernel() is not None
+
+
+def _quantize_draft(draft: PreTrainedModel | Drafter | None, bits: int | None) -> None:
+    """Put the draft in integer arithmetic where it runs so (``hfspec.cpu.draft_linear``); log what happened."""
+    if not _integer_draft(draft, bits):
         return
+    model = draft_module(draft)
     report = draft_linear.quantize_for_drafting(model, bits)
     if report.layers:
         log.info("draft: %d linear layers in %d-bit integer arithmetic on the %s kernel (%.0f MB read per step, "
@@ -308,11 +314,12 @@ def _load_lm(path: str, role: str, gguf_file: str | None, *, native: bool, **kwa
     return load_model(path, role, **kwargs)
 
 
-def _accelerate(model: torch.nn.Module | None, role: str) -> None:
-    """Run ``model`` on hfspec's CPU kernel where it pays (``hfspec.fast.accelerate_loaded``); log what happened."""
+def _accelerate(model: torch.nn.Module | None, role: str, plan: bool = True) -> None:
+    """Run ``model`` on hfspec's CPU kernel where it pays (``hfspec.fast.accelerate_loaded``; ``plan=False``: its
+    linears are about to be replaced, no need to time block shapes on them); log what happened."""
     if model is None:
         return
-    report = fast.accelerate_loaded(model)
+    report = fast.accelerate_loaded(model, plan=plan)
     if report.quantized:
         log.info("%s: %d quantized and %d other linear layers on the %s kernel", role, report.quantized,
                  len(report.layers), report.isa)
@@ -381,7 +388,7 @@ def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str |
         _cut_draft_head(loaded, _draft_tokenizer(draft, path, trust_remote_code, _tokenizer_gguf(path, gguf_file)),
                         draft_vocab)
     if fast_kernels:
-        _accelerate(draft_module(loaded), "draft")
+        _accelerate(draft_module(loaded), "draft", plan=not _integer_draft(loaded, draft_bits))
         _quantize_draft(loaded, draft_bits)
     return loaded
 

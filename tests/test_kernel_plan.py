@@ -73,7 +73,7 @@ def test_a_shape_far_slower_than_the_fastest_is_timed_in_one_round_only(library)
     medians = kernel_plan.time_shapes(library, [Layer(8, 4)], rows=(1, 4), rounds=3, clock=lambda: now[0],
                                       progress=False, shapes=[(1, 1, 0), (2, 2, 0), (3, 3, 0)])
     assert medians == {1: [1.0, 1.5, kernel_plan.SLOWER + 1.0], 4: [1.0, 1.5, kernel_plan.SLOWER + 1.0]}
-    assert calls == {0: 2 * 4, 1: 2 * 4, 2: 2 * 2}  # per row count: a warm-up and 3 rounds, or 1
+    assert calls == {0: 1 + 2 * 3, 1: 1 + 2 * 3, 2: 1 + 2 * 1}  # one warm-up; per row count 3 rounds, or 1
 
 
 def test_a_few_layers_per_distinct_shape_are_timed_for_all_of_them(monkeypatch):

@@ -111,7 +111,7 @@ def _skip_reason(module: nn.Linear) -> str | None:
     return None
 
 
-def accelerate(model: nn.Module, *, max_rows: int | None = None) -> AccelerationReport:
+def accelerate(model: nn.Module, *, max_rows: int | None = None, plan: bool = True) -> AccelerationReport:
     """Make ``model``'s plain ``nn.Linear`` layers run hfspec's kernel for inputs of at most ``max_rows`` rows
     (by default all of them), and its ``sdpa`` or ``eager`` attention run :mod:`hfspec.cpu.attention`'s.
 
@@ -119,6 +119,8 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None) -> Acceleration
     layers the first time this machine sees their shapes (seconds, cached: :mod:`hfspec.cpu.plan`). The
     model is changed in place; nothing else is touched, and :func:`restore` undoes it. Where the kernel
     cannot be built or ``HFSPEC_KERNELS=0`` is set, the model is left as it is and the report says why.
+    ``plan=False`` keeps the default block shapes (for linears about to be replaced, as a draft's are when it is
+    put in integer arithmetic).
     """
     if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
         raise HfspecError(f"max_rows must be a positive int (rows per call to run on the kernel), got {max_rows!r}")
@@ -141,10 +143,10 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None) -> Acceleration
         module.max_rows = max_rows or ALL_ROWS
         layers.append(name)
         converted.append(module)
-    plan = kernel_plan.plan_for(library, converted)
+    shapes = kernel_plan.plan_for(library, converted) if plan else kernels.default_plan(library)
     for module in converted:
-        module.plan = plan
-    quantized = quant.plan_layers(model)
+        module.plan = shapes
+    quantized = quant.plan_layers(model) if plan else len(quant.quantized_layers(model))
     layers += cpu_conv1d.use(model, library) if converted else []
     attention = bool(converted or quantized) and cpu_attention.use(model, library)
     acts = cpu_activations.use(model, library) if converted or quantized else 0
@@ -199,13 +201,13 @@ def _off_reason(model: nn.Module) -> str | None:
     return None
 
 
-def accelerate_loaded(model: nn.Module) -> AccelerationReport:
+def accelerate_loaded(model: nn.Module, *, plan: bool = True) -> AccelerationReport:
     """:func:`accelerate` a model hfspec loaded itself, where the kernel pays: on CPU, fp32 or bf16 weights,
     and a vectorised build (AVX2 or AVX-512; the scalar fallback would lose to torch's own GEMMs)."""
     why = _off_reason(model)
     if why is not None:
         return AccelerationReport((), (), 0, None, None, 0.0, reason=why)
-    report = accelerate(model)
+    report = accelerate(model, plan=plan)
     if report.isa == "scalar":
         restore(model)
         return AccelerationReport((), (), 0, report.isa, report.library, report.build_seconds,

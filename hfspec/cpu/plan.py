@@ -39,9 +39,10 @@ __all__ = ["MARGIN", "ROUNDS", "SAMPLE_LAYERS", "SAMPLE_ROWS", "SLOWER", "TUNED_
 
 log = logging.getLogger(__name__)
 
-# Rows per call that verification feeds: chains of gamma + 1, trees of 4-16 nodes + 1, small batches of them.
-TUNED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24)
-ROUNDS = 5
+# Rows per call that verification feeds: chains of gamma + 1 (gamma="auto" drafts up to 8), trees of 4-16 nodes
+# + 1; row counts between them take the choice of the timed count below (``choose``).
+TUNED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17)
+ROUNDS = 3
 MARGIN = 0.97  # a shape replaces the default only when its median time is at most this fraction of the default's
 SLOWER = 2.0  # a shape this many times slower than the fastest in the first round is not timed in the others
 
@@ -89,7 +90,7 @@ def choose(default: Sequence[int], medians: dict[int, Sequence[float]]) -> tuple
 # What is timed of a model: per distinct layer shape, at most SAMPLE_LAYERS of its layers (spread over the depth),
 # each cut to at most SAMPLE_ROWS weight rows, weighted back to the whole model. Timing every layer took 192 s on a
 # 1.5B model (197 layers); a few distinct weights per shape still stream from memory as a forward does.
-SAMPLE_LAYERS = 3
+SAMPLE_LAYERS = 2
 SAMPLE_ROWS = 8192
 
 
@@ -142,9 +143,9 @@ def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Module], row
     seconds = {m: [[] for _ in shapes] for m in rows}
     with tqdm(total=len(rows) * rounds, desc="hfspec: timing kernel shapes", unit="round", leave=False,
               disable=None if progress is None else not progress) as bar:
+        for shape in shapes:
+            run(shape, rows[0])  # warm-up: caches, page faults
         for m in rows:
-            for shape in shapes:
-                run(shape, m)  # warm-up: caches, page faults
             timed = list(shapes)
             for r in range(rounds):
                 for i in range(len(timed)):
