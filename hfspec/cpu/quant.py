@@ -139,7 +139,7 @@ def default_plan(qk: QuantKernel) -> tuple[int, ...]:
     in its AVX-512 build and in an AVX2 build)."""
     index = {shape: i for i, shape in enumerate(qk.shapes)}
     if qk.library.isa == "avx512":
-        pick = [(1, 8, 0) if m <= 1 else (2, 6, 0) if m <= 2 else (4, 4, 0) if m <= 4 else (8, 3, 6)
+        pick = [(1, 8, 0) if m <= 1 else (4, 4, 0) if m <= 4 else (8, 3, 6) if m <= 7 else (4, 6, 6)
                 for m in range(kernels.PLAN_ROWS + 1)]
     else:
         pick = [(4, 2, 0) if m <= 2 else (4, 3, 6) if m <= 5 else (6, 2, 6) for m in range(kernels.PLAN_ROWS + 1)]

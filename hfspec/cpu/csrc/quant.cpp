@@ -803,7 +803,7 @@ void linear_panels(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, c
 // (one row: 8 weight rows at once, enough chains of FMAs to hide their latency), more rows a panel: measured on one
 // Sapphire Rapids core, 8 rows over Q4_K 8960x1536 ran 6.9 cycles per 16 weights and row in panels, 8.4 in registers.
 #if defined(__AVX512F__)
-constexpr int SHAPES[][3] = {{1, 8, 0}, {2, 6, 0}, {4, 4, 0}, {4, 6, 6}, {8, 3, 6}, {6, 4, 8}};
+constexpr int SHAPES[][3] = {{1, 8, 0}, {4, 4, 0}, {4, 6, 6}, {8, 3, 6}, {6, 4, 8}};
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int SHAPES[][3] = {{4, 2, 0}, {2, 4, 0}, {4, 3, 6}, {6, 2, 6}};
 #else
