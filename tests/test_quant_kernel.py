@@ -74,6 +74,18 @@ def test_rows_longer_than_a_slice_give_the_fp32_kernels_bits(library, qk, name):
     assert_every_shape_matches(library, qk, name, fmt, k, blocks, [1, 2, 3, 4, 5, 8, 9, 13, 17])
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K"])
+def test_two_threads_give_the_fp32_kernels_bits(library, qk, name):
+    # Two threads pack the input rows together, then take half the panels each.
+    fmt, k, blocks = case(name, blocks=6 if quant.FORMATS[name].elements == 256 else 48)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert_every_shape_matches(library, qk, name, fmt, k, blocks, [1, 3, 8, 17])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_fewer_weight_rows_than_a_block_holds(library, qk, n):
     fmt, k, blocks = case("Q4_K", n=n)
