@@ -359,7 +359,7 @@ struct Q4_K {
         uint32_t dm;
         memcpy(&dm, b, 4);
         const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                               _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm))));
+                                               _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_cvtsi32_si128((int)dm))));
         const __m512i codes = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)sm));
         _mm512_storeu_ps(s.dl, _mm512_mul_ps(d, _mm512_cvtepi32_ps(codes)));
 #else
@@ -386,7 +386,7 @@ struct Q4_K {
         const __m512i mask = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
         _mm512_store_si512(sm, _mm512_ternarylogic_epi32(low, high, mask, 0xEC));  // (low & mask) | high
         // d, dmin of the four blocks as floats: [d0, dmin0, d1, dmin1, ...]
-        const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(
+        const __m512 dm = _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm512_castsi512_si128(  // AVX-512F's own conversion
             _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v))));
         for (int k = 0; k < 4; ++k) {
             const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(2 * k),
