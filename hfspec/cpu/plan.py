@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,7 +42,7 @@ log = logging.getLogger(__name__)
 # + 1; row counts between them take the choice of the timed count below (``choose``).
 TUNED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17)
 ROUNDS = 3
-MARGIN = 0.97  # a shape replaces the default only when its median time is at most this fraction of the default's
+MARGIN = 0.97  # a shape replaces the default only when its best time is at most this fraction of the default's
 SLOWER = 2.0  # a shape this many times slower than the fastest in the first round is not timed in the others
 
 # Plans this process has made or read, by their file.
@@ -69,19 +68,19 @@ def plan_path(library: kernels.KernelLibrary, layers: Sequence[nn.Module], threa
     return library.path.parent / f"plan-{key}.json"
 
 
-def choose(default: Sequence[int], medians: dict[int, Sequence[float]]) -> tuple[int, ...]:
-    """The plan from the median seconds per shape at each timed row count (``medians[m][shape]``).
+def choose(default: Sequence[int], best: dict[int, Sequence[float]]) -> tuple[int, ...]:
+    """The plan from the best seconds per shape at each timed row count (``best[m][shape]``).
 
     At a timed row count the fastest shape wins if it beats the default plan's shape there by ``MARGIN``;
     row counts between timed ones take the choice of the nearest timed count below; row counts beyond the
     last timed one (and the last entry, which serves prompts) keep the default.
     """
     plan = list(default)
-    timed = sorted(m for m in medians if 0 < m < len(plan))
+    timed = sorted(m for m in best if 0 < m < len(plan))
     for i, m in enumerate(timed):
-        times = medians[m]
-        best = min(range(len(times)), key=times.__getitem__)
-        pick = best if times[best] <= MARGIN * times[default[m]] else default[m]
+        times = best[m]
+        fastest = min(range(len(times)), key=times.__getitem__)
+        pick = fastest if times[fastest] <= MARGIN * times[default[m]] else default[m]
         stop = min(timed[i + 1] if i + 1 < len(timed) else m + 1, len(plan) - 1)
         plan[m:stop] = [pick] * (stop - m)
     return tuple(plan)
@@ -120,7 +119,7 @@ def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Module], row
                 rounds: int = ROUNDS, *, clock: Callable[[], float] = time.perf_counter,
                 progress: bool | None = None,
                 shapes: Sequence[tuple[int, int]] | None = None) -> dict[int, list[float]]:
-    """Median seconds a pass over ``layers`` takes in each shape (the library's, or ``shapes`` for layers of another
+    """The fewest seconds a pass over ``layers`` took in each shape (the library's, or ``shapes`` for layers of another
     kernel), at each row count in ``rows`` (estimated from :func:`sample`'s layers, weighted back to all of them).
     A shape ``SLOWER`` times slower than the fastest in the first round keeps that round's time."""
     weights = sample_layers(layers)
@@ -155,7 +154,9 @@ def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Module], row
                     fastest = min(seconds[m][shape][0] for shape in timed)
                     timed = [shape for shape in timed if seconds[m][shape][0] <= SLOWER * fastest]
                 bar.update()
-    return {m: [statistics.median(s) for s in by_shape] for m, by_shape in seconds.items()}
+    # The fastest round: another process that takes a core for a moment stalls a two-thread call by a whole time
+    # slice (24 ms here), which no amount of rounds averages out, while nothing makes a call faster than it is.
+    return {m: [min(s) for s in by_shape] for m, by_shape in seconds.items()}
 
 
 def plan_for(library: kernels.KernelLibrary, layers: Sequence[nn.Module], *, progress: bool | None = None,
@@ -201,11 +202,11 @@ def _time_and_keep(library: kernels.KernelLibrary, layers: Sequence[nn.Module], 
     log.info("hfspec: timing the CPU kernel's %d block shapes on %d distinct layer shapes of this model (once per "
              "machine, threads and model; cached in %s): which one streams each row count fastest depends on "
              "the CPU", len(offered), distinct, path)
-    medians = time_shapes(library, layers, progress=progress, shapes=shapes)
-    plan = choose(default, medians)
+    best = time_shapes(library, layers, progress=progress, shapes=shapes)
+    plan = choose(default, best)
     record = {"plan": plan, "shapes": offered, "threads": torch.get_num_threads(),
               "seconds": round(time.perf_counter() - t0, 2),
-              "ms": {m: [round(s * 1e3, 3) for s in times] for m, times in medians.items()}}
+              "ms": {m: [round(s * 1e3, 3) for s in times] for m, times in best.items()}}
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(record))
