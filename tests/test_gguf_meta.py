@@ -11,7 +11,7 @@ from hfspec import gguf_meta, gguf_native
 
 @pytest.fixture
 def gguf(tmp_path, monkeypatch, library):
-    monkeypatch.setenv("HFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_meta, "cache_dir", lambda: tmp_path / "cache")  # the kernels stay where they are built
     monkeypatch.setattr(gguf_meta, "WORTH_KEEPING", 0.0)  # keep everything, however fast
     return gguf_files.write(tmp_path / "model", "qwen2", "Q8_0")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hfspec import SpeculativeGenerator
+from hfspec import SpeculativeGenerator, assets
 from hfspec.cpu import kernels
 from hfspec.assets import cache_dir, offline_target_path, shipped_draft_path, shipped_head_path
 
@@ -19,12 +19,18 @@ PROMPTS = [
 ]
 
 
+def use_session_build(mp, request):
+    """Models from the session's fresh build of the offline target; the kernels stay where they were built."""
+    cache = request.getfixturevalue("offline_target")[0]
+    mp.setattr(assets, "cache_dir", lambda: cache)
+
+
 @pytest.fixture(scope="module")
 def real_pair(request):
     # The user's built copy when there is one, else the session's fresh build (which test_assets makes anyway).
     with pytest.MonkeyPatch.context() as mp:
         if not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():
-            mp.setenv("HFSPEC_CACHE", str(request.getfixturevalue("offline_target")[0]))
+            use_session_build(mp, request)
         target_dir = offline_target_path(progress=False)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -118,7 +124,7 @@ def test_the_default_loaded_pair_runs_the_kernel_and_equals_its_own_generate(dra
     if kernels.load() is None or kernels.load().isa == "scalar":
         pytest.skip("no vectorised CPU kernel here, so hfspec loads the pair without it")
     if not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():  # the session's build, not another
-        monkeypatch.setenv("HFSPEC_CACHE", str(request.getfixturevalue("offline_target")[0]))
+        use_session_build(monkeypatch, request)
     gen = SpeculativeGenerator.from_pretrained("offline", draft, dtype="float32")
     described = gen.describe()["fast_kernels"]
     assert described["target"]["on"] and described["draft"]["on"] and described["target"]["layers"] == 211
@@ -145,13 +151,13 @@ def test_trees_on_the_real_pair_equal_the_target_and_beat_the_chain(real_pair, r
 def test_the_offline_target_from_its_gguf_computes_its_float32_copys_logits(request, monkeypatch, library):
     # hfspec loads the offline target from the GGUF kept beside its float32 copy, blocks kept (hfspec.gguf_native):
     # on the kernels the two give the same logits bit for bit.
-    from hfspec import assets, gguf_native
+    from hfspec import gguf_native
     from hfspec.cpu import fast, quant
 
     if quant.kernel() is None:
         pytest.skip(f"no quantized kernel: {quant.unavailable()}")
     if not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():
-        monkeypatch.setenv("HFSPEC_CACHE", str(request.getfixturevalue("offline_target")[0]))
+        use_session_build(monkeypatch, request)
     gguf = assets.offline_target_gguf(progress=False)
     native = gguf_native.load(str(gguf.parent), gguf.name, "target")
     dense = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32).eval()

@@ -86,7 +86,7 @@ def test_models_named_by_wheel_load_as_a_gguf_pair(tmp_path, monkeypatch, librar
     from hfspec import SpeculativeGenerator, assets
     from hfspec.loading import resolve_model
 
-    monkeypatch.setenv("HFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path)  # the models' cache; kernels stay where they are built
     fetched = []
 
     def fake_fetch(spec, root, progress=True):
