@@ -22,8 +22,8 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from hfspec import config as cfg, loading
 from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.generator import SpeculativeGenerator
-from hfspec.loading import Preset
 from hfspec.policy import GammaPolicy
+from hfspec.presets import Preset
 from hfspec.stats import Stats
 
 __all__ = ["Completion", "DEFAULT_PRESET", "MAX_PAIRS", "PairCache", "clear_cache", "complete", "encode", "generate",

@@ -24,8 +24,8 @@ from transformers.utils import logging as hf_logging
 from hfspec import __version__, api
 from hfspec.config import settings
 from hfspec.errors import HfspecError, NumericalFault
-from hfspec.loading import DTYPES, Preset, preset_names
 from hfspec.policy import CostModelGamma, GammaPolicy, HeuristicGamma
+from hfspec.presets import DTYPES, Preset, preset_names
 from hfspec.stats import Stats
 
 log = logging.getLogger(__name__)

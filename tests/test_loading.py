@@ -12,7 +12,8 @@ from transformers import AutoConfig, AutoModel, PreTrainedTokenizerFast
 import tiny
 from hfspec import SpeculativeGenerator, assets
 from hfspec.errors import HfspecError
-from hfspec.loading import ALLOWED_KEYS, Preset, load_pair, load_preset, parse_dtype, preset_names, resolve_model
+from hfspec.loading import load_pair, parse_dtype, resolve_model
+from hfspec.presets import ALLOWED_KEYS, Preset, load_preset, preset_names
 
 
 def permuted_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -185,6 +186,14 @@ def test_preset_by_path_with_sampling_defaults(tmp_path):
         preset.gamma = 5  # frozen
 
 
+@pytest.mark.parametrize("bits, want", [(4, {"draft_bits": 4}), (8, {"draft_bits": 8}), ("off", {"draft_bits": None})])
+def test_preset_sets_the_drafts_arithmetic_and_vocabulary(tmp_path, bits, want):
+    path = write(tmp_path / "p.json", json.dumps({"name": "p", "target": "t", "draft": "d", "draft_bits": bits,
+                                                 "draft_vocab": 32768}))
+    assert load_preset(path).load_kwargs() == {"dtype": "auto", "trust_remote_code": False, "draft_vocab": 32768,
+                                               **want}
+
+
 def test_preset_unknown_key_is_named_with_the_allowed_ones(tmp_path):
     path = write(tmp_path / "p.json", '{"name": "p", "target": "t", "draft": "d", "gama": 3}')
     with pytest.raises(HfspecError) as err:
@@ -208,7 +217,8 @@ def test_preset_bad_json_names_file_and_line(tmp_path):
 @pytest.mark.parametrize("key, value, rule", [
     ("gamma", 0, ">= 1"), ("gamma", "4", "int"), ("chat", "yes", "bool"),
     ("gamma", True, "int"), ("dtype", "fp8", "one of auto"), ("top_p", 1.5, r"in \(0, 1\]"),
-    ("temperature", -1, ">= 0"), ("target", " ", "non-empty"),
+    ("temperature", -1, ">= 0"), ("target", " ", "non-empty"), ("draft_bits", 3, '4, 8 or "off"'),
+    ("draft_bits", "on", '4, 8 or "off"'), ("draft_vocab", 0, ">= 1"), ("draft_vocab", 1.5, "int"),
 ])
 def test_preset_bad_values(tmp_path, key, value, rule):
     data = {"name": "p", "target": "t", "draft": "d", key: value}
