@@ -15,15 +15,14 @@ PRESENT = all(wheels.find(spec, cache_dir()) for spec in (wheels.QWEN_CODER_1_5B
 pytestmark = pytest.mark.skipif(not PRESENT, reason="the Qwen2.5-Coder pair is not in $HFSPEC_CACHE "
                                 "(hfspec generate --config qwen2.5-coder-1.5b-offline fetches it)")
 
-PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"  # short: a prompt costs seconds here
 
 
 @pytest.fixture(scope="module")
 def pair():
     gen = SpeculativeGenerator.from_pretrained("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
-    ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-    want = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+    ids = gen.tokenizer(PROMPT, return_tensors="pt").input_ids
+    want = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                                eos_token_id=None)
     return gen, ids, want
 
@@ -36,9 +35,11 @@ def test_the_target_keeps_its_blocks_and_the_draft_runs_in_integer_arithmetic(pa
 
 
 @pytest.mark.parametrize("draft", ["model", "ngram"])
-def test_greedy_equals_the_targets_own_generate(pair, draft, scripted_auto):
+def test_greedy_equals_the_targets_own_generate(pair, draft):
     gen, ids, want = pair
     if draft == "ngram":
         gen = SpeculativeGenerator(gen.target, "ngram", gen.tokenizer)
-    scripted_auto(gen, "cheap")  # gamma="auto" drafts from the first step, without timing the pair first
-    assert torch.equal(gen.generate(ids, max_new_tokens=24, eos_token_id=[]).sequences, want)
+    out = gen.generate(ids, max_new_tokens=16, gamma=3, eos_token_id=[])  # 4 rows a pass: the target's 1.5B is slow
+    assert torch.equal(out.sequences, want)
+    if draft == "model":
+        assert out.stats.target_passes < 16  # drafts were accepted: the passes verified more than one token
