@@ -425,3 +425,15 @@ def test_speedup_against_gamma_zero_is_a_paired_median():
 def test_the_table_says_how_many_steps_drafted_trees():
     assert report._trees({"tree_steps": 3, "tree_nodes": 24}) == " | trees: 3 steps, 8.0 nodes each"
     assert report._trees({"tree_steps": 0, "tree_nodes": 0}) == report._trees({"tree_steps": None}) == ""
+
+
+@pytest.mark.parametrize("gamma, want", [("auto", None), (3, 3)])
+def test_a_presets_gamma_fixes_the_fixed_contenders_only_when_it_is_a_number(tmp_path, gamma, want):
+    # A preset's gamma="auto" is what hfspec-auto runs anyway; the fixed-γ contenders then take the default.
+    import argparse
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"name": "p", "target": "t", "draft": "d", "gamma": gamma}))
+    args = argparse.Namespace(config=str(path), dtype=None, gamma=None)
+    bench_command.apply_preset(args)
+    assert args.gamma == want and (args.target, args.draft) == ("t", "d")

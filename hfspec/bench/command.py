@@ -202,7 +202,7 @@ def apply_preset(args: argparse.Namespace) -> None:
     args.target, args.draft = preset.target, preset.draft
     if args.dtype is None and preset.dtype != "auto":
         args.dtype = preset.dtype
-    if args.gamma is None:
+    if args.gamma is None and isinstance(preset.gamma, int):  # "auto" is hfspec-auto's; fixed contenders take 4
         args.gamma = preset.gamma
     if getattr(args, "fast_kernels", None) is None:
         args.fast_kernels = preset.fast_kernels
