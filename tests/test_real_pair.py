@@ -141,10 +141,10 @@ def test_trees_on_the_real_pair_equal_the_target_and_beat_the_chain(real_pair, r
     target, draft, tok = real_pair
     gen = SpeculativeGenerator(target, draft if drafter == "model" else str(shipped_head_path()), tok)
     ids = chat_ids(tok, PROMPTS[1])
-    want = reference(PROMPTS[1], 40)
-    tree = gen.generate(ids, max_new_tokens=40, tree=16, eos_token_id=[])
+    want = reference(PROMPTS[1], 24)
+    tree = gen.generate(ids, max_new_tokens=24, tree=16, eos_token_id=[])
     assert torch.equal(tree.sequences, want), tok.decode(tree.sequences[0, ids.shape[1]:])
-    chain = gen.generate(ids, max_new_tokens=40, gamma=4, eos_token_id=[])
+    chain = gen.generate(ids, max_new_tokens=24, gamma=4, eos_token_id=[])
     assert tree.stats.target_passes < chain.stats.target_passes, (tree.stats.depth_histogram, chain.stats)
 
 
