@@ -166,7 +166,7 @@ def load(preset: Preset, **load_kwargs: Any) -> SpeculativeGenerator:
     """The generator for ``preset``, loaded on first use and cached for the process (``MAX_PAIRS`` of them, by the
     models and the loading options' values)."""
     # fast_kernels and draft_bits are spelled out so that leaving them unset and passing their defaults share a pair.
-    kwargs = {"fast_kernels": True, "draft_bits": 4, **preset.load_kwargs(), **load_kwargs}
+    kwargs = {"fast_kernels": True, "draft_bits": loading.DRAFT_BITS, **preset.load_kwargs(), **load_kwargs}
 
     def load_pair() -> SpeculativeGenerator:
         log.info("loading target %s and draft %s", preset.target, preset.draft)

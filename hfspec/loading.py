@@ -46,8 +46,8 @@ from hfspec.heads.files import is_eagle3_dir
 from hfspec.models import check_causal_lm, load_model, same_tokenizer
 from hfspec.presets import DTYPES, Preset, load_preset, preset_names  # presets are read where pairs load
 
-__all__ = ["Preset", "draft_module", "load_draft", "load_pair", "load_preset", "make_drafter", "parse_dtype",
-           "preset_names", "resolve_model"]
+__all__ = ["DRAFT_BITS", "Preset", "draft_module", "drafts_in_integer", "load_draft", "load_pair", "load_preset",
+           "make_drafter", "parse_dtype", "preset_names", "resolve_model"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ OFFLINE_TARGET = "offline"
 SHIPPED_DRAFT = "shipped"
 SHIPPED_HEAD = "shipped-eagle3"
 NGRAM = "ngram"  # the draft name of model-free lookup
+DRAFT_BITS = 4  # a draft model's weights in integer arithmetic on CPU, by default (hfspec.cpu.draft_linear)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -132,7 +133,7 @@ def load_pair(
     tokenizer: PreTrainedTokenizerBase | str | Path | None = None,
     fast_kernels: bool = True,
     draft_vocab: int | None = None,
-    draft_bits: int | None = 4,
+    draft_bits: int | None = DRAFT_BITS,
 ) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
     """Load ``(target, draft, tokenizer)`` by hub name or local path; the draft may be a ``Drafter``.
 
@@ -200,8 +201,7 @@ def load_pair(
             draft_model = _cross_tokenizer_drafter(draft_model, draft_tok, tok, target, draft)
     if fast_kernels:
         _accelerate(target_model, "target")
-        _accelerate(draft_module(draft_model), "draft", plan=not _integer_draft(draft_model, draft_bits))
-        _quantize_draft(draft_model, draft_bits)
+        _accelerate_draft(draft_model, draft_bits)
     log.info("loaded target %s (%s, %s) and draft %s", target, target_model.dtype, _input_device(target_model), draft)
     return target_model, draft_model, tok
 
@@ -236,20 +236,22 @@ def _check_draft_bits(value: Any) -> None:
         raise HfspecError(f"draft_bits must be 4, 8 or None (the draft's own weights), got {value!r}")
 
 
-def _integer_draft(draft: PreTrainedModel | Drafter | None, bits: int | None) -> bool:
-    """Whether the draft is one that runs in integer arithmetic: a draft model (not an EAGLE-3 head: it is small,
-    and reads the target's features) on CPU, where the draft kernel runs."""
+def drafts_in_integer(draft: PreTrainedModel | Drafter | None, bits: int | None) -> bool:
+    """Whether ``draft`` is put in integer arithmetic of ``bits`` (None: never) when it is loaded: a draft model (not
+    an EAGLE-3 head: it is small, and reads the target's features) on CPU, where the draft kernel runs."""
     model = draft_module(draft)
     return bits is not None and model is not None and not isinstance(model, Eagle3Head) \
         and all(p.is_cpu for p in model.parameters()) and draft_linear.kernel() is not None
 
 
-def _quantize_draft(draft: PreTrainedModel | Drafter | None, bits: int | None) -> None:
-    """Put the draft in integer arithmetic where it runs so (``hfspec.cpu.draft_linear``); log what happened."""
-    if not _integer_draft(draft, bits):
+def _accelerate_draft(draft: PreTrainedModel | Drafter | None, bits: int | None) -> None:
+    """Run the draft on hfspec's CPU kernels, its linears in integer arithmetic where it runs so
+    (``hfspec.cpu.draft_linear``; their block shapes are then not timed); log what happened."""
+    integer = drafts_in_integer(draft, bits)
+    _accelerate(draft_module(draft), "draft", plan=not integer)
+    if not integer:
         return
-    model = draft_module(draft)
-    report = draft_linear.quantize_for_drafting(model, bits)
+    report = draft_linear.quantize_for_drafting(draft_module(draft), bits)
     if report.layers:
         log.info("draft: %d linear layers in %d-bit integer arithmetic on the %s kernel (%.0f MB read per step, "
                  "was %.0f)", len(report.layers), bits, report.isa, report.bytes_after / 1e6, report.bytes_before / 1e6)
@@ -358,7 +360,7 @@ def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str |
                device: str | torch.device | None = None, trust_remote_code: bool = False,
                fast_kernels: bool = True, gguf_file: str | None = None,
                gguf_native: bool = True, draft_vocab: int | None = None,
-               draft_bits: int | None = 4) -> PreTrainedModel | Drafter:
+               draft_bits: int | None = DRAFT_BITS) -> PreTrainedModel | Drafter:
     """Load the draft named ``draft`` (hub name, path, ``"shipped"``, ``"shipped-eagle3"``, a model fetched by name)
     for an already loaded target.
 
@@ -379,8 +381,7 @@ def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str |
         _cut_draft_head(loaded, _draft_tokenizer(draft, path, trust_remote_code, _tokenizer_gguf(path, gguf_file)),
                         draft_vocab)
     if fast_kernels:
-        _accelerate(draft_module(loaded), "draft", plan=not _integer_draft(loaded, draft_bits))
-        _quantize_draft(loaded, draft_bits)
+        _accelerate_draft(loaded, draft_bits)
     return loaded
 
 

@@ -21,19 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hfspec import SpeculativeGenerator, assets
 from hfspec.bench.field import load_prompts
 from hfspec.timing import cpu_model
-
-
-class FirstToken:
-    def __init__(self) -> None:
-        self.puts, self.first = 0, None
-
-    def put(self, value) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.first = time.perf_counter()
-
-    def end(self) -> None:
-        pass
+from qwen_pair_bench import FirstToken, chat_ids  # scripts/ is on the path of a script run from it
 
 
 def rate(run, new: int) -> float:
@@ -62,14 +50,12 @@ def main() -> None:
                                                 max_new_tokens=args.new, min_new_tokens=args.new, streamer=s),
         "useless": lambda ids, s: gen.generate(ids, max_new_tokens=args.new, eos_token_id=[], streamer=s),
     }
-    warm = tok.apply_chat_template([{"role": "user", "content": "Hello."}], add_generation_prompt=True,
-                                   return_tensors="pt", return_dict=True)["input_ids"]
+    warm = chat_ids(tok, "Hello.")
     for run in runs.values():
         rate(lambda s, run=run: run(warm, s), args.new)
     rows = []
     for i, text in enumerate(prompts):
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ids = chat_ids(tok, text)
         row = {}
         for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
             row[name] = rate(lambda s, name=name: runs[name](ids, s), args.new)

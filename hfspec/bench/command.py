@@ -23,7 +23,7 @@ from hfspec.bench.report import format_table, plot
 from hfspec.bench.runner import run_bench
 from hfspec.drafters.hybrid import with_ngram
 from hfspec.errors import HfspecError
-from hfspec.loading import draft_module, load_draft, load_pair, load_preset, make_drafter
+from hfspec.loading import DRAFT_BITS, draft_module, drafts_in_integer, load_draft, load_pair, load_preset, make_drafter
 from hfspec.timing import cpu_model
 
 DESCRIPTION = """\
@@ -221,10 +221,10 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def integer_draft(draft: Any, fast_kernels: bool) -> Any:
     """The draft hfspec's contenders run: a copy in 4-bit integer arithmetic where load_pair would give a user one
     (a draft model on CPU with fast kernels on); transformers' contenders keep the draft as loaded."""
-    if not fast_kernels or not isinstance(draft, PreTrainedModel) or not all(p.is_cpu for p in draft.parameters()):
+    if not fast_kernels or not isinstance(draft, PreTrainedModel) or not drafts_in_integer(draft, DRAFT_BITS):
         return draft
     twin = copy.deepcopy(draft)
-    return twin if draft_linear.quantize_for_drafting(twin).layers else draft
+    return twin if draft_linear.quantize_for_drafting(twin, DRAFT_BITS).layers else draft
 
 
 def _fast_kernels(args: argparse.Namespace) -> bool:

@@ -185,11 +185,9 @@ class DraftLinear(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         dk, k, n = _KERNEL, self.in_features, self.out_features
-        if (dk is None or not input.is_cpu or input.shape[-1] != k or input.dtype not in _INPUTS
-                or (input.requires_grad and torch.is_grad_enabled())):
-            return self._torch(input)
         packed, b = self.packed, self.bias
-        if not packed.is_cpu:
+        if (dk is None or not input.is_cpu or not packed.is_cpu or input.shape[-1] != k or input.dtype not in _INPUTS
+                or (input.requires_grad and torch.is_grad_enabled())):
             return self._torch(input)
         x = input if input.dtype is torch.float32 and input.is_contiguous() else input.float().contiguous()
         if b is not None and b.dtype is not torch.float32:
