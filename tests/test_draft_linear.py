@@ -7,12 +7,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import stat_utils
 import tiny
 import torch
 import torch.nn.functional as F
+from stat_utils import ALPHA
 from torch import nn
 
-from hfspec import SpeculativeGenerator
+from hfspec import SpeculativeGenerator, sampling
 from hfspec.cpu import draft_linear, fast, kernels, quant
 from hfspec.errors import HfspecError
 from hfspec.head_cut import FrequentHead, cut_head
@@ -241,12 +243,14 @@ def test_a_cut_head_converts_its_kept_rows(model_dir, draft_kernel):
     assert (out[..., outside] == OUTSIDE).all() and (out[..., keep] > OUTSIDE).all()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_with_a_converted_draft_equals_the_targets_generate(arch, model_dir, draft_kernel):
+@pytest.mark.parametrize("arch, dtype", [("llama", torch.float32), ("qwen2", torch.float32),
+                                         ("llama", torch.bfloat16)], ids=["llama", "qwen2", "llama-bf16"])
+def test_greedy_with_a_converted_draft_equals_the_targets_generate(arch, dtype, model_dir, draft_kernel):
     # The draft is the target itself, converted: it agrees often but not always, so both accepts and rejects occur.
     path = model_dir(arch, vocab_size=64, hidden=64)
     target, tok = tiny.load(path)
     draft, _ = tiny.load(path)
+    target, draft = target.to(dtype), draft.to(dtype)
     fast.accelerate(target)
     fast.accelerate(draft)
     draft_linear.quantize_for_drafting(draft)
@@ -285,3 +289,46 @@ def test_load_pair_runs_a_cpu_draft_in_integer_arithmetic_by_default(model_dir):
     assert not any(isinstance(m, draft_linear.DraftLinear) for m in kept.modules())
     with pytest.raises(HfspecError, match="draft_bits must be 4, 8 or None"):
         load_pair(model_dir("llama"), model_dir("llama", seed=1), draft_bits=3)
+
+
+# -- sampling with a converted draft: exactly the target's distribution ----------------------------------------------
+
+V, NEW, SAMPLES = 9, 3, 6_000
+PROMPT = [7, 8, 7, 7]
+
+
+def converted_pair(model_dir, dtype: torch.dtype) -> tuple:
+    """A tiny target and a perturbed copy as its draft (hidden 32: every linear converts), both on the kernels in
+    ``dtype``, the draft's linears in 4-bit integer arithmetic."""
+    common = dict(vocab_size=V, seed=10, sharpness=30.0, eos=None, hidden=32, layers=1)
+    target, tok = tiny.load(model_dir("llama", **common))
+    draft, _ = tiny.load(model_dir("llama", perturb=0.5, **common))
+    target, draft = target.to(dtype), draft.to(dtype)
+    fast.accelerate(target)
+    fast.accelerate(draft)
+    assert draft_linear.quantize_for_drafting(draft).layers and not draft_linear.describe(target)["layers"]
+    return target, draft, tok
+
+
+def first_tokens_pvalue(target, draft, tok, seed: int) -> float:
+    settings = {"temperature": 0.8}
+    gen = SpeculativeGenerator(target, draft, tok)
+    (counts,) = stat_utils.sample_counts(gen, [PROMPT], settings, seed, vocab=V, new=NEW, samples=SAMPLES,
+                                         batch=SAMPLES, gamma=2)
+    return stat_utils.chi_square_pvalue(counts, stat_utils.exact_joint(target, PROMPT, settings, V, NEW))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sampling_with_a_converted_draft_follows_the_target(model_dir, draft_kernel, dtype):
+    target, draft, tok = converted_pair(model_dir, dtype)
+    out = SpeculativeGenerator(target, draft, tok).generate([PROMPT] * 500, max_new_tokens=NEW, gamma=2,
+                                                            do_sample=True, temperature=0.8, seed=0)
+    assert 0.2 < out.stats.acceptance_rate < 0.95  # accepts and rejects both occur: the rule is exercised
+    pv = first_tokens_pvalue(target, draft, tok, seed=3)
+    assert pv > ALPHA, f"{dtype}: speculative samples with a 4-bit draft differ from the target (p-value {pv:.3g})"
+
+
+def test_negative_control_a_converted_draft_without_the_residual_is_detected(model_dir, draft_kernel, monkeypatch):
+    target, draft, tok = converted_pair(model_dir, torch.float32)
+    monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+    assert first_tokens_pvalue(target, draft, tok, seed=5) < ALPHA
