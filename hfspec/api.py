@@ -19,7 +19,8 @@ from typing import Any
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from hfspec import config as cfg, loading
+from hfspec import config as cfg
+from hfspec import loading
 from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.policy import GammaPolicy

@@ -35,24 +35,33 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import config as cfg
-from hfspec import costs, recurrent, sampling, tree as trees
-from hfspec.cpu import draft_linear, fast
+from hfspec import costs, recurrent, sampling
+from hfspec import tree as trees
 from hfspec.cache import KVState
 from hfspec.costs import Costs, Price
+from hfspec.cpu import draft_linear, fast
 from hfspec.drafters import Drafter, Features, Proposal, builds_trees, cross_tokenizer
 from hfspec.drafters.hybrid import HybridDrafter
 from hfspec.errors import HfspecError
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import draft_module, load_pair, make_drafter
-from hfspec.models import (check_causal_lm, check_tree_attention, forward, forward_features, shared_vocab_size,
-                           sliding_window, takes_mask_mapping, window_in_columns)
+from hfspec.models import (
+    check_causal_lm,
+    check_tree_attention,
+    forward,
+    forward_features,
+    shared_vocab_size,
+    sliding_window,
+    takes_mask_mapping,
+    window_in_columns,
+)
 from hfspec.policy import GammaPolicy, Step, TreeStep, Tuning, as_policy
 from hfspec.rows import Rows, right_pad
 from hfspec.scoring import DraftContext, Scoring
 from hfspec.stats import Stats, StatsCollector
 from hfspec.timing import now, timed
-from hfspec.tree.proposal import TreeProposal
 from hfspec.tree.probe import reads_trees
+from hfspec.tree.proposal import TreeProposal
 
 log = logging.getLogger(__name__)
 

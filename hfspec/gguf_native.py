@@ -134,8 +134,12 @@ def resolve_file(source: str, gguf_file: str, revision: str | None = None) -> st
 def _helpers() -> tuple[Any, Any, dict, Any] | str:
     """transformers' GGUF name mapping and tensor processors, or why they are not there."""
     try:
-        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor,
-                                                              TensorProcessor, get_gguf_hf_weights_map)
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            LlamaTensorProcessor,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+        )
     except ImportError as exc:
         return f"this transformers has no GGUF tensor mapping hfspec can use ({exc})"
     return get_gguf_hf_weights_map, TensorProcessor, TENSOR_PROCESSORS, LlamaTensorProcessor

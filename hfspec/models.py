@@ -9,8 +9,9 @@ import contextlib
 import functools
 import inspect
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 MAX_VOCAB_PADDING = 1024
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cache_kwarg(model_class: type) -> str:
     """transformers renamed ``past_key_values`` to ``cache``; ask the class which it takes."""
     params = inspect.signature(model_class.forward).parameters

@@ -29,7 +29,6 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-
 # The sampling warpers, in the order transformers applies them; they read the logits, never the token prefix.
 _WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 

@@ -129,9 +129,9 @@ def generate(target: nn.Module, drafts: dict[str, nn.Module], tokenizer, prompts
     from hfspec import SpeculativeGenerator
 
     gens = {name: SpeculativeGenerator(target, draft, tokenizer) for name, draft in drafts.items()}
-    seconds = {name: 0.0 for name in ["target_alone", *drafts]}
+    seconds = dict.fromkeys(["target_alone", *drafts], 0.0)
     accepted: dict[str, list[float]] = {name: [] for name in drafts}
-    exact = {name: True for name in drafts}
+    exact = dict.fromkeys(drafts, True)
     made = 0
     for ids in prompts:
         feed = torch.tensor([ids])

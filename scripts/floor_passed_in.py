@@ -16,12 +16,12 @@ import statistics
 import time
 
 import torch
+from qwen_pair_bench import FirstToken, chat_ids  # scripts/ is on the path of a script run from it
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfspec import SpeculativeGenerator, assets
 from hfspec.bench.field import load_prompts
 from hfspec.timing import cpu_model
-from qwen_pair_bench import FirstToken, chat_ids  # scripts/ is on the path of a script run from it
 
 
 def rate(run, new: int) -> float:

@@ -56,7 +56,8 @@ def main() -> int:
             if line.strip():
                 print(json.dumps(result(json.loads(line))), flush=True)
         return 0
-    prompts = json.load(open(args.prompts))
+    with open(args.prompts) as f:
+        prompts = json.load(f)
     for _ in range(args.warmup):
         decode(prompts[0])
     results = [result(ids) for ids in prompts]

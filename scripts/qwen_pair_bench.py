@@ -71,7 +71,6 @@ def chat_ids(tokenizer, text: str) -> torch.Tensor:
 def run_hfspec(gen: SpeculativeGenerator, ids: torch.Tensor, new: int, sampling: dict, seed: int,
                **kwargs) -> dict:
     streamer = FirstToken()
-    start = time.perf_counter()
     out = gen.generate(ids, max_new_tokens=new, eos_token_id=[], streamer=streamer, seed=seed, **sampling, **kwargs)
     end = time.perf_counter()
     stats = out.stats
@@ -84,7 +83,6 @@ def run_hfspec(gen: SpeculativeGenerator, ids: torch.Tensor, new: int, sampling:
 def run_plain(model, ids: torch.Tensor, new: int, sampling: dict, seed: int) -> dict:
     streamer = FirstToken()
     torch.manual_seed(seed)
-    start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                          streamer=streamer, **sampling)
     end = time.perf_counter()

@@ -87,7 +87,7 @@ def fresh_api_cache():
 # Scripted costs for gamma="auto", so that exactness tests see it draft, stop early and fall back to plain steps
 # whatever the machine: "cheap" makes drafting pay, "dear" makes plain decoding win unless acceptance is high.
 AUTO_COSTS = {
-    "cheap": ({k: 1.0 for k in range(1, 10)}, 0.05),
+    "cheap": (dict.fromkeys(range(1, 10), 1.0), 0.05),
     "dear": ({k: 1.0 + 0.3 * (k - 1) for k in range(1, 10)}, 0.1),
 }
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import tiny
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from transformers import AutoModelForCausalLM
-
-import tiny
 
 # Where each K-quant block holds its f16 scales (random codes elsewhere), and a scale that keeps values sane.
 HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}

@@ -11,9 +11,16 @@ import itertools
 import numpy as np
 import torch
 from scipy import stats
-from transformers import (LogitsProcessorList, MinPLogitsWarper, NoBadWordsLogitsProcessor,
-                          NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 ALPHA = 1e-8
 MIN_EXPECTED = 5.0

@@ -4,14 +4,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import tiny
 import torch
 
 import hfspec
-import tiny
 from hfspec import Stats, api, assets, loading
 from hfspec.errors import HfspecError
 from hfspec.policy import HeuristicGamma
-
 
 pytestmark = pytest.mark.usefixtures("fresh_api_cache")
 

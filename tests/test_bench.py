@@ -8,13 +8,13 @@ import tiny
 import torch
 
 from hfspec import bench
+from hfspec.bench import Bench, Contender, Mode, Run, Settings, report
 from hfspec.bench import command as bench_command
 from hfspec.cpu import draft_linear, fast, kernels
-from hfspec.bench import Bench, Contender, Mode, Run, Settings, report
-from hfspec.loading import load_pair, make_drafter
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError
+from hfspec.loading import load_pair, make_drafter
 from hfspec.policy import alpha_from_tokens_per_pass
 from hfspec.stats import RowStats, Stats
 
@@ -200,7 +200,7 @@ def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
     assert set(result["auto_costs"]) == {"draft", "useless"}
     assert all(a["measured_target_ms"]["1"] > 0 for a in result["auto_costs"].values())
     assert set(result["modes"]) == {"greedy", "sample"}
-    for name, mode in result["modes"].items():
+    for mode in result["modes"].values():
         assert set(mode["contenders"]) == {"plain", "plain-kernel", "hfspec-g0", "assisted", "assisted-default",
                                            "hfspec-auto", "hfspec", "hfspec-heuristic", "hfspec-cost", "auto:useless",
                                            "assisted-default:useless"}

@@ -9,10 +9,10 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import eagle3_heads as eh
 import pytest
 import torch
 
-import eagle3_heads as eh
 import hfspec
 from hfspec import api
 from hfspec.drafters.eagle3 import Eagle3Drafter

@@ -7,7 +7,8 @@ import tiny
 import torch
 from transformers import AutoModelForCausalLM
 
-from hfspec.cpu import activations, attention as cpu_attention, fast
+from hfspec.cpu import activations, fast
+from hfspec.cpu import attention as cpu_attention
 
 
 @pytest.fixture(scope="module", autouse=True)

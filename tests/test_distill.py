@@ -9,7 +9,8 @@ import tiny
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from hfspec.training import command, draft_model, optim, report as report_mod, staging
+from hfspec.training import command, draft_model, optim, staging
+from hfspec.training import report as report_mod
 from hfspec.training.draft_model import DraftModelReport, train_draft_model
 from hfspec.training.report import speedup_at_best_gamma
 

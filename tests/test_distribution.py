@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import stat_utils
-import torch
 import tiny
+import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
 from hfspec import SpeculativeGenerator, sampling

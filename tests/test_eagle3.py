@@ -372,7 +372,7 @@ def test_hand_written_head_loads_and_runs(target64, trained64, tmp_path, monkeyp
     ids = prompts(4, seed=8)[3]
     feats = features_of(target, ids[:-1], default_layer_ids(8))
     tokens = torch.tensor(ids[1:])
-    tensors = {k: v for k, v in trained64.state_dict().items()}
+    tensors = dict(trained64.state_dict())
     torch.testing.assert_close(head.unroll(head.fuse(feats[None]), emb[tokens][None], 1)[0][0],
                                naive_logits(tensors, feats, tokens, emb, trained64.config), atol=1e-4, rtol=1e-4)
     # Loaded by path for a target by path, it never goes through AutoModelForCausalLM.

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 
+import eagle3_heads
 import pytest
 import tiny
 import torch
 from torch import nn
 
-import eagle3_heads
 from hfspec import SpeculativeGenerator, api
 from hfspec.cpu import draft_linear, fast, kernels
 from hfspec.errors import HfspecError

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hfspec.cpu import fast, kernels, plan as kernel_plan
+from hfspec.cpu import fast, kernels
+from hfspec.cpu import plan as kernel_plan
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from hfspec.cpu import fast, kernels, plan as kernel_plan
+from hfspec.cpu import fast, kernels
+from hfspec.cpu import plan as kernel_plan
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,11 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoConfig, AutoModel, PreTrainedTokenizerFast
 
-import tiny
 from hfspec import SpeculativeGenerator, assets
 from hfspec.errors import HfspecError
 from hfspec.loading import load_pair, parse_dtype, resolve_model

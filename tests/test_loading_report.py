@@ -14,16 +14,16 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import tiny
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import hfspec
-import tiny
 from hfspec import SpeculativeGenerator, cli
+from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head, save_head
 from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head
-from hfspec.errors import HfspecError
 from hfspec.loading import load_pair
 
 pytestmark = pytest.mark.usefixtures("fresh_api_cache")

@@ -69,7 +69,7 @@ def test_auto_picks_plain_decoding_when_nothing_pays():
     policy = auto(costs, prior=0.05)
     assert policy.gamma(ROW) == 0
     # A free verification and a free draft pay even for a poor draft.
-    flat = Costs({k: 0.040 for k in range(1, 10)}, 0.0)
+    flat = Costs(dict.fromkeys(range(1, 10), 0.04), 0.0)
     assert auto(flat, prior=0.05).gamma(ROW) >= 1
 
 

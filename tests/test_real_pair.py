@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfspec import SpeculativeGenerator, assets
-from hfspec.cpu import kernels
 from hfspec.assets import cache_dir, offline_target_path, shipped_draft_path, shipped_head_path
+from hfspec.cpu import kernels
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",

@@ -12,7 +12,6 @@ import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
 from hfspec import SpeculativeGenerator, api, cache, cli, models, sampling, tree
-from hfspec.tree import probe as tree_probe
 from hfspec import generator as generator_module
 from hfspec.cache import KVState
 from hfspec.costs import Costs
@@ -21,6 +20,7 @@ from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
 from hfspec.generator import AUTO_TREES
 from hfspec.tree import TreeProposal
+from hfspec.tree import probe as tree_probe
 
 V = 9
 
@@ -295,7 +295,7 @@ def test_auto_tree_with_a_fixed_gamma_is_the_chain(tiny_pair):
 
 def flat_costs(draft_ms: float = 0.1) -> Costs:
     """Costs given by hand: every verification as dear as one token, drafting next to free (trees pay)."""
-    return Costs({k: 0.010 for k in [*range(1, 10), 17, 33]}, draft_ms / 1e3)
+    return Costs(dict.fromkeys([*range(1, 10), 17, 33], 0.01), draft_ms / 1e3)
 
 
 def test_auto_trees_equal_target_greedy(model_dir):

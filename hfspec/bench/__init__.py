@@ -24,11 +24,31 @@ and predictions), ``runner`` (the whole benchmark), ``report`` (table and plot) 
 from __future__ import annotations
 
 from hfspec.bench.command import (
-    DESCRIPTION, add_parser, apply_preset, configure, environment, load, load_drafters, main, run, settings_from,
-    useless_copy, write_outputs,
+    DESCRIPTION,
+    add_parser,
+    apply_preset,
+    configure,
+    environment,
+    load,
+    load_drafters,
+    main,
+    run,
+    settings_from,
+    useless_copy,
+    write_outputs,
 )
 from hfspec.bench.field import (
-    DEFAULT_PROMPTS, GAMMA0, HYBRID, MAIN, USELESS, Contender, Mode, Settings, contenders, encode, load_prompts,
+    DEFAULT_PROMPTS,
+    GAMMA0,
+    HYBRID,
+    MAIN,
+    USELESS,
+    Contender,
+    Mode,
+    Settings,
+    contenders,
+    encode,
+    load_prompts,
 )
 from hfspec.bench.measure import Bench, CallCounter, Run, assistant_settings, counting, trim
 from hfspec.bench.report import format_table, plot

@@ -15,12 +15,12 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hfspec.cpu import draft_linear, fast
 from hfspec.bench.field import HYBRID, MAIN, USELESS, Mode, Settings, load_prompts
 from hfspec.bench.formats import format_costs, formats_table
 from hfspec.bench.measure import Bench
 from hfspec.bench.report import format_table, plot
 from hfspec.bench.runner import run_bench
+from hfspec.cpu import draft_linear, fast
 from hfspec.drafters.hybrid import with_ngram
 from hfspec.errors import HfspecError
 from hfspec.loading import DRAFT_BITS, draft_module, drafts_in_integer, load_draft, load_pair, load_preset, make_drafter

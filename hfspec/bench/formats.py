@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hfspec.cpu import kernels, plan as kernel_plan, quant
+from hfspec.cpu import kernels, quant
+from hfspec.cpu import plan as kernel_plan
 
 __all__ = ["PATHS", "ROWS", "FormatCost", "format_costs", "formats_table"]
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from hfspec import costs
-from hfspec.cpu import fast
 from hfspec.bench.field import MAIN, Contender, Mode
 from hfspec.bench.stores import LookupStores
+from hfspec.cpu import fast
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import draft_module

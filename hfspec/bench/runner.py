@@ -12,15 +12,23 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from hfspec.bench.field import (GAMMA0, MAIN, PLAIN_KERNEL, Contender, Mode, Settings, contenders, encode,
-                                tree_contenders)
+from hfspec.bench.field import (
+    GAMMA0,
+    MAIN,
+    PLAIN_KERNEL,
+    Contender,
+    Mode,
+    Settings,
+    contenders,
+    encode,
+    tree_contenders,
+)
 from hfspec.bench.measure import Bench, Run
-from hfspec.cpu import fast
 from hfspec.bench.summary import mismatches, summarize, tree_summary
-from hfspec.policy import predicted_speedup
 from hfspec.costs import rollback_cost
+from hfspec.cpu import fast
+from hfspec.policy import predicted_speedup
 from hfspec.recurrent import is_recurrent
-
 
 SWEEP_KEYS = ("speedup_vs_plain", "speedup_vs_hfspec_g0", "speedup_vs_assisted", "acceptance_rate", "alpha",
               "mean_accepted_length", "predicted_speedup", "predicted_speedup_v", "efficiency", "acceptance_by_position")

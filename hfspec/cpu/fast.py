@@ -36,8 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hfspec.cpu import activations as cpu_activations, attention as cpu_attention, conv1d as cpu_conv1d, kernels
-from hfspec.cpu import plan as kernel_plan, quant
+from hfspec.cpu import activations as cpu_activations
+from hfspec.cpu import attention as cpu_attention
+from hfspec.cpu import conv1d as cpu_conv1d
+from hfspec.cpu import kernels, quant
+from hfspec.cpu import plan as kernel_plan
 from hfspec.errors import HfspecError
 
 __all__ = ["ALL_ROWS", "AccelerationReport", "FastLinear", "accelerate", "accelerate_loaded", "accelerated", "describe",

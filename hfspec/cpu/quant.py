@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hfspec.cpu import kernels, plan as kernel_plan
+from hfspec.cpu import kernels
+from hfspec.cpu import plan as kernel_plan
 
 __all__ = ["FORMATS", "Format", "QuantEmbedding", "QuantKernel", "QuantLinear", "default_plan", "dequantize",
            "describe", "format_of", "kernel", "linear", "plan_layers", "quantize_linear", "quantized_layers"]

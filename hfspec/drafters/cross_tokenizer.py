@@ -40,9 +40,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec.cpu import draft_linear
 from hfspec.cache import KVState
 from hfspec.costs import forward_seconds
+from hfspec.cpu import draft_linear
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
 from hfspec.drafters.vocabulary import VocabMap, token_bytes, vocab_map
 from hfspec.errors import HfspecError, HfspecTypeError

@@ -52,8 +52,8 @@ from hfspec.acceptance import Acceptance
 from hfspec.costs import Costs
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
-from hfspec.tree.proposal import TreeProposal
 from hfspec.errors import HfspecTypeError
+from hfspec.tree.proposal import TreeProposal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from hfspec.drafters import Context, Drafter, Proposal, Stop
-from hfspec.tree.proposal import TreeProposal
 from hfspec.errors import HfspecError
+from hfspec.tree.proposal import TreeProposal
 
 SEPARATOR = -1  # ends each output in the store; equal to no token, so no match crosses it
 

@@ -16,10 +16,10 @@ from hfspec.acceptance import Acceptance
 from hfspec.config import check_gamma
 from hfspec.costs import Costs, Price
 from hfspec.drafters.hybrid import Outcome
+from hfspec.errors import HfspecError
 from hfspec.policy.simple import FixedGamma, GammaPolicy, Step, TreeStep
 from hfspec.tree.acceptance import TreeAcceptance, first_children
 from hfspec.tree.build import shape
-from hfspec.errors import HfspecError
 
 
 class Calibration:

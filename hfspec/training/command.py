@@ -12,9 +12,9 @@ import json
 import logging
 import sys
 
+from hfspec.errors import HfspecError
 from hfspec.training.draft_model import train_draft_model
 from hfspec.training.eagle3 import parse_layer_ids, train_eagle3_head
-from hfspec.errors import HfspecError
 
 __all__ = ["EAGLE3_FLAGS", "KINDS", "MODEL_FLAGS", "add_parser", "main", "run"]
 

@@ -28,15 +28,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import (
-    AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase,
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
 )
 
+from hfspec.errors import HfspecError
 from hfspec.training.optim import fit
 from hfspec.training.report import decode_step_seconds, final_loss, forecast_speedup, write_report
 from hfspec.training.settings import check_settings, default_eval_every, require_positive
 from hfspec.training.staging import load_samples, stage_text
 from hfspec.training.target import load_target, resolve_target, rope_theta
-from hfspec.errors import HfspecError
 
 __all__ = ["DraftModelReport", "train_draft_model"]
 

@@ -40,20 +40,32 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from hfspec.drafters.eagle3 import Eagle3Drafter
+from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import save_head
 from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids
 from hfspec.models import decoder_layers, model_vocab_size
 from hfspec.training.eagle3_data import (
-    Batch, Labels, StagedSplit, draft_vocabulary, embed_tokens, make_batch, stage_features,
+    Batch,
+    Labels,
+    StagedSplit,
+    draft_vocabulary,
+    embed_tokens,
+    make_batch,
+    stage_features,
 )
 from hfspec.training.optim import Optim, fit
 from hfspec.training.report import (
-    REPORT, SpeedupForecast, decode_step_seconds, final_loss, forecast_speedup, hours, write_report,
+    REPORT,
+    SpeedupForecast,
+    decode_step_seconds,
+    final_loss,
+    forecast_speedup,
+    hours,
+    write_report,
 )
 from hfspec.training.settings import check_settings, default_eval_every, require_positive
 from hfspec.training.staging import stage_text
 from hfspec.training.target import OFFLINE, load_target, resolve_target, rope_theta
-from hfspec.errors import HfspecError
 
 __all__ = ["Eagle3Report", "model_card", "parse_layer_ids", "train_eagle3_head"]
 

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from hfspec.errors import HfspecError
 from hfspec.models import hidden_features
 from hfspec.timing import now
 from hfspec.training.staging import claim_lock
-from hfspec.errors import HfspecError
 
 __all__ = ["Batch", "Labels", "StagedSplit", "draft_vocabulary", "embed_tokens", "make_batch", "stage_features"]
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm

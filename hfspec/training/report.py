@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from hfspec.errors import HfspecError
 from hfspec.models import cache_kwarg
 from hfspec.policy import best_gamma
 from hfspec.timing import timed
-from hfspec.errors import HfspecError
 
 __all__ = ["REPORT", "SpeedupForecast", "decode_step_seconds", "final_loss", "forecast_speedup", "hours",
            "speedup_at_best_gamma", "write_report"]

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class TreeProposal:
     """Draft tokens for one step, as a tree per row (rows padded to the same node count).
