@@ -1,4 +1,5 @@
 """hfspec: lossless speculative decoding for Hugging Face causal LMs."""
+
 from __future__ import annotations
 
 from hfspec.api import generate
@@ -12,7 +13,19 @@ from hfspec.stats import RowStats, Stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "CUSTOM_GENERATE", "custom_generate",
-    "CostModelGamma", "FixedGamma", "fast", "GammaPolicy", "GenerateOutput", "generate", "HeuristicGamma", "HfspecError",
-    "NumericalFault", "RowStats", "SpeculativeGenerator", "Stats", "__version__",
+    "CUSTOM_GENERATE",
+    "custom_generate",
+    "CostModelGamma",
+    "FixedGamma",
+    "fast",
+    "GammaPolicy",
+    "GenerateOutput",
+    "generate",
+    "HeuristicGamma",
+    "HfspecError",
+    "NumericalFault",
+    "RowStats",
+    "SpeculativeGenerator",
+    "Stats",
+    "__version__",
 ]

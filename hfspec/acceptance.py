@@ -10,6 +10,7 @@ One class serves the γ policies (``hfspec.policy``: a generator's memory, each 
 call) and the hybrid drafter (``hfspec.drafters.hybrid``: n-gram against model drafts).
 It imports nothing of hfspec's, so every floor may use it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,4 +47,4 @@ class Acceptance:
     def expected(self, drafts: int) -> float:
         """Expected accepted drafts of ``drafts`` proposed: α + α² + … + α^drafts."""
         a = min(self.alpha, 0.999)  # α = 1 would divide by zero, and no drafter is perfect
-        return a * (1 - a ** drafts) / (1 - a)
+        return a * (1 - a**drafts) / (1 - a)

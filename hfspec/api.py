@@ -6,6 +6,7 @@ one call at a time (threads wait their turn); the ``MAX_PAIRS`` most recently us
 pairs stay loaded. With no target, draft or config, the ``smollm2-offline`` preset
 is used (SmolLM2-135M-Instruct and the EAGLE-3 head shipped for it, chat template on).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,18 @@ from hfspec.policy import GammaPolicy
 from hfspec.presets import Preset
 from hfspec.stats import Stats
 
-__all__ = ["Completion", "DEFAULT_PRESET", "MAX_PAIRS", "PairCache", "clear_cache", "complete", "encode", "generate",
-           "load", "resolve_preset"]
+__all__ = [
+    "Completion",
+    "DEFAULT_PRESET",
+    "MAX_PAIRS",
+    "PairCache",
+    "clear_cache",
+    "complete",
+    "encode",
+    "generate",
+    "load",
+    "resolve_preset",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +60,12 @@ class Completion:
     settings: dict[str, Any]
 
 
-def resolve_preset(target: str | Path | None = None, draft: str | Path | None = None,
-                   config: str | Path | Preset | None = None, ngram: bool | None = None) -> Preset:
+def resolve_preset(
+    target: str | Path | None = None,
+    draft: str | Path | None = None,
+    config: str | Path | Preset | None = None,
+    ngram: bool | None = None,
+) -> Preset:
     """The pair to use: a preset (by name, path or object), a target/draft pair, or the default;
     ``ngram`` (not None) overrides the preset's."""
     if config is not None:
@@ -61,8 +76,10 @@ def resolve_preset(target: str | Path | None = None, draft: str | Path | None = 
         preset = loading.load_preset(DEFAULT_PRESET)
     elif target is None or draft is None:
         missing = "target" if target is None else "draft"
-        raise HfspecError(f"no {missing} given: pass both target and draft (or a config preset, or neither "
-                          f"for the default {DEFAULT_PRESET} pair)")
+        raise HfspecError(
+            f"no {missing} given: pass both target and draft (or a config preset, or neither "
+            f"for the default {DEFAULT_PRESET} pair)"
+        )
     else:
         preset = Preset(name="custom", target=str(target), draft=str(draft))
     if ngram is not None and not isinstance(ngram, bool):
@@ -181,19 +198,22 @@ def clear_cache() -> None:
     _PAIRS.clear()
 
 
-def encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str], *, chat: bool,
-           system: str | None = None) -> list[list[int]]:
+def encode(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], *, chat: bool, system: str | None = None
+) -> list[list[int]]:
     """Token ids of each prompt; with ``chat`` wrapped as a user turn in the chat template."""
     if system is not None and not chat:
         raise HfspecError("a system message needs the chat template: turn chat on (chat=True / --chat)")
     if not chat:
         return [list(tokenizer(p)["input_ids"]) for p in prompts]
     if not getattr(tokenizer, "chat_template", None):
-        raise HfspecError("this tokenizer has no chat template; turn chat off (chat=False / --no-chat) "
-                          "or use an instruct model that ships one")
+        raise HfspecError(
+            "this tokenizer has no chat template; turn chat off (chat=False / --no-chat) "
+            "or use an instruct model that ships one"
+        )
     ids = []
     for p in prompts:
-        messages = ([{"role": "system", "content": system}] if system is not None else [])
+        messages = [{"role": "system", "content": system}] if system is not None else []
         messages.append({"role": "user", "content": p})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
@@ -226,23 +246,36 @@ def complete(
     unless one of them samples, and ``DEFAULT_MAX_NEW_TOKENS`` long unless one sets ``max_new_tokens``. Other
     unset settings come from ``preset``."""
     if gen.tokenizer is None:
-        raise HfspecError("the generator has no tokenizer; build it with SpeculativeGenerator(target, draft, tokenizer)")
+        raise HfspecError(
+            "the generator has no tokenizer; build it with SpeculativeGenerator(target, draft, tokenizer)"
+        )
     defaults = cfg.settings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, do_sample=False)
-    conf = cfg.merge(cfg.merge(defaults, cfg.settings(**{name: getattr(preset, name) for name in PRESET_SAMPLING})),
-                     generation_config)
+    conf = cfg.merge(
+        cfg.merge(defaults, cfg.settings(**{name: getattr(preset, name) for name in PRESET_SAMPLING})),
+        generation_config,
+    )
     chat = bool(_pick(chat, preset.chat))
     system = system if system is not None else (preset.system if chat else None)
     settings = {
-        "preset": preset.name, "target": preset.target, "draft": preset.draft, "drafter": gen.drafter.kind,
-        "gamma": _pick(gamma, preset.gamma), "max_new_tokens": conf.max_new_tokens,
+        "preset": preset.name,
+        "target": preset.target,
+        "draft": preset.draft,
+        "drafter": gen.drafter.kind,
+        "gamma": _pick(gamma, preset.gamma),
+        "max_new_tokens": conf.max_new_tokens,
         **{name: getattr(conf, name) for name in PRESET_SAMPLING},
-        "seed": seed, "chat": chat, "system": system, "tree": tree, "fast_kernels": gen.describe()["fast_kernels"],
+        "seed": seed,
+        "chat": chat,
+        "system": system,
+        "tree": tree,
+        "fast_kernels": gen.describe()["fast_kernels"],
     }
     ids = encode(gen.tokenizer, prompts, chat=chat, system=system)
     out = gen.generate(ids, generation_config=conf, gamma=settings["gamma"], seed=seed, streamer=streamer, tree=tree)
     start = out.prompt_length
-    tokens = tuple(tuple(out.sequences[i, start: start + row.committed].tolist())
-                   for i, row in enumerate(out.stats.rows))
+    tokens = tuple(
+        tuple(out.sequences[i, start : start + row.committed].tolist()) for i, row in enumerate(out.stats.rows)
+    )
     texts = tuple(gen.tokenizer.decode(list(t), skip_special_tokens=True) for t in tokens)
     if isinstance(settings["gamma"], GammaPolicy):
         settings["gamma"] = str(settings["gamma"])
@@ -295,14 +328,33 @@ def generate(
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
     else:
-        raise HfspecTypeError("prompt must be a string or a non-empty list of strings; "
-                              "for token ids use SpeculativeGenerator.generate")
+        raise HfspecTypeError(
+            "prompt must be a string or a non-empty list of strings; for token ids use SpeculativeGenerator.generate"
+        )
     preset = resolve_preset(target, draft, config, ngram)
     gen = load(preset, **load_kwargs)
-    sampling = cfg.merge(generation_config, cfg.settings(
-        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-        repetition_penalty=repetition_penalty))
-    result = complete(gen, prompts, preset=preset, generation_config=sampling, gamma=gamma, seed=seed, chat=chat,
-                      system=system, streamer=streamer, tree=tree)
+    sampling = cfg.merge(
+        generation_config,
+        cfg.settings(
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+        ),
+    )
+    result = complete(
+        gen,
+        prompts,
+        preset=preset,
+        generation_config=sampling,
+        gamma=gamma,
+        seed=seed,
+        chat=chat,
+        system=system,
+        streamer=streamer,
+        tree=tree,
+    )
     text: str | list[str] = result.texts[0] if isinstance(prompt, str) else list(result.texts)
     return (text, result.stats) if return_stats else text

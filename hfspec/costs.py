@@ -14,6 +14,7 @@ before it and a replay after a rejection (``hfspec.recurrent``). ``rollback_cost
 prices that in the same unit, one single-token target forward, so that it can be read
 as a change of v(γ). Every time here is taken with ``hfspec.timing``.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -32,8 +33,14 @@ _EMA = 0.2
 
 
 @torch.inference_mode()
-def forward_seconds(model: Any, context: Sequence[int], sizes: Sequence[int], repeats: int,
-                    device: torch.device, all_logits: bool = True) -> dict[int, float]:
+def forward_seconds(
+    model: Any,
+    context: Sequence[int],
+    sizes: Sequence[int],
+    repeats: int,
+    device: torch.device,
+    all_logits: bool = True,
+) -> dict[int, float]:
     """Median seconds of one forward over k new tokens after a cached ``context``, for each k in ``sizes``.
 
     The sizes take their turns round-robin after two warm-up forwards (the smallest
@@ -42,8 +49,14 @@ def forward_seconds(model: Any, context: Sequence[int], sizes: Sequence[int], re
     """
     ids = torch.tensor([list(context)], device=device)
     kv = KVState(1, device, model)
-    forward(model, ids, kv.extend_mask(torch.ones_like(ids)), torch.arange(ids.shape[1], device=device)[None],
-            kv.cache, logits_to_keep=1)
+    forward(
+        model,
+        ids,
+        kv.extend_mask(torch.ones_like(ids)),
+        torch.arange(ids.shape[1], device=device)[None],
+        kv.cache,
+        logits_to_keep=1,
+    )
     start = kv.length
     times: dict[int, list[float]] = {k: [] for k in sizes}
     warmup = [(False, min(sizes)), (False, max(sizes))]
@@ -51,8 +64,17 @@ def forward_seconds(model: Any, context: Sequence[int], sizes: Sequence[int], re
         feed = ids[:, -k:] if ids.shape[1] >= k else ids[:, :1].repeat(1, k)
         positions = torch.arange(start, start + k, device=device)[None]
         kv.snapshot()
-        _, seconds = timed(lambda: forward(model, feed, kv.extend_mask(torch.ones_like(feed)), positions, kv.cache,
-                                           logits_to_keep=0 if all_logits else 1), device)
+        _, seconds = timed(
+            lambda: forward(
+                model,
+                feed,
+                kv.extend_mask(torch.ones_like(feed)),
+                positions,
+                kv.cache,
+                logits_to_keep=0 if all_logits else 1,
+            ),
+            device,
+        )
         if measured:
             times[k].append(seconds)
         kv.rollback(torch.zeros(1, dtype=torch.long, device=device), start, feed)
@@ -129,8 +151,9 @@ class Costs:
         """Seconds of a lookup without the draft model: nothing until a step has taken one."""
         return self.observed_lookup.get(batch, 0.0)
 
-    def step_seconds(self, batch: int, gamma: int, model: bool = True, lookup: bool = False,
-                     drafts: float = 1.0) -> float:
+    def step_seconds(
+        self, batch: int, gamma: int, model: bool = True, lookup: bool = False, drafts: float = 1.0
+    ) -> float:
         """Expected seconds of a step of up to γ drafts per row: γ draft-model steps if ``model``, one lookup
         if ``lookup`` (neither when γ = 0: a plain step calls no drafter), and a verification over γ+1 tokens
         with probability ``drafts``, over the pending token alone otherwise (no row had anything to draft)."""
@@ -156,8 +179,9 @@ class Costs:
         old = self.observed_lookup.get(batch, seconds)
         self.observed_lookup[batch] = (1 - _EMA) * old + _EMA * seconds
 
-    def measure_more(self, target: Any, context: Sequence[int], sizes: Sequence[int], device: torch.device,
-                     repeats: int = 3) -> None:
+    def measure_more(
+        self, target: Any, context: Sequence[int], sizes: Sequence[int], device: torch.device, repeats: int = 3
+    ) -> None:
         """Time the target over those of ``sizes`` new tokens not measured yet (trees asked for after the
         chain's costs), scaled by the single-token forward timed beside them so that a drift of the machine
         since the first measurement does not skew v."""
@@ -180,11 +204,14 @@ class Costs:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "target_step_ms": 1e3 * self.verify_seconds(1, 1), "draft_step_ms": 1e3 * self.draft_seconds(1),
-            "c": self.c, "v": {str(g): self.v(g) for g in range(1, self.max_gamma + 1)},
+            "target_step_ms": 1e3 * self.verify_seconds(1, 1),
+            "draft_step_ms": 1e3 * self.draft_seconds(1),
+            "c": self.c,
+            "v": {str(g): self.v(g) for g in range(1, self.max_gamma + 1)},
             "v_tree": {str(k - 1): self.v(k - 1) for k in sorted(self.verify) if k > self.max_gamma + 1},
             "measured_target_ms": {str(k): 1e3 * t for k, t in self.verify.items()},
-            "measured_draft_ms": 1e3 * self.draft, "lookup_ms": 1e3 * self.lookup_seconds(1),
+            "measured_draft_ms": 1e3 * self.draft,
+            "lookup_ms": 1e3 * self.lookup_seconds(1),
             "seconds_measuring": self.seconds_measuring,
         }
 
@@ -198,8 +225,15 @@ class Price:
     model: bool = True
 
 
-def measure(target: Any, drafter: Any, context: Sequence[int], max_gamma: int, device: torch.device,
-            repeats: int = 3, extra: Sequence[int] = ()) -> Costs:
+def measure(
+    target: Any,
+    drafter: Any,
+    context: Sequence[int],
+    max_gamma: int,
+    device: torch.device,
+    repeats: int = 3,
+    extra: Sequence[int] = (),
+) -> Costs:
     """Time the target over 1..max_gamma+1 new tokens (and the ``extra`` sizes: trees' nodes + 1) and one
     drafting step after ``context``."""
     with Stopwatch(device) as watch:
@@ -236,17 +270,30 @@ class RollbackCost:
     def expected(self, alpha: float) -> float:
         """Mean v(γ) with the rollback, when each draft is accepted with probability α (Leviathan et al.,
         arXiv 2211.17192): k - 1 = n drafts accepted with probability α^n (1 - α) for n < γ."""
-        mean_replay = sum(alpha ** n * (1 - alpha) * r for n, r in enumerate(self.replay))
+        mean_replay = sum(alpha**n * (1 - alpha) * r for n, r in enumerate(self.replay))
         return self.verify + self.snapshot + mean_replay
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gamma": self.gamma, "mechanism": self.mechanism, "step_ms": 1e3 * self.step_seconds,
-                "v": self.verify, "snapshot": self.snapshot, "replay": list(self.replay), "v_worst": self.worst}
+        return {
+            "gamma": self.gamma,
+            "mechanism": self.mechanism,
+            "step_ms": 1e3 * self.step_seconds,
+            "v": self.verify,
+            "snapshot": self.snapshot,
+            "replay": list(self.replay),
+            "v_worst": self.worst,
+        }
 
 
 @torch.inference_mode()
-def rollback_cost(model: Any, context: Sequence[int], gamma: int, repeats: int = 10,
-                  device: torch.device | None = None, adapter: bool = True) -> RollbackCost:
+def rollback_cost(
+    model: Any,
+    context: Sequence[int],
+    gamma: int,
+    repeats: int = 10,
+    device: torch.device | None = None,
+    adapter: bool = True,
+) -> RollbackCost:
     """Measure v(γ) of ``model`` after a cached ``context``, and what snapshot and rollback add.
 
     Each trial fills a fresh cache with ``context`` (not timed), then times a snapshot, one
@@ -266,15 +313,26 @@ def rollback_cost(model: Any, context: Sequence[int], gamma: int, repeats: int =
 
     def trial(n: int, keep: int) -> tuple[float, float, float]:
         kv = KVState(1, device, model, adapter=adapter)
-        forward(model, ids, kv.extend_mask(torch.ones_like(ids)), torch.arange(ids.shape[1], device=device)[None],
-                kv.cache, logits_to_keep=1)
+        forward(
+            model,
+            ids,
+            kv.extend_mask(torch.ones_like(ids)),
+            torch.arange(ids.shape[1], device=device)[None],
+            kv.cache,
+            logits_to_keep=1,
+        )
         start = kv.length
         feed = block[:, :n]
         t0 = now(device)
         kv.snapshot()
         t1 = now(device)
-        forward(model, feed, kv.extend_mask(torch.ones_like(feed)),
-                torch.arange(start, start + n, device=device)[None], kv.cache)
+        forward(
+            model,
+            feed,
+            kv.extend_mask(torch.ones_like(feed)),
+            torch.arange(start, start + n, device=device)[None],
+            kv.cache,
+        )
         t2 = now(device)
         kv.rollback(torch.tensor([keep], device=device), start, feed)
         t3 = now(device)

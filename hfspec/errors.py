@@ -4,6 +4,7 @@ Every check at a boundary (arguments, files, settings, the machine's setup) rais
 calls hfspec can tell a mistake to fix from a bug: the command line prints these as one line (exit status 2), and
 anything else that escapes is shown with its traceback and a request to report it.
 """
+
 from __future__ import annotations
 
 

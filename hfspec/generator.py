@@ -21,6 +21,7 @@ Cache invariant (checked every step): the target's cache holds every committed t
 except the last one (the *pending* token, fed at the start of the next step). A drafter
 states and checks its own (see ``hfspec.drafters``). No token is fed to a cache twice.
 """
+
 from __future__ import annotations
 
 import functools
@@ -88,8 +89,10 @@ def _one_at_a_time(generate: Callable) -> Callable:
     def one_at_a_time(self: SpeculativeGenerator, *args: Any, **kwargs: Any) -> GenerateOutput:
         with self._lock:
             if self._running:
-                raise HfspecError("generate was called from inside a generate call on the same generator (a "
-                                  "streamer or logits processor?); build a second SpeculativeGenerator for it")
+                raise HfspecError(
+                    "generate was called from inside a generate call on the same generator (a "
+                    "streamer or logits processor?); build a second SpeculativeGenerator for it"
+                )
             self._running = True
             try:
                 return generate(self, *args, **kwargs)
@@ -151,10 +154,11 @@ class SpeculativeGenerator:
         if window is not None:  # context plus the largest verification must fit the position embeddings
             if measuring:
                 self.tuning.maximum = max(1, min(self.tuning.maximum, window // 2 - 1))
-            ids = ids[-(window - max((self.tuning.maximum, *self.tuning.trees)) - 1):]
+            ids = ids[-(window - max((self.tuning.maximum, *self.tuning.trees)) - 1) :]
         if measuring:
-            self.tuning.costs = costs.measure(self.target, self.drafter, ids, self.tuning.maximum, device,
-                                              extra=[n + 1 for n in self.tuning.trees])
+            self.tuning.costs = costs.measure(
+                self.target, self.drafter, ids, self.tuning.maximum, device, extra=[n + 1 for n in self.tuning.trees]
+            )
             log.info("measured costs: %s", self.tuning.costs.to_dict())
         elif self.tuning.trees:  # trees asked for after the chain's costs were measured
             self.tuning.costs.measure_more(self.target, ids, [n + 1 for n in self.tuning.trees], device)
@@ -172,9 +176,14 @@ class SpeculativeGenerator:
         integer = draft_linear.describe(draft)
         if integer["layers"]:  # a draft in integer arithmetic: its linears run the draft kernel
             dk = draft_linear.kernel()
-            kernels["draft"] = {**kernels["draft"], "on": True, "reason": None, "integer": integer,
-                                "isa": kernels["draft"]["isa"] or (dk.isa if dk else None),
-                                "layers": kernels["draft"]["layers"] + integer["layers"]}
+            kernels["draft"] = {
+                **kernels["draft"],
+                "on": True,
+                "reason": None,
+                "integer": integer,
+                "isa": kernels["draft"]["isa"] or (dk.isa if dk else None),
+                "layers": kernels["draft"]["layers"] + integer["layers"],
+            }
         return {"drafter": self.drafter.describe(), "fast_kernels": kernels}
 
     @classmethod
@@ -239,22 +248,39 @@ class SpeculativeGenerator:
         if on_context_limit not in ("error", "stop"):
             raise HfspecError(f"on_context_limit must be 'error' or 'stop', got {on_context_limit!r}")
         conf = cfg.resolve(
-            self.target.generation_config, generation_config,
-            max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-            no_repeat_ngram_size=no_repeat_ngram_size, bad_words_ids=bad_words_ids,
-            suppress_tokens=suppress_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            self.target.generation_config,
+            generation_config,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            bad_words_ids=bad_words_ids,
+            suppress_tokens=suppress_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
         )
         window = self._context_window()
-        ids, mask = prepare_inputs(input_ids, attention_mask, self.tokenizer, self.vocab_size, window,
-                                   conf.max_new_tokens if on_context_limit == "error" else 1, conf.bos_token_id)
+        ids, mask = prepare_inputs(
+            input_ids,
+            attention_mask,
+            self.tokenizer,
+            self.vocab_size,
+            window,
+            conf.max_new_tokens if on_context_limit == "error" else 1,
+            conf.bos_token_id,
+        )
         processors = sampling.build_processors(conf, logits_processor)
         nodes = self._tree_nodes(tree, sampling.needs_context(processors))
         if isinstance(gamma, str) and gamma == "auto":
             self.tuning.trees = self._auto_trees(sampling.needs_context(processors)) if tree == "auto" else ()
             self.measure_costs(ids[0, mask[0].bool()].tolist())
-            self.tuning.setting = (conf.do_sample, conf.temperature, conf.top_k, conf.top_p, conf.min_p) \
-                if conf.do_sample else False
+            self.tuning.setting = (
+                (conf.do_sample, conf.temperature, conf.top_k, conf.top_p, conf.min_p) if conf.do_sample else False
+            )
         policy = as_policy(gamma, self.tuning, isinstance(self.drafter, HybridDrafter))
         if streamer is not None and ids.shape[0] != 1:
             raise HfspecError("a streamer needs a single prompt (batch size 1); drop streamer= for batches")
@@ -266,8 +292,12 @@ class SpeculativeGenerator:
         alone = KVState.is_recurrent(self.target) or self.drafter.recurrent or window_in_columns(self.target)
         rows = [(r[m.bool()][None], m[m.bool()][None]) for r, m in zip(ids, mask)] if alone else [(ids, mask)]
         try:
-            parts = [_Loop(self, conf, processors, policy, generator, streamer, window, nodes)
-                     .run(r.to(device), m.to(device)) for r, m in rows]
+            parts = [
+                _Loop(self, conf, processors, policy, generator, streamer, window, nodes).run(
+                    r.to(device), m.to(device)
+                )
+                for r, m in rows
+            ]
         finally:
             if streamer is not None:
                 streamer.end()
@@ -280,18 +310,24 @@ class SpeculativeGenerator:
         if isinstance(tree, bool) or not isinstance(tree, int) or tree < 0:
             raise HfspecError(f"tree must be None, 'auto' or a node budget >= 0, got {tree!r}")
         if tree and (KVState.is_recurrent(self.target) or self.drafter.recurrent):
-            raise HfspecError("a recurrent (or hybrid) model keeps one state and cannot read a tree in one forward; "
-                              "use tree=None (a chain)")
+            raise HfspecError(
+                "a recurrent (or hybrid) model keeps one state and cannot read a tree in one forward; "
+                "use tree=None (a chain)"
+            )
         if tree and needs_context:
-            raise HfspecError("a logits processor that reads the text so far (repetition_penalty, "
-                              "no_repeat_ngram_size, bad_words_ids, custom processors) would need each tree node's "
-                              "own path; use tree=None")
+            raise HfspecError(
+                "a logits processor that reads the text so far (repetition_penalty, "
+                "no_repeat_ngram_size, bad_words_ids, custom processors) would need each tree node's "
+                "own path; use tree=None"
+            )
         if tree:
             check_tree_attention(self.target, "target")
             if not self.target_reads_trees():
-                raise HfspecError(f"the target ({type(self.target).__name__}) did not read a draft tree exactly: its "
-                                  "logits for a small tree differ from chain forwards along each path (its attention "
-                                  "rebuilds the mask or positions it is given); use tree=None (a chain)")
+                raise HfspecError(
+                    f"the target ({type(self.target).__name__}) did not read a draft tree exactly: its "
+                    "logits for a small tree differ from chain forwards along each path (its attention "
+                    "rebuilds the mask or positions it is given); use tree=None (a chain)"
+                )
         return tree
 
     def target_reads_trees(self) -> bool:
@@ -299,14 +335,20 @@ class SpeculativeGenerator:
         if self._reads_trees is None:
             self._reads_trees = reads_trees(self.target)
             if not self._reads_trees:
-                log.warning("the target %s does not read draft trees exactly; it verifies chains only",
-                            type(self.target).__name__)
+                log.warning(
+                    "the target %s does not read draft trees exactly; it verifies chains only",
+                    type(self.target).__name__,
+                )
         return self._reads_trees
 
     def drafts_trees(self) -> bool:
         """Whether this pair drafts real trees and verifies them exactly (given processors that allow them)."""
-        return builds_trees(self.drafter) and not (KVState.is_recurrent(self.target) or self.drafter.recurrent) \
-            and not window_in_columns(self.target) and self.target_reads_trees()
+        return (
+            builds_trees(self.drafter)
+            and not (KVState.is_recurrent(self.target) or self.drafter.recurrent)
+            and not window_in_columns(self.target)
+            and self.target_reads_trees()
+        )
 
     def _auto_trees(self, needs_context: bool) -> tuple[int, ...]:
         """The node budgets ``tree="auto"`` may choose: none where a tree cannot be exact or the drafter builds
@@ -350,9 +392,17 @@ class Verdict:
 class _Loop:
     """One ``generate`` call: the models, processing and policy it runs with; its rows, caches and counts."""
 
-    def __init__(self, gen: SpeculativeGenerator, conf: GenerationConfig, processors: Sequence[LogitsProcessor],
-                 policy: GammaPolicy, generator: torch.Generator | None, streamer: Any, window: int | None,
-                 nodes: int = 0):
+    def __init__(
+        self,
+        gen: SpeculativeGenerator,
+        conf: GenerationConfig,
+        processors: Sequence[LogitsProcessor],
+        policy: GammaPolicy,
+        generator: torch.Generator | None,
+        streamer: Any,
+        window: int | None,
+        nodes: int = 0,
+    ):
         self.target, self.drafter, self.vocab = gen.target, gen.drafter, gen.vocab_size
         self.checks = gen.check_invariants
         self.conf, self.policy, self.generator, self.streamer, self.window = conf, policy, generator, streamer, window
@@ -361,8 +411,11 @@ class _Loop:
         self.nodes = nodes  # a tree's node budget per step; 0 for a chain (or the policy's choice)
         # Sliding windows counted in positions, not cache columns, where the target takes a mask per layer
         # type: the holes that rows keeping fewer drafts leave behind must not use up a row's window.
-        self.sliding = sliding_window(self.target) \
-            if takes_mask_mapping(self.target) and not KVState.is_recurrent(self.target) else None
+        self.sliding = (
+            sliding_window(self.target)
+            if takes_mask_mapping(self.target) and not KVState.is_recurrent(self.target)
+            else None
+        )
         self.scoring = Scoring(processors, self.sample)
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor) -> GenerateOutput:
@@ -383,8 +436,15 @@ class _Loop:
             block = verdict.tokens()
             committed, has_eos = rows.commit(block, verdict.accepted + 1)  # 5. cut at budgets and EOS
             self.stream(block, committed)
-            self.stats.record(rows.index, proposal.gamma, drafted, verdict.accepted, committed,
-                              draft_forwards=proposal.draft_forwards(), seconds=(t1 - t0, t2 - t1))
+            self.stats.record(
+                rows.index,
+                proposal.gamma,
+                drafted,
+                verdict.accepted,
+                committed,
+                draft_forwards=proposal.draft_forwards(),
+                seconds=(t1 - t0, t2 - t1),
+            )
             self.retire(has_eos | rows.exhausted(), has_eos)
             self.check()
         return self.output(ids, now(device) - start)
@@ -425,16 +485,27 @@ class _Loop:
             nodes = self.policy.tree_nodes()
         return max(0, min(wanted, int(self.rows.left.max()) - 1)), nodes
 
-    def learn(self, proposal: Proposal | TreeProposal, nodes: int, drafted: torch.Tensor, verdict: Verdict,
-              confidence: torch.Tensor | None, outcome: Any, seconds: tuple[float, float]) -> None:
+    def learn(
+        self,
+        proposal: Proposal | TreeProposal,
+        nodes: int,
+        drafted: torch.Tensor,
+        verdict: Verdict,
+        confidence: torch.Tensor | None,
+        outcome: Any,
+        seconds: tuple[float, float],
+    ) -> None:
         """Tell the policy what the step did: a chain's drafts (``drafted`` (B,) per row), acceptance and what the
         drafter made of it (``outcome``), or a tree's accepted path; ``seconds`` of drafting and of verifying."""
         index, accepted = self.rows.index.cpu(), verdict.accepted.cpu()
         if verdict.path is None:
             self.policy.update(Step(index, proposal.gamma, drafted.cpu(), accepted, confidence, *seconds, outcome))
         else:
-            self.policy.update_tree(TreeStep(index, nodes, proposal.parents.cpu(), proposal.mask().cpu(),
-                                             verdict.path.cpu(), accepted, *seconds))
+            self.policy.update_tree(
+                TreeStep(
+                    index, nodes, proposal.parents.cpu(), proposal.mask().cpu(), verdict.path.cpu(), accepted, *seconds
+                )
+            )
 
     def propose(self, gamma: int, nodes: int) -> tuple[Proposal | TreeProposal, torch.Tensor | None]:
         """The drafter's proposal (a tree of at most ``nodes`` nodes and γ levels when the step drafts one), priced
@@ -462,10 +533,12 @@ class _Loop:
         columns = torch.arange(gamma + 1, device=drafts.device)
         real = columns[None, :] <= proposal.drafted()[:, None]
         self.kv.snapshot()
-        logits = self.target_forward(fed, torch.ones_like(fed), (rows.lengths - 1)[:, None] + columns, real,
-                                     verification=True)[..., : self.vocab]
-        p = self.scoring.checked(logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target",
-                                 self.stats.target_passes + 1)  # (B, γ+1, V); scores when greedy
+        logits = self.target_forward(
+            fed, torch.ones_like(fed), (rows.lengths - 1)[:, None] + columns, real, verification=True
+        )[..., : self.vocab]
+        p = self.scoring.checked(
+            logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target", self.stats.target_passes + 1
+        )  # (B, γ+1, V); scores when greedy
         if not self.sample:
             accepted, next_token = sampling.verify_greedy(drafts, p.argmax(dim=-1), proposal.counts)
         else:
@@ -484,10 +557,12 @@ class _Loop:
         positions = (rows.lengths - 1)[:, None] + depth
         self.kv.extend_mask(torch.ones_like(fed))
         real = torch.cat([torch.ones_like(fed[:, :1], dtype=torch.bool), proposal.mask()], dim=1)
-        logits = self.target_forward(fed, None, positions, real, True,
-                                     attention=self.attention(trees.ancestry(parents), positions))[..., : self.vocab]
-        p = self.scoring.checked(logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target",
-                                 self.stats.target_passes + 1)  # (B, N+1, V); scores when greedy
+        logits = self.target_forward(
+            fed, None, positions, real, True, attention=self.attention(trees.ancestry(parents), positions)
+        )[..., : self.vocab]
+        p = self.scoring.checked(
+            logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target", self.stats.target_passes + 1
+        )  # (B, N+1, V); scores when greedy
         if not self.sample:
             path, accepted, next_token = trees.verify_tree_greedy(proposal, p.argmax(dim=-1))
         else:
@@ -495,9 +570,16 @@ class _Loop:
         self.stats.record_tree(proposal.drafted(), accepted)
         return Verdict(proposal, accepted, next_token, start, fed, path)
 
-    def target_forward(self, feed: torch.Tensor, valid: torch.Tensor | None, positions: torch.Tensor,
-                       real: torch.Tensor, verification: bool, logits_to_keep: int = 0,
-                       attention: torch.Tensor | dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def target_forward(
+        self,
+        feed: torch.Tensor,
+        valid: torch.Tensor | None,
+        positions: torch.Tensor,
+        real: torch.Tensor,
+        verification: bool,
+        logits_to_keep: int = 0,
+        attention: torch.Tensor | dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """One target forward over (B, k) new tokens; hands the drafter the features it asked for.
         ``attention``: a prepared mask (a tree's) for columns already added to the cache's mask."""
         mask = self.kv.extend_mask(valid) if attention is None else attention

@@ -8,6 +8,7 @@ file and kept under ``$HFSPEC_CACHE/gguf/`` where computing it took longer than 
 the transformers version that read it; a later load reads it back in milliseconds. Entries are written to a
 temporary name and renamed, so a reader never sees half of one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,8 +43,13 @@ def entry(path: str | Path) -> Path:
     return cache_dir() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def _kept(path: str | Path, what: str, compute: Callable[[], Any], save: Callable[[Any, Path], None],
-          load: Callable[[Path], Any]) -> Any:
+def _kept(
+    path: str | Path,
+    what: str,
+    compute: Callable[[], Any],
+    save: Callable[[Any, Path], None],
+    load: Callable[[Path], Any],
+) -> Any:
     """``load(dir)`` of the kept ``what`` of ``path``'s file, else ``compute()``, saved (``save(value, dir)``) if
     it took long."""
     kept = entry(path) / what
@@ -66,8 +72,7 @@ def _kept(path: str | Path, what: str, compute: Callable[[], Any], save: Callabl
         except OSError as exc:  # a read-only or full cache: nothing kept, nothing lost
             log.debug("could not keep %s of %s (%s)", what, path, exc)
             return value
-        log.info("read the %s of %s in %.1f s; kept in %s for later loads", what, Path(path).name, seconds,
-                 kept.parent)
+        log.info("read the %s of %s in %.1f s; kept in %s for later loads", what, Path(path).name, seconds, kept.parent)
     return value
 
 
@@ -78,12 +83,23 @@ def config(path: str | Path, compute: Callable[[], PretrainedConfig]) -> Pretrai
 
 def names(path: str | Path, compute: Callable[[], dict[str, str]]) -> dict[str, str]:
     """GGUF tensor name -> transformers parameter name for the file at ``path``: kept, or ``compute()``."""
-    return _kept(path, "names", compute, lambda n, d: (d / "names.json").write_text(json.dumps(n)),
-                 lambda d: json.loads((d / "names.json").read_text()))
+    return _kept(
+        path,
+        "names",
+        compute,
+        lambda n, d: (d / "names.json").write_text(json.dumps(n)),
+        lambda d: json.loads((d / "names.json").read_text()),
+    )
 
 
-def tokenizer(path: str | Path, compute: Callable[[], PreTrainedTokenizerBase],
-              trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def tokenizer(
+    path: str | Path, compute: Callable[[], PreTrainedTokenizerBase], trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """The tokenizer converted from the GGUF file at ``path``: kept, or ``compute()`` (transformers converting it)."""
-    return _kept(path, "tokenizer", compute, lambda t, d: t.save_pretrained(d),
-                 lambda d: AutoTokenizer.from_pretrained(d, trust_remote_code=trust_remote_code))
+    return _kept(
+        path,
+        "tokenizer",
+        compute,
+        lambda t, d: t.save_pretrained(d),
+        lambda d: AutoTokenizer.from_pretrained(d, trust_remote_code=trust_remote_code),
+    )

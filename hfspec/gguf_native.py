@@ -15,6 +15,7 @@ Where the blocks cannot be kept -- the kernel is off or cannot be built, an arch
 with value transforms or through its newer GGUF path, a transformers without the GGUF helpers used here -- it
 returns None and says why in one log line; the caller then loads the file dequantized, as transformers does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,7 +56,7 @@ class GgufTensor:
 
 def _string(blob: np.ndarray, pos: int) -> tuple[str, int]:
     (n,) = struct.unpack_from("<Q", blob, pos)
-    return bytes(blob[pos + 8:pos + 8 + n]).decode("utf-8"), pos + 8 + n
+    return bytes(blob[pos + 8 : pos + 8 + n]).decode("utf-8"), pos + 8 + n
 
 
 def _value(blob: np.ndarray, pos: int, kind: int) -> tuple[Any, int]:
@@ -105,7 +106,7 @@ def read_tensors(path: str | Path) -> tuple[str, list[GgufTensor]]:
     for name, ggml_type, shape, offset in table:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
         nbytes = prod(shape) // block * size
-        tensors.append(GgufTensor(name, ggml_type, shape, blob[start + offset:start + offset + nbytes]))
+        tensors.append(GgufTensor(name, ggml_type, shape, blob[start + offset : start + offset + nbytes]))
     return str(meta.get("general.architecture", "")), tensors
 
 
@@ -166,11 +167,13 @@ def _row_order(processor: Any, tensor: GgufTensor, names: dict[str, str]) -> np.
     it the row indices; an error where the processor does more to the weight than reorder its rows."""
     rows = tensor.shape[0]
     probe = np.arange(rows, dtype=np.int64).reshape(rows, 1)
-    out = np.asarray(processor.process(weights=probe, name=tensor.name, tensor_key_mapping=names,
-                                       parsed_parameters={}).weights).reshape(-1)
+    out = np.asarray(
+        processor.process(weights=probe, name=tensor.name, tensor_key_mapping=names, parsed_parameters={}).weights
+    ).reshape(-1)
     if out.shape != (rows,) or not np.array_equal(np.sort(out), probe[:, 0]):
-        raise HfspecError(f"transformers transforms {tensor.name} beyond reordering its rows; load it with "
-                          "gguf_native=False")
+        raise HfspecError(
+            f"transformers transforms {tensor.name} beyond reordering its rows; load it with gguf_native=False"
+        )
     return None if np.array_equal(out, probe[:, 0]) else out
 
 
@@ -183,8 +186,15 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[leaf] = value
 
 
-def load(source: str, gguf_file: str, role: str, *, dtype: torch.dtype | str = "auto", revision: str | None = None,
-         trust_remote_code: bool = False) -> PreTrainedModel | None:
+def load(
+    source: str,
+    gguf_file: str,
+    role: str,
+    *,
+    dtype: torch.dtype | str = "auto",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel | None:
     """The causal LM in ``gguf_file`` (inside the directory or repository ``source``) with its quantized linears and
     embeddings kept in blocks, or None (one log line says why) where they cannot be.
 
@@ -194,8 +204,12 @@ def load(source: str, gguf_file: str, role: str, *, dtype: torch.dtype | str = "
     why = quant.unavailable()
     helpers = _helpers() if why is None else why
     if isinstance(helpers, str):
-        log.info("%s %s: keeping GGUF blocks needs hfspec's quantized kernel (%s); loading it dequantized",
-                 role, gguf_file, helpers)
+        log.info(
+            "%s %s: keeping GGUF blocks needs hfspec's quantized kernel (%s); loading it dequantized",
+            role,
+            gguf_file,
+            helpers,
+        )
         return None
     weights_map, base_processor, processors, llama_processor = helpers
     quant.kernel()
@@ -203,12 +217,21 @@ def load(source: str, gguf_file: str, role: str, *, dtype: torch.dtype | str = "
     architecture, tensors = read_tensors(path)
     processor_class = processors.get(architecture, base_processor)
     if _newer_path(architecture) or processor_class not in (base_processor, llama_processor):
-        log.info("%s %s: transformers converts %s GGUF tensors with its own transforms, which hfspec does not "
-                 "apply to blocks; loading it dequantized", role, gguf_file, architecture)
+        log.info(
+            "%s %s: transformers converts %s GGUF tensors with its own transforms, which hfspec does not "
+            "apply to blocks; loading it dequantized",
+            role,
+            gguf_file,
+            architecture,
+        )
         return None
     act = torch.float32 if dtype in ("auto", None) else dtype
-    config = gguf_meta.config(path, lambda: AutoConfig.from_pretrained(source, gguf_file=gguf_file, revision=revision,
-                                                                       trust_remote_code=trust_remote_code))
+    config = gguf_meta.config(
+        path,
+        lambda: AutoConfig.from_pretrained(
+            source, gguf_file=gguf_file, revision=revision, trust_remote_code=trust_remote_code
+        ),
+    )
     import accelerate
 
     with accelerate.init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed
@@ -226,8 +249,12 @@ def load(source: str, gguf_file: str, role: str, *, dtype: torch.dtype | str = "
             module_name, _, leaf = name.rpartition(".")
             module = model.get_submodule(module_name)
             fmt = quant.format_of(tensor.ggml_type)
-            if fmt is not None and leaf == "weight" and type(module) in (nn.Linear, nn.Embedding) \
-                    and tensor.shape[-1] % fmt.elements == 0:
+            if (
+                fmt is not None
+                and leaf == "weight"
+                and type(module) in (nn.Linear, nn.Embedding)
+                and tensor.shape[-1] % fmt.elements == 0
+            ):
                 order = _row_order(processor, tensor, names)
                 blocks = torch.from_numpy(tensor.rows)
                 if order is not None:
@@ -243,18 +270,25 @@ def load(source: str, gguf_file: str, role: str, *, dtype: torch.dtype | str = "
                 from gguf import GGMLQuantizationType
 
                 dequantized[GGMLQuantizationType(tensor.ggml_type).name] += 1
-            values = processor.process(weights=_dequantized(tensor), name=tensor.name, tensor_key_mapping=names,
-                                       parsed_parameters={}).weights
+            values = processor.process(
+                weights=_dequantized(tensor), name=tensor.name, tensor_key_mapping=names, parsed_parameters={}
+            ).weights
             _set_tensor(model, name, torch.from_numpy(np.copy(values)).to(act))
     if dequantized:
-        log.info("%s %s: no quantized kernel for %s; dequantized those at load", role, gguf_file,
-                 ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items())))
+        log.info(
+            "%s %s: no quantized kernel for %s; dequantized those at load",
+            role,
+            gguf_file,
+            ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items())),
+        )
     _tie_head(model)
     missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise HfspecError(f"the {role} {str(source)!r} lacks {len(missing)} weight(s) that transformers would "
-                          f"initialise at random ({shown}): {gguf_file} is incomplete; pass a complete GGUF file")
+        raise HfspecError(
+            f"the {role} {str(source)!r} lacks {len(missing)} weight(s) that transformers would "
+            f"initialise at random ({shown}): {gguf_file} is incomplete; pass a complete GGUF file"
+        )
     model.config.name_or_path = source
     log.info("%s %s: kept in GGUF blocks (%s)", role, gguf_file, ", ".join(f"{n} {k}" for k, n in sorted(kept.items())))
     return model.eval()

@@ -17,6 +17,7 @@ The cut is not free: a chain stops at the first token outside the set. Qwen2.5-C
 at γ = 5 on code prompts kept 4.73 tokens per target pass with its whole head, 4.31 with 65,536 tokens and 4.06
 with 32,768, which costs more than the smaller head saves; hence it is asked for (``draft_vocab=``), not a default.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -52,8 +53,13 @@ class FrequentHead(nn.Module):
         if isinstance(head, QuantLinear):
             self.kept = QuantLinear(head.weight.detach().index_select(0, ids), head.fmt, head.in_features, bias)
         else:
-            self.kept = nn.Linear(head.in_features, ids.numel(), bias=head.bias is not None,
-                                  device=head.weight.device, dtype=head.weight.dtype)
+            self.kept = nn.Linear(
+                head.in_features,
+                ids.numel(),
+                bias=head.bias is not None,
+                device=head.weight.device,
+                dtype=head.weight.dtype,
+            )
             with torch.no_grad():
                 self.kept.weight.copy_(head.weight.index_select(0, ids))
                 if bias is not None:
@@ -90,16 +96,19 @@ def cut_head(model: PreTrainedModel, ids: torch.Tensor | Iterable[int]) -> CutRe
     if isinstance(head, FrequentHead):
         raise HfspecError("this model's head is already cut; cut the original model once")
     if type(head) not in (nn.Linear, QuantLinear):
-        raise HfspecTypeError(f"cut_head needs the model's output layer as a plain nn.Linear or a QuantLinear, got "
-                              f"{type(head).__name__}; cut the head before the model is accelerated")
+        raise HfspecTypeError(
+            f"cut_head needs the model's output layer as a plain nn.Linear or a QuantLinear, got "
+            f"{type(head).__name__}; cut the head before the model is accelerated"
+        )
     cut = FrequentHead(head, torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids))
     model.set_output_embeddings(cut)
     saved = (head.weight.shape[0] - cut.ids.numel()) * head.weight.shape[1] * head.weight.element_size()
     return CutReport(cut.ids.numel(), head.weight.shape[0], saved)
 
 
-def count_tokens(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str], vocab: int | None = None,
-                 batch: int = 256) -> torch.Tensor:
+def count_tokens(
+    tokenizer: PreTrainedTokenizerBase, texts: Iterable[str], vocab: int | None = None, batch: int = 256
+) -> torch.Tensor:
     """How often each id occurs when ``texts`` are tokenized (no special tokens): (vocab,) long."""
     counts = torch.zeros(vocab or len(tokenizer), dtype=torch.long)
     chunk: list[str] = []

@@ -22,6 +22,7 @@ never changed (``make_drafter`` loads a draft path as it is). A GGUF target or d
 (``gguf_file``, ``draft_gguf_file``) on CPU keeps its quantized blocks (``hfspec.gguf_native``)
 unless ``gguf_native=False`` or ``fast_kernels=False``, which dequantize it as transformers does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,19 @@ from hfspec.heads.files import is_eagle3_dir
 from hfspec.models import check_causal_lm, load_model, same_tokenizer
 from hfspec.presets import DTYPES, Preset, load_preset, preset_names  # presets are read where pairs load
 
-__all__ = ["DRAFT_BITS", "Preset", "draft_module", "drafts_in_integer", "load_draft", "load_pair", "load_preset",
-           "make_drafter", "parse_dtype", "preset_names", "resolve_model"]
+__all__ = [
+    "DRAFT_BITS",
+    "Preset",
+    "draft_module",
+    "drafts_in_integer",
+    "load_draft",
+    "load_pair",
+    "load_preset",
+    "make_drafter",
+    "parse_dtype",
+    "preset_names",
+    "resolve_model",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +74,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 # -- dtypes and devices ---------------------------------------------------------------------------
+
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | str:
     """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` → ``torch.bfloat16``; ``"auto"`` stays ``"auto"``."""
@@ -94,6 +107,7 @@ def _input_device(model: PreTrainedModel) -> torch.device:
 
 # -- model names ----------------------------------------------------------------------------------
 
+
 def resolve_model(name: str | Path, role: str) -> str:
     """Turn the special names ``offline`` (target), ``shipped`` and ``shipped-eagle3`` (draft), and the names of
     models fetched from registry wheels (``assets.WHEEL_MODELS``, either role) into local paths."""
@@ -108,13 +122,16 @@ def resolve_model(name: str | Path, role: str) -> str:
         what = "draft" if name == SHIPPED_DRAFT else "EAGLE-3 head"
         path = Path(assets.shipped_draft_path() if name == SHIPPED_DRAFT else assets.shipped_head_path())
         if not (path / "config.json").is_file():
-            raise HfspecError(f"the shipped {what} is not part of this installation (expected it at {path}); "
-                              "pass a draft model with --draft PATH")
+            raise HfspecError(
+                f"the shipped {what} is not part of this installation (expected it at {path}); "
+                "pass a draft model with --draft PATH"
+            )
         return str(path)
     return name
 
 
 # -- the pair -------------------------------------------------------------------------------------
+
 
 def load_pair(
     target: str | Path,
@@ -178,22 +195,32 @@ def load_pair(
     gguf_file = gguf_file or lone_gguf(target_path)
     draft_gguf_file = draft_gguf_file or lone_gguf(draft_path)
     target_gguf = gguf_file
-    if gguf_file is None and str(target) == OFFLINE_TARGET and Path(target_path) == assets.offline_target_dir() \
-            and native and _on_cpu(target_dev):
+    if (
+        gguf_file is None
+        and str(target) == OFFLINE_TARGET
+        and Path(target_path) == assets.offline_target_dir()
+        and native
+        and _on_cpu(target_dev)
+    ):
         target_gguf = assets.offline_target_gguf().name  # the offline target's own GGUF, kept beside its copy
-    target_model = _load_lm(target_path, "target", target_gguf, native=native and _on_cpu(target_dev),
-                            **target_kwargs)
+    target_model = _load_lm(target_path, "target", target_gguf, native=native and _on_cpu(target_dev), **target_kwargs)
     if target_dev is not None:
         target_model.to(target_dev)
 
     draft_dev = draft_dev if draft_dev is not None else _input_device(target_model)
-    draft_model = _load_draft(draft_path, target_model,
-                              dtype=parse_dtype(draft_dtype if draft_dtype is not None else dtype),
-                              device=draft_dev, gguf_file=draft_gguf_file,
-                              gguf_native=native and _on_cpu(draft_dev), **common)
+    draft_model = _load_draft(
+        draft_path,
+        target_model,
+        dtype=parse_dtype(draft_dtype if draft_dtype is not None else dtype),
+        device=draft_dev,
+        gguf_file=draft_gguf_file,
+        gguf_native=native and _on_cpu(draft_dev),
+        **common,
+    )
 
-    tok = _target_tokenizer(tokenizer, target, target_path, revision, _tokenizer_gguf(target_path, gguf_file),
-                            trust_remote_code)
+    tok = _target_tokenizer(
+        tokenizer, target, target_path, revision, _tokenizer_gguf(target_path, gguf_file), trust_remote_code
+    )
     if isinstance(draft_model, PreTrainedModel):
         draft_tok = _draft_tokenizer(draft, draft_path, trust_remote_code, _tokenizer_gguf(draft_path, draft_gguf_file))
         _cut_draft_head(draft_model, draft_tok or tok, draft_vocab)
@@ -211,8 +238,7 @@ def _check_draft_vocab(value: Any) -> None:
         raise HfspecError(f"draft_vocab must be a number of tokens >= 1 or None (the whole head), got {value!r}")
 
 
-def _cut_draft_head(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
-                    draft_vocab: int | None) -> None:
+def _cut_draft_head(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, draft_vocab: int | None) -> None:
     """Cut ``model``'s head to ``draft_vocab`` of its lowest ids, its special tokens and those of ``tokenizer``
     (``hfspec.head_cut``)."""
     head = model.get_output_embeddings()
@@ -227,8 +253,12 @@ def _cut_draft_head(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase |
         special += token if isinstance(token, list) else [] if token is None else [token]
     always = [i for i in special if 0 <= i < vocab]
     report = head_cut.cut_head(model, head_cut.first_ids(vocab, draft_vocab, always))
-    log.info("draft: LM head cut to %d of its %d tokens (the rest are never drafted; %.0f MB less read per step)",
-             report.kept, report.vocab, report.bytes_saved / 1e6)
+    log.info(
+        "draft: LM head cut to %d of its %d tokens (the rest are never drafted; %.0f MB less read per step)",
+        report.kept,
+        report.vocab,
+        report.bytes_saved / 1e6,
+    )
 
 
 def _check_draft_bits(value: Any) -> None:
@@ -240,8 +270,13 @@ def drafts_in_integer(draft: PreTrainedModel | Drafter | None, bits: int | None)
     """Whether ``draft`` is put in integer arithmetic of ``bits`` (None: never) when it is loaded: a draft model (not
     an EAGLE-3 head: it is small, and reads the target's features) on CPU, where the draft kernel runs."""
     model = draft_module(draft)
-    return bits is not None and model is not None and not isinstance(model, Eagle3Head) \
-        and all(p.is_cpu for p in model.parameters()) and draft_linear.kernel() is not None
+    return (
+        bits is not None
+        and model is not None
+        and not isinstance(model, Eagle3Head)
+        and all(p.is_cpu for p in model.parameters())
+        and draft_linear.kernel() is not None
+    )
 
 
 def _accelerate_draft(draft: PreTrainedModel | Drafter | None, bits: int | None) -> None:
@@ -253,8 +288,14 @@ def _accelerate_draft(draft: PreTrainedModel | Drafter | None, bits: int | None)
         return
     report = draft_linear.quantize_for_drafting(draft_module(draft), bits)
     if report.layers:
-        log.info("draft: %d linear layers in %d-bit integer arithmetic on the %s kernel (%.0f MB read per step, "
-                 "was %.0f)", len(report.layers), bits, report.isa, report.bytes_after / 1e6, report.bytes_before / 1e6)
+        log.info(
+            "draft: %d linear layers in %d-bit integer arithmetic on the %s kernel (%.0f MB read per step, was %.0f)",
+            len(report.layers),
+            bits,
+            report.isa,
+            report.bytes_after / 1e6,
+            report.bytes_before / 1e6,
+        )
     elif report.reason:
         log.info("draft: integer arithmetic off (%s)", report.reason)
 
@@ -282,8 +323,12 @@ def _tokenizer_gguf(path: str, gguf_file: str | None) -> str | None:
     """Where the tokenizer of a GGUF model comes from: the directory's own tokenizer files when it has them (saved
     once, read in a second), else the GGUF file (converted at every load)."""
     local = Path(path).expanduser()
-    if gguf_file is not None and local.is_dir() and (local / "tokenizer_config.json").is_file() \
-            and (local / "tokenizer.json").is_file():
+    if (
+        gguf_file is not None
+        and local.is_dir()
+        and (local / "tokenizer_config.json").is_file()
+        and (local / "tokenizer.json").is_file()
+    ):
         return None
     return gguf_file
 
@@ -296,9 +341,14 @@ def _load_lm(path: str, role: str, gguf_file: str | None, *, native: bool, **kwa
     """A causal LM by path or hub name; a GGUF one with its blocks kept where ``native`` and hfspec can
     (``hfspec.gguf_native``), else dequantized by transformers."""
     if gguf_file is not None and native:
-        model = gguf_native.load(path, gguf_file, role, dtype=kwargs.get("dtype", "auto"),
-                                 revision=kwargs.get("revision"), trust_remote_code=kwargs.get("trust_remote_code",
-                                                                                                False))
+        model = gguf_native.load(
+            path,
+            gguf_file,
+            role,
+            dtype=kwargs.get("dtype", "auto"),
+            revision=kwargs.get("revision"),
+            trust_remote_code=kwargs.get("trust_remote_code", False),
+        )
         if model is not None:
             check_causal_lm(model, role)
             return model
@@ -314,8 +364,13 @@ def _accelerate(model: torch.nn.Module | None, role: str, plan: bool = True) -> 
         return
     report = fast.accelerate_loaded(model, plan=plan)
     if report.quantized:
-        log.info("%s: %d quantized and %d other linear layers on the %s kernel", role, report.quantized,
-                 len(report.layers), report.isa)
+        log.info(
+            "%s: %d quantized and %d other linear layers on the %s kernel",
+            role,
+            report.quantized,
+            len(report.layers),
+            report.isa,
+        )
     elif report.layers:
         log.info("%s: %d linear layers on the %s kernel", role, len(report.layers), report.isa)
     else:
@@ -333,9 +388,16 @@ def draft_module(draft: PreTrainedModel | Drafter | None) -> torch.nn.Module | N
     return draft
 
 
-def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.dtype | str, device: torch.device,
-                trust_remote_code: bool, gguf_file: str | None = None,
-                gguf_native: bool = True) -> PreTrainedModel | Drafter:
+def _load_draft(
+    draft_path: str,
+    target_model: PreTrainedModel,
+    *,
+    dtype: torch.dtype | str,
+    device: torch.device,
+    trust_remote_code: bool,
+    gguf_file: str | None = None,
+    gguf_native: bool = True,
+) -> PreTrainedModel | Drafter:
     """The draft named by ``draft_path``, on ``device``: a causal LM, or another kind of drafter.
 
     An EAGLE-3 head's directory (either layout, recognised by its contents) becomes an
@@ -351,16 +413,25 @@ def _load_draft(draft_path: str, target_model: PreTrainedModel, *, dtype: torch.
     if is_eagle3_dir(draft_path):
         head = load_head(draft_path, dtype=target_model.dtype if dtype == "auto" else dtype, device=device)
         return Eagle3Drafter(head, target_model)
-    model = _load_lm(draft_path, "draft", gguf_file, native=gguf_native, dtype=dtype,
-                     trust_remote_code=trust_remote_code)
+    model = _load_lm(
+        draft_path, "draft", gguf_file, native=gguf_native, dtype=dtype, trust_remote_code=trust_remote_code
+    )
     return model.to(device)
 
 
-def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str | torch.dtype = "auto",
-               device: str | torch.device | None = None, trust_remote_code: bool = False,
-               fast_kernels: bool = True, gguf_file: str | None = None,
-               gguf_native: bool = True, draft_vocab: int | None = None,
-               draft_bits: int | None = DRAFT_BITS) -> PreTrainedModel | Drafter:
+def load_draft(
+    draft: str | Path,
+    target_model: PreTrainedModel,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
+    fast_kernels: bool = True,
+    gguf_file: str | None = None,
+    gguf_native: bool = True,
+    draft_vocab: int | None = None,
+    draft_bits: int | None = DRAFT_BITS,
+) -> PreTrainedModel | Drafter:
     """Load the draft named ``draft`` (hub name, path, ``"shipped"``, ``"shipped-eagle3"``, a model fetched by name)
     for an already loaded target.
 
@@ -374,19 +445,31 @@ def load_draft(draft: str | Path, target_model: PreTrainedModel, *, dtype: str |
     dev = _check_device(device, "draft") or _input_device(target_model)
     path = resolve_model(draft, "draft")
     gguf_file = gguf_file or lone_gguf(path)
-    loaded = _load_draft(path, target_model, dtype=parse_dtype(dtype), device=dev,
-                         trust_remote_code=trust_remote_code, gguf_file=gguf_file,
-                         gguf_native=gguf_native and fast_kernels and _on_cpu(dev))
+    loaded = _load_draft(
+        path,
+        target_model,
+        dtype=parse_dtype(dtype),
+        device=dev,
+        trust_remote_code=trust_remote_code,
+        gguf_file=gguf_file,
+        gguf_native=gguf_native and fast_kernels and _on_cpu(dev),
+    )
     if isinstance(loaded, PreTrainedModel):
-        _cut_draft_head(loaded, _draft_tokenizer(draft, path, trust_remote_code, _tokenizer_gguf(path, gguf_file)),
-                        draft_vocab)
+        _cut_draft_head(
+            loaded, _draft_tokenizer(draft, path, trust_remote_code, _tokenizer_gguf(path, gguf_file)), draft_vocab
+        )
     if fast_kernels:
         _accelerate_draft(loaded, draft_bits)
     return loaded
 
 
-def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
-                 target: PreTrainedModel | None = None, *, ngram: bool = False) -> Drafter:
+def make_drafter(
+    draft: Any,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    target: PreTrainedModel | None = None,
+    *,
+    ngram: bool = False,
+) -> Drafter:
     """A drafter from what a user passes as the draft, for ``target``.
 
     A ``Drafter``; a loaded causal LM; an ``Eagle3Head``; ``"ngram"`` (model-free lookup
@@ -395,8 +478,10 @@ def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
     ``ngram=True`` adds n-gram lookup to any other drafter (``hfspec.drafters.hybrid``).
     """
     if isinstance(draft, Eagle3Drafter) and target is not None and draft.target is not target:
-        raise HfspecError("this EAGLE-3 drafter was built for another target model; build it with the target "
-                          "you generate with, or pass the head's directory as the draft")
+        raise HfspecError(
+            "this EAGLE-3 drafter was built for another target model; build it with the target "
+            "you generate with, or pass the head's directory as the draft"
+        )
     if isinstance(draft, Drafter):
         drafter = draft
     elif isinstance(draft, PreTrainedModel):
@@ -405,8 +490,9 @@ def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
         drafter = NgramDrafter()
     elif isinstance(draft, (Eagle3Head, str, Path)):
         if target is None:
-            raise HfspecTypeError("an EAGLE-3 head or a draft path needs the target model: "
-                                  "make_drafter(draft, tokenizer, target)")
+            raise HfspecTypeError(
+                "an EAGLE-3 head or a draft path needs the target model: make_drafter(draft, tokenizer, target)"
+            )
         if isinstance(draft, Eagle3Head):
             drafter = Eagle3Drafter(draft, target)
         else:
@@ -427,8 +513,9 @@ def make_drafter(draft: Any, tokenizer: PreTrainedTokenizerBase | None = None,
     return with_ngram(drafter) if ngram else drafter
 
 
-def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: str | None,
-                      gguf_file: str | None, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+def _target_tokenizer(
+    tokenizer: Any, target: Any, target_path: str, revision: str | None, gguf_file: str | None, trust_remote_code: bool
+) -> PreTrainedTokenizerBase:
     if isinstance(tokenizer, PreTrainedTokenizerBase):
         return tokenizer
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
@@ -450,8 +537,10 @@ def _target_tokenizer(tokenizer: Any, target: Any, target_path: str, revision: s
             return AutoTokenizer.from_pretrained(source, **kwargs)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         where = f"tokenizer {source!r}" if tokenizer is not None else f"the target {str(target)!r}'s tokenizer"
-        raise HfspecError(f"could not load {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
-                          "pass tokenizer= (a path or a loaded tokenizer)") from None
+        raise HfspecError(
+            f"could not load {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
+            "pass tokenizer= (a path or a loaded tokenizer)"
+        ) from None
 
 
 def _tokenizer(source: str, kwargs: dict[str, Any]) -> PreTrainedTokenizerBase:
@@ -461,12 +550,14 @@ def _tokenizer(source: str, kwargs: dict[str, Any]) -> PreTrainedTokenizerBase:
     local = gguf_native.local_file(source, gguf) if gguf else None
     if local is None:
         return AutoTokenizer.from_pretrained(source, **kwargs)
-    return gguf_meta.tokenizer(local, lambda: AutoTokenizer.from_pretrained(source, **kwargs),
-                               kwargs.get("trust_remote_code", False))
+    return gguf_meta.tokenizer(
+        local, lambda: AutoTokenizer.from_pretrained(source, **kwargs), kwargs.get("trust_remote_code", False)
+    )
 
 
-def _draft_tokenizer(draft: Any, draft_path: str, trust_remote_code: bool,
-                     gguf_file: str | None = None) -> PreTrainedTokenizerBase | None:
+def _draft_tokenizer(
+    draft: Any, draft_path: str, trust_remote_code: bool, gguf_file: str | None = None
+) -> PreTrainedTokenizerBase | None:
     """The draft's own tokenizer (from its GGUF file, if it has one), or None where it ships none (it then uses
     the target's)."""
     local = Path(draft_path).expanduser()
@@ -480,14 +571,20 @@ def _draft_tokenizer(draft: Any, draft_path: str, trust_remote_code: bool,
         return None
 
 
-def _cross_tokenizer_drafter(model: PreTrainedModel, draft_tok: PreTrainedTokenizerBase,
-                             tok: PreTrainedTokenizerBase, target: Any, draft: Any) -> Drafter:
+def _cross_tokenizer_drafter(
+    model: PreTrainedModel, draft_tok: PreTrainedTokenizerBase, tok: PreTrainedTokenizerBase, target: Any, draft: Any
+) -> Drafter:
     """A draft whose tokenizer differs from the target's drafts the tokens both share (lossless)."""
     try:
         drafter = CrossTokenizerDrafter(model, draft_tok, tok)
     except HfspecError as exc:
-        raise HfspecError(f"the draft {str(draft)!r} and the target {str(target)!r} use different tokenizers: "
-                          f"{exc}") from None
-    log.info("draft %s and target %s use different tokenizers: drafting the %d tokens they share",
-             draft, target, drafter.map.shared)
+        raise HfspecError(
+            f"the draft {str(draft)!r} and the target {str(target)!r} use different tokenizers: {exc}"
+        ) from None
+    log.info(
+        "draft %s and target %s use different tokenizers: drafting the %d tokens they share",
+        draft,
+        target,
+        drafter.map.shared,
+    )
     return drafter

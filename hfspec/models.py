@@ -3,6 +3,7 @@
 Everything that differs between ``transformers`` architectures or versions is
 absorbed here, so the decoding loop sees one ``forward`` and one vocabulary size.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,11 @@ def forward(
     device = model.device
     kwargs = {
         "input_ids": input_ids.to(device),
-        "attention_mask": ({k: m.to(device) for k, m in attention_mask.items()} if isinstance(attention_mask, dict)
-                           else attention_mask.to(device)),
+        "attention_mask": (
+            {k: m.to(device) for k, m in attention_mask.items()}
+            if isinstance(attention_mask, dict)
+            else attention_mask.to(device)
+        ),
         "position_ids": position_ids.to(device),
         cache_kwarg(type(model)): cache,
         "use_cache": True,
@@ -73,8 +77,11 @@ def sliding_window(model: PreTrainedModel) -> int | None:
     config = model.config.get_text_config()
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
-    if not window or (types is not None and "sliding_attention" not in types) \
-            or getattr(config, "use_sliding_window", True) is False:
+    if (
+        not window
+        or (types is not None and "sliding_attention" not in types)
+        or getattr(config, "use_sliding_window", True) is False
+    ):
         return None
     return int(window)
 
@@ -98,19 +105,23 @@ def window_in_columns(model: PreTrainedModel) -> bool:
 def check_tree_attention(model: PreTrainedModel, role: str) -> None:
     """Refuse a model that cannot read a tree in one forward (a prepared 4-D mask and explicit positions)."""
     if window_in_columns(model):
-        raise HfspecError(f"the {role} ({type(model).__name__}) has sliding-window layers and takes no mask per "
-                          "layer type, so a draft tree cannot be verified exactly; use tree=None (a chain)")
+        raise HfspecError(
+            f"the {role} ({type(model).__name__}) has sliding-window layers and takes no mask per "
+            "layer type, so a draft tree cannot be verified exactly; use tree=None (a chain)"
+        )
 
 
-def tree_attention(model: PreTrainedModel, full: torch.Tensor,
-                   sliding: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+def tree_attention(
+    model: PreTrainedModel, full: torch.Tensor, sliding: torch.Tensor | None = None
+) -> torch.Tensor | dict[str, torch.Tensor]:
     """What ``forward`` takes as the attention mask for new columns that attend to what ``full`` (B, k, L)
     allows (``sliding``: the same within the sliding window): additive float masks (B, 1, k, L)."""
     dtype = model.dtype if model.dtype.is_floating_point else torch.float32
 
     def bias(allowed: torch.Tensor) -> torch.Tensor:
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min)[:, None]
+            ~allowed, torch.finfo(dtype).min
+        )[:, None]
 
     if sliding is None:
         return bias(full)
@@ -142,8 +153,7 @@ def _layer_inputs(blocks: Any, layers: tuple[int, ...], stop: bool) -> Iterator[
         if stop and i == last:
             raise _Enough
 
-    handles = [blocks[i].register_forward_pre_hook(functools.partial(hook, i=i), with_kwargs=True)
-               for i in set(layers)]
+    handles = [blocks[i].register_forward_pre_hook(functools.partial(hook, i=i), with_kwargs=True) for i in set(layers)]
     try:
         yield captured
     except _Enough:
@@ -173,8 +183,9 @@ def forward_features(
     """
     blocks = decoder_layers(model)
     if not _has_layers(blocks, layers):  # unusual layout: ask transformers for every hidden state
-        logits, hidden = forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep,
-                                 output_hidden_states=True)
+        logits, hidden = forward(
+            model, input_ids, attention_mask, position_ids, cache, logits_to_keep, output_hidden_states=True
+        )
         return logits, torch.cat([hidden[i] for i in layers], dim=-1)
     with _layer_inputs(blocks, layers, stop=False) as captured:
         logits = forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep)
@@ -182,8 +193,9 @@ def forward_features(
 
 
 @torch.inference_mode()
-def hidden_features(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    layers: tuple[int, ...]) -> torch.Tensor:
+def hidden_features(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]
+) -> torch.Tensor:
     """transformers' ``hidden_states[i]`` for i in ``layers``, concatenated (B, T, F), from one forward without cache.
 
     The decoder runs up to the highest requested layer only: the layers above it and
@@ -191,8 +203,9 @@ def hidden_features(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
     """
     blocks = decoder_layers(model)
     if not _has_layers(blocks, layers):
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                       output_hidden_states=True).hidden_states
+        hidden = model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True
+        ).hidden_states
         return torch.cat([hidden[i] for i in layers], dim=-1)
     with _layer_inputs(blocks, layers, stop=True) as captured:
         model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -206,8 +219,11 @@ def check_causal_lm(model: Any, role: str) -> None:
             f"the {role} must be a transformers PreTrainedModel (got {type(model).__name__}); "
             "load it with AutoModelForCausalLM.from_pretrained(...)"
         )
-    if getattr(model.config, "is_encoder_decoder", False) or not hasattr(model, "get_output_embeddings") \
-            or model.get_output_embeddings() is None:
+    if (
+        getattr(model.config, "is_encoder_decoder", False)
+        or not hasattr(model, "get_output_embeddings")
+        or model.get_output_embeddings() is None
+    ):
         raise HfspecTypeError(
             f"the {role} ({type(model).__name__}) is not a causal language model; "
             "use a decoder-only model loaded with AutoModelForCausalLM"
@@ -264,11 +280,15 @@ def _refuse_draft_head(path: Path, role: str) -> None:
     """A draft head's directory is not a causal LM: loaded as one, it would run with random weights."""
     kind = head_kind(path)
     if kind == "eagle3":
-        raise HfspecError(f"{role} directory {str(path)!r} holds an EAGLE-3 draft head, not a causal LM; "
-                          "pass it as the draft of the target it was trained for")
+        raise HfspecError(
+            f"{role} directory {str(path)!r} holds an EAGLE-3 draft head, not a causal LM; "
+            "pass it as the draft of the target it was trained for"
+        )
     if kind is not None:
-        raise HfspecError(f"{role} directory {str(path)!r} holds a speculators {kind!r} head, which hfspec does "
-                          "not run; EAGLE-3 heads (speculators_model_type \"eagle3\") are supported")
+        raise HfspecError(
+            f"{role} directory {str(path)!r} holds a speculators {kind!r} head, which hfspec does "
+            'not run; EAGLE-3 heads (speculators_model_type "eagle3") are supported'
+        )
 
 
 def load_model(
@@ -290,8 +310,9 @@ def load_model(
         )
     _refuse_draft_head(path, role)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(path) if looks_local else str(name_or_path),
-                                                           output_loading_info=True, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path) if looks_local else str(name_or_path), output_loading_info=True, **kwargs
+        )
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise HfspecError(
@@ -324,10 +345,16 @@ def _refuse_new_weights(model: PreTrainedModel, info: dict[str, Any], name_or_pa
     shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
     saved = (getattr(model.config, "architectures", None) or [None])[0]
     if saved and saved != type(model).__name__:
-        why = (f"this checkpoint has no language-model head: it was saved as {saved}, not as a causal LM "
-               f"({type(model).__name__}); pass a causal LM (a checkpoint of AutoModelForCausalLM)")
+        why = (
+            f"this checkpoint has no language-model head: it was saved as {saved}, not as a causal LM "
+            f"({type(model).__name__}); pass a causal LM (a checkpoint of AutoModelForCausalLM)"
+        )
     else:
-        why = ("the checkpoint is incomplete (saved without these weights); pass a complete causal-LM checkpoint, "
-               "saved with save_pretrained() from the whole model")
-    raise HfspecError(f"the {role} {str(name_or_path)!r} lacks {len(keys)} weight(s) that transformers would "
-                      f"initialise at random ({shown}); {why}")
+        why = (
+            "the checkpoint is incomplete (saved without these weights); pass a complete causal-LM checkpoint, "
+            "saved with save_pretrained() from the whole model"
+        )
+    raise HfspecError(
+        f"the {role} {str(name_or_path)!r} lacks {len(keys)} weight(s) that transformers would "
+        f"initialise at random ({shown}); {why}"
+    )

@@ -3,6 +3,7 @@
 Shipped presets live in ``hfspec/configs``; ``load_preset`` reads one by name or path and checks every key, type
 and value, naming the allowed keys in its error.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +22,13 @@ PRESET_DIR = Path(__file__).resolve().parent / "configs"
 
 DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",
-    "float32": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 
 
@@ -73,11 +78,28 @@ class Preset:
 
 _REQUIRED = ("name", "target", "draft")
 _TYPES: dict[str, tuple[type, ...]] = {
-    "name": (str,), "target": (str,), "draft": (str,), "description": (str,), "gamma": (int, str),
-    "dtype": (str,), "draft_dtype": (str,), "chat": (bool,), "system": (str,), "gguf_file": (str,),
-    "revision": (str,), "trust_remote_code": (bool,), "do_sample": (bool,), "temperature": (int, float),
-    "top_k": (int,), "top_p": (int, float), "repetition_penalty": (int, float), "ngram": (bool,),
-    "fast_kernels": (bool,), "draft_gguf_file": (str,), "gguf_native": (bool,), "draft_bits": (int, str),
+    "name": (str,),
+    "target": (str,),
+    "draft": (str,),
+    "description": (str,),
+    "gamma": (int, str),
+    "dtype": (str,),
+    "draft_dtype": (str,),
+    "chat": (bool,),
+    "system": (str,),
+    "gguf_file": (str,),
+    "revision": (str,),
+    "trust_remote_code": (bool,),
+    "do_sample": (bool,),
+    "temperature": (int, float),
+    "top_k": (int,),
+    "top_p": (int, float),
+    "repetition_penalty": (int, float),
+    "ngram": (bool,),
+    "fast_kernels": (bool,),
+    "draft_gguf_file": (str,),
+    "gguf_native": (bool,),
+    "draft_bits": (int, str),
     "draft_vocab": (int,),
 }
 ALLOWED_KEYS = tuple(_TYPES)
@@ -97,8 +119,9 @@ def _preset_file(name_or_path: str | Path) -> Path:
         raise HfspecError(f"preset file {text!r} does not exist; shipped presets: {', '.join(preset_names())}")
     shipped = PRESET_DIR / f"{text}.json"
     if not shipped.is_file():
-        raise HfspecError(f"no preset named {text!r}; shipped presets: {', '.join(preset_names())} "
-                          "(or pass the path of a JSON file)")
+        raise HfspecError(
+            f"no preset named {text!r}; shipped presets: {', '.join(preset_names())} (or pass the path of a JSON file)"
+        )
     return shipped
 
 
@@ -136,7 +159,7 @@ def _check_values(path: Path, data: dict[str, Any]) -> None:
 
     gamma = data.get("gamma", "auto")
     if gamma != "auto" and (isinstance(gamma, str) or gamma < 1):
-        raise bad("gamma", "an integer >= 1 or \"auto\"")
+        raise bad("gamma", 'an integer >= 1 or "auto"')
     for key in ("dtype", "draft_dtype"):
         if data.get(key) is not None and data[key].lower() not in DTYPES:
             raise bad(key, "one of " + ", ".join(DTYPES))

@@ -19,6 +19,7 @@ Attention key/value caches are cropped as for any model.
 What cannot be made exact is refused by ``check`` before any generation (see the README's
 "Architectures" table). ``hfspec.costs.rollback_cost`` measures what the rollback adds to v(γ).
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,13 +48,24 @@ log = logging.getLogger(__name__)
 
 # Recurrent mixer modules that the adapter path re-runs: each is called as
 # ``mixer(hidden_states, cache=..., attention_mask=...)`` and updates only its own layer's state.
-MIXERS = frozenset({
-    "MambaMixer", "FalconMambaMixer", "JambaMambaMixer",  # Mamba-1 selective scan
-    "Mamba2Mixer", "FalconH1Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer",
-    "Zamba2MambaMixer",  # Mamba-2 (SSD) scan
-    "Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "OlmoHybridGatedDeltaNet",  # gated delta rule
-    "Lfm2ShortConv", "Lfm3ShortConv",  # short convolutions (conv state only)
-})
+MIXERS = frozenset(
+    {
+        "MambaMixer",
+        "FalconMambaMixer",
+        "JambaMambaMixer",  # Mamba-1 selective scan
+        "Mamba2Mixer",
+        "FalconH1Mixer",
+        "BambaMixer",
+        "GraniteMoeHybridMambaLayer",
+        "NemotronHMamba2Mixer",
+        "Zamba2MambaMixer",  # Mamba-2 (SSD) scan
+        "Qwen3NextGatedDeltaNet",
+        "Qwen3_5GatedDeltaNet",
+        "OlmoHybridGatedDeltaNet",  # gated delta rule
+        "Lfm2ShortConv",
+        "Lfm3ShortConv",  # short convolutions (conv state only)
+    }
+)
 # transformers' Mamba-1 scan ignores the cached SSM state on a multi-token input (it starts from
 # zero), so these mixers can only continue one token at a time.
 SERIAL_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"})
@@ -61,8 +73,9 @@ SERIAL_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer", 
 STATE_IN_MODULES = {"recurrent_gemma": "RecurrentGemmaRecurrentBlock"}
 # Cache layers this module can snapshot and crop; sliding windows are kept whole (see build_cache).
 SUPPORTED_LAYERS = (DynamicLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer, DummyLayer)
-LINEAR_TYPES = frozenset(t for t, cls in DYNAMIC_LAYER_TYPE_MAPPING.items()
-                         if issubclass(cls, LinearAttentionCacheLayerMixin))
+LINEAR_TYPES = frozenset(
+    t for t, cls in DYNAMIC_LAYER_TYPE_MAPPING.items() if issubclass(cls, LinearAttentionCacheLayerMixin)
+)
 
 
 def layer_types(model: Any) -> list[str]:
@@ -143,8 +156,12 @@ def check(model: Any, role: str) -> None:
             f"or this model as the draft of another target (exact)"
         )
     if not mixer_classes(model):
-        log.warning("%s %s: no rollback adapter for its recurrent layers; using the generic path (replay the "
-                    "accepted tokens through the whole model)", role, arch)
+        log.warning(
+            "%s %s: no rollback adapter for its recurrent layers; using the generic path (replay the "
+            "accepted tokens through the whole model)",
+            role,
+            arch,
+        )
 
 
 def _instead(role: str) -> str:
@@ -204,11 +221,16 @@ class RecurrentState:
         self.saved = []
         for i in self.linear:
             layer = self.cache.layers[i]
-            self.saved.append((i, _Saved(
-                conv={k: _clone(v) for k, v in layer.conv_states.items()},
-                recurrent={k: _clone(v) for k, v in layer.recurrent_states.items()},
-                has_previous=dict(layer.has_previous_state),
-            )))
+            self.saved.append(
+                (
+                    i,
+                    _Saved(
+                        conv={k: _clone(v) for k, v in layer.conv_states.items()},
+                        recurrent={k: _clone(v) for k, v in layer.recurrent_states.items()},
+                        has_previous=dict(layer.has_previous_state),
+                    ),
+                )
+            )
         if self.mixers:
             self._record()
 

@@ -5,6 +5,7 @@ leave the batch as soon as they finish, so that they cost nothing more; ``index`
 remembers which prompt each active row is. Everything here is per-row bookkeeping;
 no model, cache or drafter is touched.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,7 @@ class Rows:
     """The active rows: row b's committed tokens are ``tokens[b, :lengths[b]]``; the last one is pending
     (not yet fed to the target). Drafts are written after them, where processors read them as context."""
 
-    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, window: int | None,
-                 eos: list[int]):
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, window: int | None, eos: list[int]):
         """``ids``, ``mask`` (B, T): the left-padded prompts; ``window``: the context the models can hold."""
         batch, device = ids.shape[0], ids.device
         self.max_new_tokens = max_new_tokens
@@ -27,8 +27,9 @@ class Rows:
             self.limit = torch.minimum(self.limit, window - self.prompt_lens)
         self.left = self.limit.clone()  # new tokens each row may still commit
         # Room for drafts past a row's end: γ never exceeds max_new_tokens - 1.
-        self.tokens = torch.zeros(batch, int(self.prompt_lens.max()) + 2 * max_new_tokens + 2, dtype=torch.long,
-                                  device=device)
+        self.tokens = torch.zeros(
+            batch, int(self.prompt_lens.max()) + 2 * max_new_tokens + 2, dtype=torch.long, device=device
+        )
         for b in range(batch):
             self.tokens[b, : self.prompt_lens[b]] = ids[b, mask[b].bool()]
         self.index = torch.arange(batch, device=device)  # the prompt each active row is

@@ -8,6 +8,7 @@ logits processing, so that ``q`` is exactly what a draft token was drawn from.
 
 Nothing here touches a model, a cache or a tokenizer.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -116,16 +117,22 @@ class Warpers:
 
     def __post_init__(self) -> None:
         # The ranges transformers' warpers accept; outside them the pass below would compute nonsense.
-        bad = [f"{name}={value!r}" for name, value, ok in (
-            ("temperature", self.temperature, self.temperature is None or self.temperature > 0),
-            ("top_k", self.top_k, self.top_k is None or self.top_k >= 1),
-            ("top_p", self.top_p, self.top_p is None or 0 <= self.top_p <= 1),
-            ("top_p_keep", self.top_p_keep, self.top_p_keep >= 1),
-            ("min_p", self.min_p, self.min_p is None or 0 <= self.min_p <= 1),
-        ) if not ok]
+        bad = [
+            f"{name}={value!r}"
+            for name, value, ok in (
+                ("temperature", self.temperature, self.temperature is None or self.temperature > 0),
+                ("top_k", self.top_k, self.top_k is None or self.top_k >= 1),
+                ("top_p", self.top_p, self.top_p is None or 0 <= self.top_p <= 1),
+                ("top_p_keep", self.top_p_keep, self.top_p_keep >= 1),
+                ("min_p", self.min_p, self.min_p is None or 0 <= self.min_p <= 1),
+            )
+            if not ok
+        ]
         if bad:
-            raise ValueError(f"invalid warper settings {', '.join(bad)}: need temperature > 0, top_k >= 1, "
-                             "top_p and min_p in [0, 1], top_p_keep >= 1 (None turns a stage off)")
+            raise ValueError(
+                f"invalid warper settings {', '.join(bad)}: need temperature > 0, top_k >= 1, "
+                "top_p and min_p in [0, 1], top_p_keep >= 1 (None turns a stage off)"
+            )
 
 
 def _as_stage(proc: LogitsProcessor) -> tuple[int, dict] | None:
@@ -274,8 +281,10 @@ def check_distribution(probs: torch.Tensor, name: str, tol: float = 1e-3) -> Non
     sums = probs.sum(dim=-1)
     if not bool(((sums - 1).abs() <= tol).all() & (probs >= 0).all()):
         worst = float((sums - 1).abs().nan_to_num(float("inf")).max())
-        raise ValueError(f"{name} is not a probability distribution (a row sums to 1 ± {worst:.3g} or has "
-                         "negative or NaN entries); pass softmax outputs of the processed logits")
+        raise ValueError(
+            f"{name} is not a probability distribution (a row sums to 1 ± {worst:.3g} or has "
+            "negative or NaN entries); pass softmax outputs of the processed logits"
+        )
 
 
 def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ seeing its own row's text so far (the drafts before it included). ``Scoring`` do
 that once for both; ``DraftContext`` is what a drafter sees of the loop
 (``hfspec.drafters.Context``), its ``pick`` the draft side of it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -29,8 +30,9 @@ class Scoring:
         self.needs_context = sampling.needs_context(processors)
         self.head, self.warpers = sampling.split_processors(processors) if sample else (processors, None)
 
-    def checked(self, logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, extra: int, role: str,
-                step: int) -> torch.Tensor:
+    def checked(
+        self, logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, extra: int, role: str, step: int
+    ) -> torch.Tensor:
         """Process raw ``logits`` (B, k, V): probabilities when sampling, else scores, for argmax.
 
         Position i follows row b's first ``lengths[b] + extra + i`` of ``tokens``. Refuses
@@ -47,8 +49,10 @@ class Scoring:
             )
         scores = self.process(logits, tokens, lengths, extra)
         if self.head and bool((scores.amax(dim=-1) == float("-inf")).any()):
-            raise NumericalFault(f"the {role} logits leave no token possible after processing "
-                                 "(every token was filtered out); relax bad_words_ids/suppress_tokens")
+            raise NumericalFault(
+                f"the {role} logits leave no token possible after processing "
+                "(every token was filtered out); relax bad_words_ids/suppress_tokens"
+            )
         if self.warpers is None:
             return scores
         batch, k, vocab = scores.shape
@@ -64,8 +68,9 @@ class Scoring:
             ids = tokens[:, :1].repeat_interleave(k, dim=0)
             flat = sampling.process(self.head, logits.reshape(batch * k, vocab), ids)
             return flat.view(batch, k, vocab)
-        return torch.stack([sampling.process(self.head, logits[:, i], prefixes(tokens, lengths + extra + i))
-                            for i in range(k)], dim=1)
+        return torch.stack(
+            [sampling.process(self.head, logits[:, i], prefixes(tokens, lengths + extra + i)) for i in range(k)], dim=1
+        )
 
 
 def prefixes(tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
@@ -83,8 +88,15 @@ class DraftContext:
     rows neither commit nor leave, so ``tokens`` and ``lengths`` are the rows' own tensors.
     """
 
-    def __init__(self, rows: Rows, scoring: Scoring, vocab: int, generator: torch.Generator | None, step: int,
-                 price: Price | None = None):
+    def __init__(
+        self,
+        rows: Rows,
+        scoring: Scoring,
+        vocab: int,
+        generator: torch.Generator | None,
+        step: int,
+        price: Price | None = None,
+    ):
         self.rows, self.scoring, self.vocab, self.generator, self.step = rows, scoring, vocab, generator, step
         self.price = price
         self.tokens, self.lengths, self.sample = rows.tokens, rows.lengths, scoring.sample
@@ -93,8 +105,9 @@ class DraftContext:
     def pick(self, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Draft i of each row from raw draft logits (B, ≥vocab), processed like the target's scores will be
         and written after the committed tokens, where later positions' processors read it."""
-        out = self.scoring.checked(logits[:, None, : self.vocab], self.tokens, self.lengths, i, "draft",
-                                   self.step)[:, 0]  # (B, V)
+        out = self.scoring.checked(logits[:, None, : self.vocab], self.tokens, self.lengths, i, "draft", self.step)[
+            :, 0
+        ]  # (B, V)
         q = out if self.sample else sampling.probs_from_logits(out)
         token = sampling.sample(q, self.generator) if self.sample else out.argmax(dim=-1)
         self.rows.write(token[:, None], offset=i)

@@ -1,4 +1,5 @@
 """What a speculative generation call did: counts, rates and where the time went."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -49,20 +50,26 @@ class Stats:
     @classmethod
     def combine(cls, parts: list[Stats]) -> Stats:
         """Totals over several calls (say, the batches of one job): counts and times add, rows concatenate."""
+
         def add(vectors: list[tuple[int, ...]]) -> tuple[int, ...]:
             width = max((len(v) for v in vectors), default=0)
             return tuple(sum(v[i] for v in vectors if i < len(v)) for i in range(width))
 
         return cls(
-            target_passes=sum(s.target_passes for s in parts), draft_passes=sum(s.draft_passes for s in parts),
-            drafted=sum(s.drafted for s in parts), accepted=sum(s.accepted for s in parts),
+            target_passes=sum(s.target_passes for s in parts),
+            draft_passes=sum(s.draft_passes for s in parts),
+            drafted=sum(s.drafted for s in parts),
+            accepted=sum(s.accepted for s in parts),
             committed=sum(s.committed for s in parts),
             accepted_by_position=add([s.accepted_by_position for s in parts]),
             drafted_by_position=add([s.drafted_by_position for s in parts]),
             gamma_histogram=add([s.gamma_histogram for s in parts]),
-            time_draft=sum(s.time_draft for s in parts), time_target=sum(s.time_target for s in parts),
-            time_total=sum(s.time_total for s in parts), rows=tuple(r for s in parts for r in s.rows),
-            tree_nodes=sum(s.tree_nodes for s in parts), depth_histogram=add([s.depth_histogram for s in parts]),
+            time_draft=sum(s.time_draft for s in parts),
+            time_target=sum(s.time_target for s in parts),
+            time_total=sum(s.time_total for s in parts),
+            rows=tuple(r for s in parts for r in s.rows),
+            tree_nodes=sum(s.tree_nodes for s in parts),
+            depth_histogram=add([s.depth_histogram for s in parts]),
         )
 
     @property
@@ -95,8 +102,14 @@ class Stats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["rows"] = [dict(asdict(r), mean_accepted_length=r.mean_accepted_length) for r in self.rows]
-        for name in ("acceptance_rate", "mean_accepted_length", "acceptance_by_position", "mean_gamma",
-                     "time_overhead", "tokens_per_second"):
+        for name in (
+            "acceptance_rate",
+            "mean_accepted_length",
+            "acceptance_by_position",
+            "mean_gamma",
+            "time_overhead",
+            "tokens_per_second",
+        ):
             d[name] = getattr(self, name)
         return d
 
@@ -117,8 +130,16 @@ class StatsCollector:
         self.tree_nodes = 0
         self.depth_histogram: list[int] = []
 
-    def record(self, rows: torch.Tensor, gamma: int, drafted: torch.Tensor, accepted: torch.Tensor,
-               committed: torch.Tensor, draft_forwards: int, seconds: tuple[float, float]) -> None:
+    def record(
+        self,
+        rows: torch.Tensor,
+        gamma: int,
+        drafted: torch.Tensor,
+        accepted: torch.Tensor,
+        committed: torch.Tensor,
+        draft_forwards: int,
+        seconds: tuple[float, float],
+    ) -> None:
         """One step over the active ``rows`` (B,), the prompts they are: a proposal ``gamma`` wide with
         ``drafted`` (B,) drafts per row, ``accepted`` (B,) of them verified, ``committed`` (B,) tokens kept
         (cut at budgets and EOS); ``seconds`` of drafting and of verification."""
@@ -151,12 +172,19 @@ class StatsCollector:
         ``outputs[b][1]``."""
         rows = tuple(RowStats(committed, *self.per_row[b].tolist(), why) for b, (committed, why) in enumerate(outputs))
         return Stats(
-            target_passes=self.target_passes, draft_passes=self.draft_passes,
-            drafted=sum(r.drafted for r in rows), accepted=sum(r.accepted for r in rows),
+            target_passes=self.target_passes,
+            draft_passes=self.draft_passes,
+            drafted=sum(r.drafted for r in rows),
+            accepted=sum(r.accepted for r in rows),
             committed=sum(r.committed for r in rows),
-            accepted_by_position=tuple(self.accepted_by_position), drafted_by_position=tuple(self.drafted_by_position),
-            gamma_histogram=tuple(self.gamma_histogram), time_draft=self.time_draft, time_target=self.time_target,
-            time_total=time_total, rows=rows, tree_nodes=self.tree_nodes,
+            accepted_by_position=tuple(self.accepted_by_position),
+            drafted_by_position=tuple(self.drafted_by_position),
+            gamma_histogram=tuple(self.gamma_histogram),
+            time_draft=self.time_draft,
+            time_target=self.time_target,
+            time_total=time_total,
+            rows=rows,
+            tree_nodes=self.tree_nodes,
             depth_histogram=tuple(self.depth_histogram),
         )
 

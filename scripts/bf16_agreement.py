@@ -10,6 +10,7 @@ setting, with lscpu's model name and torch's threads.
 
 Runs against any hfspec on PYTHONPATH, e.g. an older checkout, to compare.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,15 +27,28 @@ from hfspec import SpeculativeGenerator  # noqa: E402
 from hfspec.cpu import fast  # noqa: E402
 from hfspec.timing import cpu_model  # noqa: E402
 
-SETTINGS = {"chain, γ = 1": dict(gamma=1, tree=None), "chain, γ = 4": dict(gamma=4, tree=None),
-            "tree of 8 nodes": dict(tree=8), 'draft="ngram"': dict(gamma=3, tree=None)}
+SETTINGS = {
+    "chain, γ = 1": dict(gamma=1, tree=None),
+    "chain, γ = 4": dict(gamma=4, tree=None),
+    "tree of 8 nodes": dict(tree=8),
+    'draft="ngram"': dict(gamma=3, tree=None),
+}
 
 
 def models(args) -> tuple[torch.nn.Module, torch.nn.Module]:
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden + 8,
-                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=1, eos_token_id=None, pad_token_id=0,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden + 8,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(args.seed)
     target = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -54,8 +68,11 @@ def own(model, prompts: list[list[int]], new: int) -> list[list[int]]:
     out = []
     for p in prompts:
         x = torch.tensor([p])
-        out.append(model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
-                                  min_new_tokens=new)[0, len(p):].tolist())
+        out.append(
+            model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False, min_new_tokens=new
+            )[0, len(p) :].tolist()
+        )
     return out
 
 
@@ -84,10 +101,14 @@ def main(argv: list[str] | None = None) -> None:
         rows = {}
         for name, setting in SETTINGS.items():
             gen = SpeculativeGenerator(target, "ngram" if "ngram" in name else draft, None)
-            got = [gen.generate([p], max_new_tokens=args.new_tokens, **setting).sequences[0, len(p):].tolist()
-                   for p in prompts]
-            rows[name] = {"identical_to_own_generate": f"{sum(a == b for a, b in zip(got, reference))}/{len(prompts)}",
-                          "identical_to_eager_generate": f"{sum(a == b for a, b in zip(got, eager))}/{len(prompts)}"}
+            got = [
+                gen.generate([p], max_new_tokens=args.new_tokens, **setting).sequences[0, len(p) :].tolist()
+                for p in prompts
+            ]
+            rows[name] = {
+                "identical_to_own_generate": f"{sum(a == b for a, b in zip(got, reference))}/{len(prompts)}",
+                "identical_to_eager_generate": f"{sum(a == b for a, b in zip(got, eager))}/{len(prompts)}",
+            }
         result[mode] = rows
         fast.restore(target)
         fast.restore(draft)

@@ -9,6 +9,7 @@ Prints tokens per second of each and the ratios; record ``lscpu``'s model name a
 
     PYTHONPATH=$PWD python scripts/concurrency.py [--rounds 5] [--new-tokens 64] [--threads N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,12 @@ def main() -> None:
     first = SpeculativeGenerator.from_pretrained("offline", "shipped", dtype="float32")
     second = SpeculativeGenerator(first.target, first.draft, first.tokenizer)  # the same models, its own state
     tok = first.tokenizer
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt",
-                                   return_dict=True)["input_ids"] for p in PROMPTS]
+    ids = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        for p in PROMPTS
+    ]
     settings = dict(max_new_tokens=args.new_tokens, gamma=args.gamma, tree=None, eos_token_id=[])
 
     def serial() -> int:
@@ -66,13 +71,15 @@ def main() -> None:
         way()
     rates: dict[str, list[float]] = {name: [] for name in ways}
     for r in range(args.rounds):
-        for name in list(ways)[r % 3:] + list(ways)[: r % 3]:  # rotate the order
+        for name in list(ways)[r % 3 :] + list(ways)[: r % 3]:  # rotate the order
             t0 = time.perf_counter()
             tokens = ways[name]()
             rates[name].append(tokens / (time.perf_counter() - t0))
     median = {name: statistics.median(v) for name, v in rates.items()}
-    print(f"{platform.processor() or platform.machine()}, torch threads {args.threads}, γ={args.gamma}, "
-          f"{args.new_tokens} new tokens per prompt, {args.rounds} rounds")
+    print(
+        f"{platform.processor() or platform.machine()}, torch threads {args.threads}, γ={args.gamma}, "
+        f"{args.new_tokens} new tokens per prompt, {args.rounds} rounds"
+    )
     for name, rate in median.items():
         print(f"  {name:8s} {rate:7.1f} tokens/s  ({rate / median['serial']:.2f}x serial)")
 

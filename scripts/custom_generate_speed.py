@@ -19,6 +19,7 @@ A first round warms every contender up (the hook's first call measures costs for
 Prints one JSON object: per contender the median over rounds of new tokens per second, its ratio to ``plain``, and on
 how many prompts its greedy output equals ``plain``'s; with the CPU model and thread count.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,11 @@ HOOK = {"custom_generate": hfspec.CUSTOM_GENERATE, "trust_remote_code": True}
 
 
 def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout if platform.system() == "Linux" else ""
+    out = (
+        subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        if platform.system() == "Linux"
+        else ""
+    )
     names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
     return names[0] if names else platform.processor()
 
@@ -64,18 +69,20 @@ def main() -> None:
     target_k, draft_k = copy.deepcopy(target), copy.deepcopy(draft)
     kernel = {"target": fast.accelerate(target_k).isa, "draft": fast.accelerate(draft_k).isa}
     texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()][: args.prompts]
-    chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-             for t in texts]
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+        for t in texts
+    ]
     singles = [tok(c, return_tensors="pt", add_special_tokens=False) for c in chats]
     batch = tok(chats, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     greedy = {"do_sample": False, "max_new_tokens": args.new_tokens}
 
     def one_at_a_time(model, **extra):
-        return lambda: [model.generate(**s, **greedy, **extra)[0, s.input_ids.shape[1]:] for s in singles]
+        return lambda: [model.generate(**s, **greedy, **extra)[0, s.input_ids.shape[1] :] for s in singles]
 
     def batched():
         out = target.generate(**batch, assistant_model=draft, **greedy, **HOOK)
-        return list(out[:, batch.input_ids.shape[1]:])
+        return list(out[:, batch.input_ids.shape[1] :])
 
     contenders = {
         "plain": one_at_a_time(target),
@@ -90,7 +97,7 @@ def main() -> None:
     outputs: dict[str, list[torch.Tensor]] = {}
     names = list(contenders)
     for round_ in range(args.rounds + 1):
-        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             start = time.perf_counter()
             rows = contenders[name]()
             seconds = time.perf_counter() - start
@@ -99,12 +106,18 @@ def main() -> None:
                 rates[name].append(sum(_new(r, tok) for r in rows) / seconds)
     plain = [_trimmed(r, tok) for r in outputs["plain"]]
     report = {
-        "cpu": cpu_model(), "threads": args.threads, "prompts": args.prompts, "new_tokens": args.new_tokens,
-        "rounds": args.rounds, "kernel_isa": kernel,
+        "cpu": cpu_model(),
+        "threads": args.threads,
+        "prompts": args.prompts,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "kernel_isa": kernel,
         "contenders": {
-            name: {"tokens_per_second": round(statistics.median(r), 2),
-                   "vs_plain": round(statistics.median(r) / statistics.median(rates["plain"]), 3),
-                   "equal_to_plain": sum(_trimmed(a, tok) == b for a, b in zip(outputs[name], plain))}
+            name: {
+                "tokens_per_second": round(statistics.median(r), 2),
+                "vs_plain": round(statistics.median(r) / statistics.median(rates["plain"]), 3),
+                "equal_to_plain": sum(_trimmed(a, tok) == b for a, b in zip(outputs[name], plain)),
+            }
             for name, r in rates.items()
         },
     }

@@ -16,6 +16,7 @@ Sections:
           every output is the target's.
 Prints one JSON object (lscpu's model name, the threads, the load average before and after).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,23 +66,28 @@ def layers(threads: list[int], rows: list[int], total_mb: int, repeats: int) -> 
     """Per shape and thread count: the plain read, then the draft kernel and the exact kernel on Q4_0 and Q5_0 for each
     row count, taking turns in every sweep (a neighbour's load hits all alike); the least time of ``repeats``."""
     dk, qk = draft_linear.kernel(), quant.kernel()
-    read = dk.library.function("hfspec_draft_read", [draft_linear._PTR, draft_linear._I64, draft_linear._INT],
-                               draft_linear._I64)
+    read = dk.library.function(
+        "hfspec_draft_read", [draft_linear._PTR, draft_linear._I64, draft_linear._INT], draft_linear._I64
+    )
     out = []
     for k, n in SHAPES:
         layer = nn.Linear(k, min(n, DISTINCT_ROWS), bias=False)
         held = {"draft": rotation(tiled(draft_linear.pack(layer.weight), -(-n // draft_linear.LANES)), total_mb << 20)}
-        held |= {fmt: rotation(tiled(quant.quantize_linear(layer, fmt.upper()).weight.data, n), total_mb << 20)
-                 for fmt in ("q4_0", "q5_0")}
+        held |= {
+            fmt: rotation(tiled(quant.quantize_linear(layer, fmt.upper()).weight.data, n), total_mb << 20)
+            for fmt in ("q4_0", "q5_0")
+        }
         size = {name: copies[0].numel() for name, copies in held.items()}
         for t in threads:
             torch.set_num_threads(t)
             calls: dict[tuple[str, int], Callable[[torch.Tensor], object]] = {
-                ("read", 0): lambda c: read(c.data_ptr(), c.numel() // 64 * 64, t)}
+                ("read", 0): lambda c: read(c.data_ptr(), c.numel() // 64 * 64, t)
+            }
             for m in rows:
                 x, y = torch.randn(m, k), torch.empty(m, n)
-                calls[("draft", m)] = lambda c, x=x, y=y, m=m: dk.linear(4, x.data_ptr(), k, c.data_ptr(), None,
-                                                                        y.data_ptr(), n, m, n, k, t)
+                calls[("draft", m)] = lambda c, x=x, y=y, m=m: dk.linear(
+                    4, x.data_ptr(), k, c.data_ptr(), None, y.data_ptr(), n, m, n, k, t
+                )
                 for fmt in ("q4_0", "q5_0"):
                     calls[(fmt, m)] = lambda c, x=x, fmt=fmt: quant.linear(qk, x, c, quant.FORMATS[fmt.upper()])
             best = {key: float("inf") for key in calls}
@@ -89,9 +95,14 @@ def layers(threads: list[int], rows: list[int], total_mb: int, repeats: int) -> 
                 for (name, m), call in calls.items():
                     best[name, m] = min(best[name, m], sweep_seconds(call, held["draft" if name == "read" else name]))
             for m in rows:
-                row = {"threads": t, "in": k, "out": n, "rows": m,
-                       "read_gbs": round(size["draft"] / best["read", 0] / 1e9, 2),
-                       "draft_of_read": round(best["read", 0] / best["draft", m], 3)}
+                row = {
+                    "threads": t,
+                    "in": k,
+                    "out": n,
+                    "rows": m,
+                    "read_gbs": round(size["draft"] / best["read", 0] / 1e9, 2),
+                    "draft_of_read": round(best["read", 0] / best["draft", m], 3),
+                }
                 for name in ("draft", "q4_0", "q5_0"):
                     row[f"{name}_gbs"] = round(size[name] / best[name, m] / 1e9, 2)
                     row[f"{name}_ms"] = round(best[name, m] * 1e3, 3)
@@ -122,8 +133,9 @@ def load(name: str) -> nn.Module:
     return model
 
 
-def generate(target: nn.Module, drafts: dict[str, nn.Module], tokenizer, prompts: list[list[int]],
-             new_tokens: int) -> dict:
+def generate(
+    target: nn.Module, drafts: dict[str, nn.Module], tokenizer, prompts: list[list[int]], new_tokens: int
+) -> dict:
     """Greedy hfspec with each draft, and the target alone, taking turns on each of ``prompts``: seconds, tokens/s,
     acceptance, and whether hfspec's output is the target's (the target's eos ends both alike)."""
     from hfspec import SpeculativeGenerator
@@ -159,10 +171,15 @@ def model(threads: list[int], positions: int, rounds: int, bits: int, target: bo
     torch.set_num_threads(threads[0])
     t0 = time.perf_counter()
     report = draft_linear.quantize_for_drafting(converted, bits)
-    out: dict = {"bits": bits, f"pack_s_{threads[0]}_threads": round(time.perf_counter() - t0, 2),
-                 "layers": len(report.layers),
-                 "skipped": len(report.skipped), "bytes_before": report.bytes_before,
-                 "bytes_after": report.bytes_after, "isa": report.isa}
+    out: dict = {
+        "bits": bits,
+        f"pack_s_{threads[0]}_threads": round(time.perf_counter() - t0, 2),
+        "layers": len(report.layers),
+        "skipped": len(report.skipped),
+        "bytes_before": report.bytes_before,
+        "bytes_after": report.bytes_after,
+        "isa": report.isa,
+    }
     big = load("qwen2.5-coder-1.5b") if target else None
     tokenizer = AutoTokenizer.from_pretrained(assets.wheel_model_dir("qwen2.5-coder-0.5b", progress=False))
     ids = source_ids(tokenizer, positions + 64)
@@ -183,10 +200,11 @@ def model(threads: list[int], positions: int, rounds: int, bits: int, target: bo
     out["positions"] = positions
     out["agreement_with_exact"] = round((tokens["converted"] == tokens["exact"]).float().mean().item(), 4)
     if big is not None:
-        out["agreement_with_target"] = {name: round((tokens[name] == tokens["target"]).float().mean().item(), 4)
-                                        for name in ("exact", "converted")}
+        out["agreement_with_target"] = {
+            name: round((tokens[name] == tokens["target"]).float().mean().item(), 4) for name in ("exact", "converted")
+        }
     if big is not None and new_tokens:
-        prompts = [ids[start:start + 48] for start in (0, positions // 2, positions)]
+        prompts = [ids[start : start + 48] for start in (0, positions // 2, positions)]
         out["generate"] = generate(big, {"exact": exact, "converted": converted}, tokenizer, prompts, new_tokens)
     return out
 

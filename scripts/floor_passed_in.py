@@ -8,6 +8,7 @@ JSON object with lscpu's model name and torch's threads.
 
     python scripts/floor_passed_in.py --prompts 8 --new 48
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,14 @@ def main() -> None:
     gen = SpeculativeGenerator(target, useless, tok)
     prompts = [p["prompt"] for p in load_prompts(None)[: args.prompts]]
     runs = {
-        "plain": lambda ids, s: target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                                max_new_tokens=args.new, min_new_tokens=args.new, streamer=s),
+        "plain": lambda ids, s: target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=args.new,
+            min_new_tokens=args.new,
+            streamer=s,
+        ),
         "useless": lambda ids, s: gen.generate(ids, max_new_tokens=args.new, eos_token_id=[], streamer=s),
     }
     warm = chat_ids(tok, "Hello.")
@@ -57,15 +64,24 @@ def main() -> None:
     for i, text in enumerate(prompts):
         ids = chat_ids(tok, text)
         row = {}
-        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+        for name in list(runs) if i % 2 == 0 else list(runs)[::-1]:
             row[name] = rate(lambda s, name=name: runs[name](ids, s), args.new)
         rows.append(row)
     ratios = [r["useless"] / r["plain"] for r in rows]
-    print(json.dumps({"cpu": cpu_model(), "threads": torch.get_num_threads(), "new_tokens": args.new,
-                      "plain_tok_s": statistics.median(r["plain"] for r in rows),
-                      "useless_tok_s": statistics.median(r["useless"] for r in rows),
-                      "useless_x_plain": statistics.median(ratios), "per_prompt": [round(x, 3) for x in ratios]},
-                     indent=1))
+    print(
+        json.dumps(
+            {
+                "cpu": cpu_model(),
+                "threads": torch.get_num_threads(),
+                "new_tokens": args.new,
+                "plain_tok_s": statistics.median(r["plain"] for r in rows),
+                "useless_tok_s": statistics.median(r["useless"] for r in rows),
+                "useless_x_plain": statistics.median(ratios),
+                "per_prompt": [round(x, 3) for x in ratios],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

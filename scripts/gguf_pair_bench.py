@@ -20,6 +20,7 @@ Prints a table and writes JSON (``--json``); record the CPU model and threads wi
     python scripts/gguf_pair_bench.py --target T.gguf --draft D.gguf --parts rss,exact
     python scripts/gguf_pair_bench.py --offline --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,18 +45,20 @@ SCRIPTS = Path(__file__).resolve().parent
 
 
 def chat_ids(tokenizer, text: str) -> torch.Tensor:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
 
 
 def peak_rss(args: argparse.Namespace) -> float:
     """GB of peak RSS of a fresh process loading the pair with defaults and generating 16 tokens (which maps in
     every page of both files)."""
-    code = ("import sys, torch; from hfspec import SpeculativeGenerator; torch.set_num_threads(int(sys.argv[5])); "
-            "gen = SpeculativeGenerator.from_pretrained(sys.argv[1], sys.argv[2], gguf_file=sys.argv[3], "
-            "draft_gguf_file=sys.argv[4]); gen.generate(torch.tensor([[9707, 11, 1879, 0]]), max_new_tokens=16)")
-    subprocess.run([sys.executable, "-c", code, *pair_args(args), str(args.threads)],
-                   check=True, capture_output=True)
+    code = (
+        "import sys, torch; from hfspec import SpeculativeGenerator; torch.set_num_threads(int(sys.argv[5])); "
+        "gen = SpeculativeGenerator.from_pretrained(sys.argv[1], sys.argv[2], gguf_file=sys.argv[3], "
+        "draft_gguf_file=sys.argv[4]); gen.generate(torch.tensor([[9707, 11, 1879, 0]]), max_new_tokens=16)"
+    )
+    subprocess.run([sys.executable, "-c", code, *pair_args(args), str(args.threads)], check=True, capture_output=True)
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9  # KiB -> GB
 
 
@@ -85,9 +88,12 @@ class LlamaCpp:
     """scripts/llama_cpp_reference.py serving prompt ids in another interpreter."""
 
     def __init__(self, python: str, model: str, new: int, threads: int):
-        self.proc = subprocess.Popen([python, str(SCRIPTS / "llama_cpp_reference.py"), model, "-", "--new", str(new),
-                                      "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            [python, str(SCRIPTS / "llama_cpp_reference.py"), model, "-", "--new", str(new), "--threads", str(threads)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def __call__(self, ids: list[int]) -> dict:
         self.proc.stdin.write(json.dumps(ids) + "\n")
@@ -111,8 +117,7 @@ def pair_bench(args: argparse.Namespace) -> dict:
         out["peak_rss_gb"] = peak_rss(args)
         out["rss_bar_gb"] = 2 * out["files_gb"] + 1
     target_dir, draft_dir, target_file, draft_file = pair_args(args)
-    gen = SpeculativeGenerator.from_pretrained(target_dir, draft_dir, gguf_file=target_file,
-                                               draft_gguf_file=draft_file)
+    gen = SpeculativeGenerator.from_pretrained(target_dir, draft_dir, gguf_file=target_file, draft_gguf_file=draft_file)
     out["described"] = gen.describe()
     ref = AutoModelForCausalLM.from_pretrained(target_dir, gguf_file=target_file, dtype=torch.float32).eval()
     fast.accelerate_loaded(ref)  # = load_pair(..., gguf_native=False, dtype="float32")'s target
@@ -122,28 +127,34 @@ def pair_bench(args: argparse.Namespace) -> dict:
     for i, text in enumerate(prompts):
         ids = chat_ids(gen.tokenizer, text)
         row: dict = {"prompt": i, "prompt_tokens": ids.shape[1]}
-        want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new, do_sample=False,
-                            eos_token_id=None)
+        want = ref.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new, do_sample=False, eos_token_id=None
+        )
         got = gen.generate(ids, max_new_tokens=args.new, eos_token_id=[])
         row["exact"] = bool(torch.equal(got.sequences, want))
-        row["auto"] = {"mean_gamma": got.stats.mean_gamma, "acceptance": got.stats.acceptance_rate,
-                       "tokens_per_pass": got.stats.mean_accepted_length, "tree_nodes": got.stats.tree_nodes}
+        row["auto"] = {
+            "mean_gamma": got.stats.mean_gamma,
+            "acceptance": got.stats.acceptance_rate,
+            "tokens_per_pass": got.stats.mean_accepted_length,
+            "tree_nodes": got.stats.tree_nodes,
+        }
         if "speed" in args.parts:
             runs = {"hfspec": lambda x, n: gen.generate(x, max_new_tokens=n, eos_token_id=[])}
 
             def plain(x: torch.Tensor, n: int) -> None:
                 with fast.suspended(ref):
-                    ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                 eos_token_id=None)
+                    ref.generate(
+                        x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, eos_token_id=None
+                    )
 
             if "transformers" not in args.skip:
                 runs["transformers"] = plain
             order = list(runs) + (["llama.cpp"] if llama else [])
-            for name in order[i % len(order):] + order[: i % len(order)]:  # rotate: no contender always first
+            for name in order[i % len(order) :] + order[: i % len(order)]:  # rotate: no contender always first
                 if name == "llama.cpp":
                     res = llama(ids[0].tolist())
                     row["llama.cpp"] = {"tok_s": res["tok_s"], "tok_s_with_prompt": res["tok_s_with_prompt"]}
-                    row["llama_agrees"] = _agreement(res["tokens"], want[0, ids.shape[1]:].tolist())
+                    row["llama_agrees"] = _agreement(res["tokens"], want[0, ids.shape[1] :].tolist())
                 else:
                     row[name] = rates(*timed_generate(runs[name], ids, args.new, warm=i == 0), args.new)
         rows.append(row)
@@ -156,8 +167,10 @@ def pair_bench(args: argparse.Namespace) -> dict:
         if rows and name in rows[0]:
             out[name] = {k: statistics.median(r[name][k] for r in rows) for k in ("tok_s", "tok_s_with_prompt")}
     if "hfspec" in out and "llama.cpp" in out:
-        out["hfspec_vs_llama_cpp"] = {k: statistics.median(r["hfspec"][k] / r["llama.cpp"][k] for r in rows)
-                                      for k in ("tok_s", "tok_s_with_prompt")}
+        out["hfspec_vs_llama_cpp"] = {
+            k: statistics.median(r["hfspec"][k] / r["llama.cpp"][k] for r in rows)
+            for k in ("tok_s", "tok_s_with_prompt")
+        }
     return out
 
 
@@ -194,8 +207,9 @@ def offline_bench(args: argparse.Namespace) -> dict:
 
         def plain(x: torch.Tensor, n: int) -> None:
             with fast.suspended(dense):
-                dense.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                               eos_token_id=None)
+                dense.generate(
+                    x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, eos_token_id=None
+                )
 
         runs = {"hfspec": lambda x, n: gen.generate(x, max_new_tokens=n, eos_token_id=[]), "transformers": plain}
         for name in list(runs)[:: 1 if i % 2 else -1]:
@@ -203,17 +217,27 @@ def offline_bench(args: argparse.Namespace) -> dict:
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     out["rows"] = rows
-    out["hfspec_vs_transformers"] = {k: statistics.median(r["hfspec"][k] / r["transformers"][k] for r in rows)
-                                     for k in ("tok_s", "tok_s_with_prompt")}
+    out["hfspec_vs_transformers"] = {
+        k: statistics.median(r["hfspec"][k] / r["transformers"][k] for r in rows)
+        for k in ("tok_s", "tok_s_with_prompt")
+    }
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", type=Path, default=None,
-                        help="the target's GGUF file (default: Qwen2.5-Coder-1.5B Q4_K_M, fetched by hfspec)")
-    parser.add_argument("--draft", type=Path, default=None,
-                        help="the draft's GGUF file (default: Qwen2.5-Coder-0.5B, fetched by hfspec)")
+    parser.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="the target's GGUF file (default: Qwen2.5-Coder-1.5B Q4_K_M, fetched by hfspec)",
+    )
+    parser.add_argument(
+        "--draft",
+        type=Path,
+        default=None,
+        help="the draft's GGUF file (default: Qwen2.5-Coder-0.5B, fetched by hfspec)",
+    )
     parser.add_argument("--llama-python", default=None, help="an interpreter with llama-cpp-python")
     parser.add_argument("--parts", default="rss,exact,speed", help="comma-separated: rss, exact, speed")
     parser.add_argument("--skip", default="", help="contenders to leave out of speed, e.g. transformers")

@@ -13,6 +13,7 @@ alike; read the ratios.
 Models: random weights of real shapes (--shape smollm2-135m, qwen2.5-1.5b), or a GGUF file (--gguf PATH, loaded by
 transformers and dequantized). Prints one JSON object, with lscpu's model name and torch's threads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,23 +36,47 @@ from hfspec.cpu import activations, conv1d, fast  # noqa: E402
 from hfspec.timing import cpu_model  # noqa: E402
 
 SHAPES = {
-    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
-                         rope_theta=100000.0),
-    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         tie_word_embeddings=False, rope_theta=1000000.0),
+    "smollm2-135m": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    "qwen2.5-1.5b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
 }
 BEFORE = "before_gqa_sdpa"
 
 
 def before_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """hfspec's attention before: transformers' sdpa, with grouped heads read in place for masked queries."""
-    if (getattr(module, "num_key_value_groups", 1) == 1 or query.shape[2] == 1 or attention_mask is None
-            or not query.is_cpu or dropout or kwargs.get("softcap") is not None
-            or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+    if (
+        getattr(module, "num_key_value_groups", 1) == 1
+        or query.shape[2] == 1
+        or attention_mask is None
+        or not query.is_cpu
+        or dropout
+        or kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("output_attentions")
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
@@ -138,8 +163,14 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator().manual_seed(0)
     context = torch.randint(100, vocab - 100, (args.context,), generator=g).tolist()
     prefill = torch.randint(100, vocab - 100, (args.prefill,), generator=g).tolist()
-    result = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": args.dtype,
-              "model": args.gguf or args.shape, "context": args.context, "load_before": os.getloadavg()}
+    result = {
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "model": args.gguf or args.shape,
+        "context": args.context,
+        "load_before": os.getloadavg(),
+    }
     result.update(measure(model, context, [1, *args.sizes], prefill, args.rounds))
     result["load_after"] = os.getloadavg()
     print(json.dumps(result, indent=1))

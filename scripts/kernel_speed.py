@@ -12,6 +12,7 @@ on a shared machine compare the two from the same run, and read ratios rather th
             generate() and the loaded target's own, stopping at EOS, prompts encoded as the bench does.
 Prints one JSON object (with lscpu's model name, torch's threads and the load average).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,12 @@ def build_costs() -> dict:
     warm = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         cold = kernels.build(Path(tmp) / "linear.so", kernels.compiler())
-    return {"cold_s": round(cold, 3), "first_load_in_process_s": round(warm, 4),
-            "first_load_compiled": bool(library and library.build_seconds), "isa": library and library.isa}
+    return {
+        "cold_s": round(cold, 3),
+        "first_load_in_process_s": round(warm, 4),
+        "first_load_compiled": bool(library and library.build_seconds),
+        "isa": library and library.isa,
+    }
 
 
 @torch.inference_mode()
@@ -73,8 +78,16 @@ def linear_layers(sizes: list[int], repeats: int) -> list[dict]:
         for m in sizes:
             x = torch.randn(m, k)
             eager, kernel = alternate([lambda: F.linear(x, w), lambda: kernels.linear(library, x, w)], repeats)
-            rows.append({"in": k, "out": n, "rows": m, "eager_ms": round(eager * 1e3, 3),
-                         "kernel_ms": round(kernel * 1e3, 3), "speedup": round(eager / kernel, 2)})
+            rows.append(
+                {
+                    "in": k,
+                    "out": n,
+                    "rows": m,
+                    "eager_ms": round(eager * 1e3, 3),
+                    "kernel_ms": round(kernel * 1e3, 3),
+                    "speedup": round(eager / kernel, 2),
+                }
+            )
     return rows
 
 
@@ -93,9 +106,11 @@ def model_steps(model, context: list[int], sizes: list[int], rounds: int) -> dic
     out = {}
     for mode, by_k in times.items():
         med = {k: statistics.median(v) for k, v in by_k.items()}
-        out[mode] = {"step_ms": round(med[1] * 1e3, 2),
-                     "v": {k: round(med[k] / med[1], 3) for k in sizes if k != 1},
-                     "ms": {k: round(t * 1e3, 2) for k, t in med.items()}}
+        out[mode] = {
+            "step_ms": round(med[1] * 1e3, 2),
+            "v": {k: round(med[k] / med[1], 3) for k in sizes if k != 1},
+            "ms": {k: round(t * 1e3, 2) for k, t in med.items()},
+        }
     out["step_speedup"] = round(out["eager"]["step_ms"] / out["kernel"]["step_ms"], 2)
     return out
 
@@ -106,7 +121,7 @@ def chunked_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
     kv = KVState(1, torch.device("cpu"), model)
     out = []
     for start in range(0, len(ids), chunk):
-        feed = torch.tensor([ids[start:start + chunk]])
+        feed = torch.tensor([ids[start : start + chunk]])
         positions = torch.arange(start, start + feed.shape[1])[None]
         out.append(forward(model, feed, kv.extend_mask(torch.ones_like(feed)), positions, kv.cache)[0])
     return torch.cat(out)
@@ -122,8 +137,9 @@ def numerics(model, tok, prompts: list[str], positions: int, chunk: int, new_tok
     diff = (eager - kernel).abs()
     same, first_diff = 0, []
     for prompt in prompts:
-        batch = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)
+        batch = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         args = dict(**batch, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         ref = model.generate(**args)[0]
         with fast.accelerated(model):
@@ -132,10 +148,16 @@ def numerics(model, tok, prompts: list[str], positions: int, chunk: int, new_tok
         mismatch = (ref[:n] != got[:n]).nonzero()
         same += int(len(mismatch) == 0 and len(ref) == len(got))
         first_diff.append(None if len(mismatch) == 0 else int(mismatch[0]) - batch["input_ids"].shape[1])
-    return {"positions": len(ids), "chunk": chunk, "max_abs_logit_diff": float(diff.max()),
-            "mean_abs_logit_diff": float(diff.mean()), "max_abs_logit": float(eager.abs().max()),
-            "argmax_agreement": float((eager.argmax(-1) == kernel.argmax(-1)).float().mean()),
-            "greedy_identical": f"{same}/{len(prompts)}", "greedy_first_difference": first_diff}
+    return {
+        "positions": len(ids),
+        "chunk": chunk,
+        "max_abs_logit_diff": float(diff.max()),
+        "mean_abs_logit_diff": float(diff.mean()),
+        "max_abs_logit": float(eager.abs().max()),
+        "argmax_agreement": float((eager.argmax(-1) == kernel.argmax(-1)).float().mean()),
+        "greedy_identical": f"{same}/{len(prompts)}",
+        "greedy_first_difference": first_diff,
+    }
 
 
 @torch.inference_mode()
@@ -149,14 +171,18 @@ def hfspec_agreement(eager_model, tok, prompts: list[str], new_tokens: int, draf
         eager = eager_model.generate(ids, **args)[0].tolist()
         kernel = gen.target.generate(ids, **args)[0].tolist()
         out = gen.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-        got = out.sequences[0, :ids.shape[1] + out.stats.rows[0].committed].tolist()
+        got = out.sequences[0, : ids.shape[1] + out.stats.rows[0].committed].tolist()
         same_eager += got == eager
         same_kernel += got == kernel
         first_diff.append(next((i - ids.shape[1] for i, (a, b) in enumerate(zip(eager, got)) if a != b), None))
-    return {"draft": draft, "kernels": gen.describe()["fast_kernels"], "prompts": len(prompts),
-            "identical_to_eager_generate": f"{same_eager}/{len(prompts)}",
-            "identical_to_same_kernel_generate": f"{same_kernel}/{len(prompts)}",
-            "first_difference_from_eager": first_diff}
+    return {
+        "draft": draft,
+        "kernels": gen.describe()["fast_kernels"],
+        "prompts": len(prompts),
+        "identical_to_eager_generate": f"{same_eager}/{len(prompts)}",
+        "identical_to_same_kernel_generate": f"{same_kernel}/{len(prompts)}",
+        "first_difference_from_eager": first_diff,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -186,15 +212,19 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
-    prompts = (prompts * args.prompts)[:args.prompts]
-    result = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": args.dtype,
-              "load_before": os.getloadavg()}
+    prompts = (prompts * args.prompts)[: args.prompts]
+    result = {
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "load_before": os.getloadavg(),
+    }
     if "build" not in args.skip:
         result["build"] = build_costs()
     if "linear" not in args.skip:
         result["linear"] = linear_layers(args.rows, args.repeats)
     if "model" not in args.skip:
-        context = tok(" ".join(prompts)).input_ids[:args.context]
+        context = tok(" ".join(prompts)).input_ids[: args.context]
         result["model"] = model_steps(model, context, [1, *args.sizes], args.rounds)
     if "numerics" not in args.skip:
         result["numerics"] = numerics(model, tok, prompts, args.positions, args.chunk, args.new_tokens)

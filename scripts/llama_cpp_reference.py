@@ -10,6 +10,7 @@ it so, to interleave it with hfspec prompt by prompt).
 
     python scripts/llama_cpp_reference.py MODEL.gguf PROMPTS.json --new 64 --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,15 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes over the first prompt (default: 1)")
     args = parser.parse_args()
-    llm = Llama(model_path=args.model, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=4096,
-                n_batch=512, seed=0, verbose=False)
+    llm = Llama(
+        model_path=args.model,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_ctx=4096,
+        n_batch=512,
+        seed=0,
+        verbose=False,
+    )
 
     def decode(ids: list[int]) -> tuple[float, float, list[int]]:
         llm.reset()
@@ -47,9 +55,14 @@ def main() -> int:
 
     def result(ids: list[int]) -> dict:
         prompt_s, rest_s, tokens = decode(ids)
-        return {"prompt_tokens": len(ids), "prompt_s": prompt_s, "decode_s": rest_s,
-                "tok_s": (len(tokens) - 1) / rest_s, "tok_s_with_prompt": len(tokens) / (prompt_s + rest_s),
-                "tokens": tokens}
+        return {
+            "prompt_tokens": len(ids),
+            "prompt_s": prompt_s,
+            "decode_s": rest_s,
+            "tok_s": (len(tokens) - 1) / rest_s,
+            "tok_s_with_prompt": len(tokens) / (prompt_s + rest_s),
+            "tokens": tokens,
+        }
 
     if args.prompts == "-":
         for line in sys.stdin:
@@ -61,8 +74,9 @@ def main() -> int:
     for _ in range(args.warmup):
         decode(prompts[0])
     results = [result(ids) for ids in prompts]
-    json.dump({"llama_cpp": __import__("llama_cpp").__version__, "threads": args.threads, "results": results},
-              sys.stdout)
+    json.dump(
+        {"llama_cpp": __import__("llama_cpp").__version__, "threads": args.threads, "results": results}, sys.stdout
+    )
     print()
     return 0
 

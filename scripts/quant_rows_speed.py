@@ -10,6 +10,7 @@ On a shared machine: at one thread the times are the thread's CPU time, so that 
 nothing; at more, wall time, and a round in which another process used a CPU is not counted (``rounds_dropped``).
 Prints one JSON object with the threads and the load average before and after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,14 +86,23 @@ def layers(rows: list[int], repeats: int) -> list[dict]:
         x = torch.randn(max(rows), k)
         one = None
         for m in rows:
-            seconds, dropped = quiet_rounds([lambda s=s: quant.linear(qk, x[:m], blocks, fmt, None, (s,))
-                                             for s in range(len(qk.shapes))], repeats)
+            seconds, dropped = quiet_rounds(
+                [lambda s=s: quant.linear(qk, x[:m], blocks, fmt, None, (s,)) for s in range(len(qk.shapes))], repeats
+            )
             ms = [t * 1e3 for t in seconds]
             best = min(range(len(ms)), key=ms.__getitem__)
             one = one or ms[best]
-            out.append({"layer": f"{name} {n}x{k}", "rows": m, "ms": [round(t, 3) for t in ms],
-                        "best": list(qk.shapes[best]), "gmacs": round(m * n * k / ms[best] / 1e6, 1),
-                        "over_one_row": round(ms[best] / one, 2), "rounds_dropped": dropped})
+            out.append(
+                {
+                    "layer": f"{name} {n}x{k}",
+                    "rows": m,
+                    "ms": [round(t, 3) for t in ms],
+                    "best": list(qk.shapes[best]),
+                    "gmacs": round(m * n * k / ms[best] / 1e6, 1),
+                    "over_one_row": round(ms[best] / one, 2),
+                    "rounds_dropped": dropped,
+                }
+            )
     return out
 
 
@@ -109,22 +119,33 @@ def forward(rows: list[int], repeats: int, context: int) -> dict:
     report = fast.accelerate(model)
     ids = torch.arange(100, 100 + context)[None]
     kv = KVState(1, torch.device("cpu"), model)
-    model_forward(model, ids, kv.extend_mask(torch.ones_like(ids)), torch.arange(context)[None], kv.cache,
-                  logits_to_keep=1)
+    model_forward(
+        model, ids, kv.extend_mask(torch.ones_like(ids)), torch.arange(context)[None], kv.cache, logits_to_keep=1
+    )
     start = kv.length
 
     def step(k: int) -> None:
         feed = ids[:, -k:]
         kv.snapshot()
-        model_forward(model, feed, kv.extend_mask(torch.ones_like(feed)), torch.arange(start, start + k)[None],
-                      kv.cache, logits_to_keep=0)
+        model_forward(
+            model,
+            feed,
+            kv.extend_mask(torch.ones_like(feed)),
+            torch.arange(start, start + k)[None],
+            kv.cache,
+            logits_to_keep=0,
+        )
         kv.rollback(torch.zeros(1, dtype=torch.long), start, feed)
 
     seconds, dropped = quiet_rounds([lambda k=k: step(k) for k in rows], repeats)
     best = dict(zip(rows, seconds))
-    return {"load_s": round(loaded, 1), "quantized_layers": report.quantized,
-            "ms": {k: round(t * 1e3, 1) for k, t in best.items()},
-            "over_one_row": {k: round(t / best[rows[0]], 2) for k, t in best.items()}, "rounds_dropped": dropped}
+    return {
+        "load_s": round(loaded, 1),
+        "quantized_layers": report.quantized,
+        "ms": {k: round(t * 1e3, 1) for k, t in best.items()},
+        "over_one_row": {k: round(t / best[rows[0]], 2) for k, t in best.items()},
+        "rounds_dropped": dropped,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -137,9 +158,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip", nargs="*", default=[], choices=["layers", "forward"])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = {"threads": torch.get_num_threads(), "clock": "thread CPU time" if args.threads == 1 else "wall",
-              "isa": quant.kernel().library.isa,
-              "shapes": quant.kernel().shapes, "load_before": os.getloadavg()}
+    result = {
+        "threads": torch.get_num_threads(),
+        "clock": "thread CPU time" if args.threads == 1 else "wall",
+        "isa": quant.kernel().library.isa,
+        "shapes": quant.kernel().shapes,
+        "load_before": os.getloadavg(),
+    }
     if "layers" not in args.skip:
         result["layers"] = layers(args.rows, args.repeats)
     if "forward" not in args.skip:

@@ -20,6 +20,7 @@ model name, threads) with the numbers; writes everything as JSON with --json.
 
     python scripts/qwen_pair_bench.py --llama-python PYTHON_WITH_LLAMA_CPP --json runs/qwen.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,11 @@ from hfspec.timing import cpu_model
 SCRIPTS = Path(__file__).resolve().parent
 PROMPTS = Path(assets.__file__).resolve().parent / "prompts"
 PRESET = "qwen2.5-coder-1.5b-offline"
-MODES = {"greedy": ("code.jsonl", {"do_sample": False}),
-         "t0.7": ("code.jsonl", {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}),
-         "edit": ("code-edit.jsonl", {"do_sample": False})}
+MODES = {
+    "greedy": ("code.jsonl", {"do_sample": False}),
+    "t0.7": ("code.jsonl", {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}),
+    "edit": ("code-edit.jsonl", {"do_sample": False}),
+}
 
 
 class FirstToken:
@@ -64,38 +67,56 @@ class FirstToken:
 
 
 def chat_ids(tokenizer, text: str) -> torch.Tensor:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
 
 
-def run_hfspec(gen: SpeculativeGenerator, ids: torch.Tensor, new: int, sampling: dict, seed: int,
-               **kwargs) -> dict:
+def run_hfspec(gen: SpeculativeGenerator, ids: torch.Tensor, new: int, sampling: dict, seed: int, **kwargs) -> dict:
     streamer = FirstToken()
     out = gen.generate(ids, max_new_tokens=new, eos_token_id=[], streamer=streamer, seed=seed, **sampling, **kwargs)
     end = time.perf_counter()
     stats = out.stats
-    return {"tok_s": (new - 1) / (end - streamer.first), "tokens": out.sequences[0, ids.shape[1]:].tolist(),
-            "per_pass": stats.mean_accepted_length, "gamma": stats.mean_gamma,
-            "tree_steps": sum(stats.depth_histogram), "plain_steps": stats.gamma_histogram[0]
-            if stats.gamma_histogram else 0, "steps": stats.target_passes}
+    return {
+        "tok_s": (new - 1) / (end - streamer.first),
+        "tokens": out.sequences[0, ids.shape[1] :].tolist(),
+        "per_pass": stats.mean_accepted_length,
+        "gamma": stats.mean_gamma,
+        "tree_steps": sum(stats.depth_histogram),
+        "plain_steps": stats.gamma_histogram[0] if stats.gamma_histogram else 0,
+        "steps": stats.target_passes,
+    }
 
 
 def run_plain(model, ids: torch.Tensor, new: int, sampling: dict, seed: int) -> dict:
     streamer = FirstToken()
     torch.manual_seed(seed)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                         streamer=streamer, **sampling)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, streamer=streamer, **sampling
+    )
     end = time.perf_counter()
-    return {"tok_s": (new - 1) / (end - streamer.first), "tokens": out[0, ids.shape[1]:].tolist(), "per_pass": 1.0}
+    return {"tok_s": (new - 1) / (end - streamer.first), "tokens": out[0, ids.shape[1] :].tolist(), "per_pass": 1.0}
 
 
 class LlamaCpp:
     """scripts/llama_cpp_reference.py serving prompt ids in its own interpreter."""
 
     def __init__(self, python: str, model: Path, new: int, threads: int):
-        self.proc = subprocess.Popen([python, str(SCRIPTS / "llama_cpp_reference.py"), str(model), "-", "--new",
-                                      str(new), "--threads", str(threads)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [
+                python,
+                str(SCRIPTS / "llama_cpp_reference.py"),
+                str(model),
+                "-",
+                "--new",
+                str(new),
+                "--threads",
+                str(threads),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def __call__(self, ids: torch.Tensor) -> dict:
         self.proc.stdin.write(json.dumps(ids[0].tolist()) + "\n")
@@ -106,15 +127,20 @@ class LlamaCpp:
 
 def fresh_load(threads: int) -> dict:
     """Seconds to load the preset and peak RSS (GB) of a fresh process that loads it and generates 32 tokens."""
-    code = ("import sys, time, torch; torch.set_num_threads(int(sys.argv[1])); t = time.perf_counter(); "
-            "from hfspec import SpeculativeGenerator; from hfspec.loading import load_preset, load_pair; "
-            "p = load_preset(sys.argv[2]); "
-            "gen = SpeculativeGenerator(*load_pair(p.target, p.draft, **p.load_kwargs())); "
-            "print(time.perf_counter() - t); gen.generate(torch.tensor([[9707, 11, 1879, 0]]), max_new_tokens=32)")
-    proc = subprocess.run([sys.executable, "-c", code, str(threads), PRESET], check=True, capture_output=True,
-                          text=True)
-    return {"load_s": float(proc.stdout.split()[0]),
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9}
+    code = (
+        "import sys, time, torch; torch.set_num_threads(int(sys.argv[1])); t = time.perf_counter(); "
+        "from hfspec import SpeculativeGenerator; from hfspec.loading import load_preset, load_pair; "
+        "p = load_preset(sys.argv[2]); "
+        "gen = SpeculativeGenerator(*load_pair(p.target, p.draft, **p.load_kwargs())); "
+        "print(time.perf_counter() - t); gen.generate(torch.tensor([[9707, 11, 1879, 0]]), max_new_tokens=32)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(threads), PRESET], check=True, capture_output=True, text=True
+    )
+    return {
+        "load_s": float(proc.stdout.split()[0]),
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9,
+    }
 
 
 def contenders(args: argparse.Namespace) -> tuple[dict, object]:
@@ -127,8 +153,9 @@ def contenders(args: argparse.Namespace) -> tuple[dict, object]:
         plain = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
         runs["plain"] = lambda ids, sampling, seed: run_plain(plain, ids, args.new, sampling, seed)
     if args.llama_python and "llama.cpp" not in args.skip:
-        llama = LlamaCpp(args.llama_python, wheels.find(wheels.QWEN_CODER_1_5B, assets.cache_dir()), args.new,
-                         args.threads)
+        llama = LlamaCpp(
+            args.llama_python, wheels.find(wheels.QWEN_CODER_1_5B, assets.cache_dir()), args.new, args.threads
+        )
         runs["llama.cpp"] = lambda ids, sampling, seed: llama(ids) if not sampling["do_sample"] else None
         llama(chat_ids(tok, "Say hi."))  # its model loaded before anything is timed (gamma="auto" included)
     runs["g0"] = lambda ids, sampling, seed: run_hfspec(gen, ids, args.new, sampling, seed, gamma=FixedGamma(0))
@@ -193,7 +220,7 @@ def main() -> int:
         for i, prompt in enumerate(load_prompts(PROMPTS / file)[: args.prompts]):
             ids = chat_ids(tok, prompt["prompt"])
             row = {"id": prompt["id"], "prompt_tokens": ids.shape[1]}
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            for name in names[i % len(names) :] + names[: i % len(names)]:
                 result = runs[name](ids, sampling, i)
                 if result is not None:
                     row[name] = result
@@ -202,8 +229,18 @@ def main() -> int:
                     if name in row and name not in ("plain", "llama.cpp"):
                         row[name]["same_as_g0"] = row[name]["tokens"] == row["g0"]["tokens"]
             rows.append(row)
-            print(json.dumps({mode: {k: {m: v for m, v in r.items() if m != "tokens"} if isinstance(r, dict) else r
-                                     for k, r in row.items()}}), file=sys.stderr, flush=True)
+            print(
+                json.dumps(
+                    {
+                        mode: {
+                            k: {m: v for m, v in r.items() if m != "tokens"} if isinstance(r, dict) else r
+                            for k, r in row.items()
+                        }
+                    }
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
         out["modes"][mode] = {"rows": rows, "summary": summary(rows, names)}
     print(f"machine: {out['cpu']}, {out['threads']} threads; {args.new} new tokens per prompt")
     for mode, result in out["modes"].items():
@@ -220,8 +257,10 @@ def summary(rows: list[dict], names: list[str]) -> dict:
         have = [r for r in rows if name in r]
         if not have:
             continue
-        entry = {"tok_s": statistics.median(r[name]["tok_s"] for r in have),
-                 "per_pass": statistics.median(r[name]["per_pass"] for r in have)}
+        entry = {
+            "tok_s": statistics.median(r[name]["tok_s"] for r in have),
+            "per_pass": statistics.median(r[name]["per_pass"] for r in have),
+        }
         for base in ("plain", "g0", "llama.cpp"):
             pairs = [r[name]["tok_s"] / r[base]["tok_s"] for r in have if base in r]
             if pairs:

@@ -10,6 +10,7 @@ torch's threads.
 
   python scripts/real_pair_bf16.py   # the Qwen2.5-Coder pair, fetched and verified as hfspec fetches it by name
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,7 @@ def load(path: str):
 @torch.inference_mode()
 def own(model, ids: torch.Tensor, new: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,19 +68,32 @@ def main(argv: list[str] | None = None) -> None:
     target, tok = load(args.target)
     draft, _ = load(args.draft)
     reports = [] if args.torch else [fast.accelerate(target), fast.accelerate(draft)]
-    result = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "target": args.target, "draft": args.draft,
-              "dtype": "bfloat16", "kernels": "torch" if args.torch else "hfspec", "new_tokens": args.new_tokens,
-              "load_s": round(time.perf_counter() - t0, 1),
-              "accelerated": [{"layers": len(r.layers), "attention": r.attention, "activations": r.activations,
-                           "isa": r.isa} for r in reports], "load_before": os.getloadavg(), "prompts": []}
+    result = {
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "target": args.target,
+        "draft": args.draft,
+        "dtype": "bfloat16",
+        "kernels": "torch" if args.torch else "hfspec",
+        "new_tokens": args.new_tokens,
+        "load_s": round(time.perf_counter() - t0, 1),
+        "accelerated": [
+            {"layers": len(r.layers), "attention": r.attention, "activations": r.activations, "isa": r.isa}
+            for r in reports
+        ],
+        "load_before": os.getloadavg(),
+        "prompts": [],
+    }
     model, lookup = SpeculativeGenerator(target, draft, tok), SpeculativeGenerator(target, "ngram", tok)
     runs = {"draft model": (model, {}), 'draft="ngram"': (lookup, {})}
     if args.fixed:
-        runs.update({"draft model, γ = 4": (model, dict(gamma=4, tree=None)),
-                     "draft model, trees of 8": (model, dict(tree=8))})
-    for text in PROMPTS[:args.prompts]:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        runs.update(
+            {"draft model, γ = 4": (model, dict(gamma=4, tree=None)), "draft model, trees of 8": (model, dict(tree=8))}
+        )
+    for text in PROMPTS[: args.prompts]:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         row = {"prompt": text, "prompt_tokens": ids.shape[1]}
         want = own(target, ids, args.new_tokens)
         if args.eager:
@@ -88,11 +102,15 @@ def main(argv: list[str] | None = None) -> None:
         for name, (gen, setting) in runs.items():
             t = time.perf_counter()
             out = gen.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens, **setting)
-            got = out.sequences[0, ids.shape[1]:ids.shape[1] + out.stats.rows[0].committed].tolist()
+            got = out.sequences[0, ids.shape[1] : ids.shape[1] + out.stats.rows[0].committed].tolist()
             first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-            row[name] = {"identical_to_own_generate": got == want, "first_difference": first,
-                         "accepted": out.stats.accepted, "drafted": out.stats.drafted,
-                         "seconds": round(time.perf_counter() - t, 1)}
+            row[name] = {
+                "identical_to_own_generate": got == want,
+                "first_difference": first,
+                "accepted": out.stats.accepted,
+                "drafted": out.stats.drafted,
+                "seconds": round(time.perf_counter() - t, 1),
+            }
         result["prompts"].append(row)
         print(json.dumps(row, ensure_ascii=False), file=sys.stderr, flush=True)
     for name in runs:
@@ -100,8 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         result[f"{name}: identical to the target's own generate()"] = f"{same}/{len(result['prompts'])}"
     if args.eager:
         same = sum(r["own_generate_equals_eager_generate"] for r in result["prompts"])
-        result["the accelerated target's generate() identical to eager generate()"] = \
-            f"{same}/{len(result['prompts'])}"
+        result["the accelerated target's generate() identical to eager generate()"] = f"{same}/{len(result['prompts'])}"
     result["load_after"] = os.getloadavg()
     print(json.dumps(result, indent=1, ensure_ascii=False))
 

@@ -9,6 +9,7 @@ Cases (median of --repeats calls, old and new alternating, after a warm-up):
 Both paths give identical probabilities (tests/test_warpers.py); only the cost differs.
 Timings on a machine shared with other jobs are noisy: compare old and new from the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,9 @@ def new_context(processors, vocab: int, g: torch.Generator) -> DraftContext:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    conf = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p)
+    conf = GenerationConfig(
+        do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p
+    )
     processors = sampling.build_processors(conf)
     head, warpers = sampling.split_processors(processors)
     torch.manual_seed(args.seed)
@@ -90,25 +92,48 @@ def measure(args: argparse.Namespace) -> dict:
 
     tokens = torch.zeros(1, 8, dtype=torch.long)
     ctx = new_context(processors, args.vocab, g)
-    cases = [("rows=1", 1, old_rows, new_rows), ("verify γ=4", 5, old_verify, new_verify),
-             ("pick", 1, lambda: old_pick(processors, logits[:1], tokens, g), lambda: ctx.pick(logits[:1], 0))]
+    cases = [
+        ("rows=1", 1, old_rows, new_rows),
+        ("verify γ=4", 5, old_verify, new_verify),
+        ("pick", 1, lambda: old_pick(processors, logits[:1], tokens, g), lambda: ctx.pick(logits[:1], 0)),
+    ]
     rows = []
     for name, n, old, new in cases:
         (old_median, old_best), (new_median, new_best) = timed([old, new], args.repeats)
-        rows.append({"case": name, "rows": n, "old_ms_per_row": old_median / n, "new_ms_per_row": new_median / n,
-                     "speedup": old_median / new_median, "old_best_ms_per_row": old_best / n,
-                     "new_best_ms_per_row": new_best / n, "speedup_best": old_best / new_best})
-    return {"cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "vocab": args.vocab, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "min_p": args.min_p, "warpers_left_to_transformers": len(head), "repeats": args.repeats,
-            "cases": rows}
+        rows.append(
+            {
+                "case": name,
+                "rows": n,
+                "old_ms_per_row": old_median / n,
+                "new_ms_per_row": new_median / n,
+                "speedup": old_median / new_median,
+                "old_best_ms_per_row": old_best / n,
+                "new_best_ms_per_row": new_best / n,
+                "speedup_best": old_best / new_best,
+            }
+        )
+    return {
+        "cpu": cpu_model(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "vocab": args.vocab,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "warpers_left_to_transformers": len(head),
+        "repeats": args.repeats,
+        "cases": rows,
+    }
 
 
 def table(result: dict) -> str:
-    lines = [f"cpu: {result['cpu']}   torch threads: {result['torch_threads']}   torch {result['torch']}",
-             f"V={result['vocab']} temperature={result['temperature']} top_k={result['top_k']} "
-             f"top_p={result['top_p']} min_p={result['min_p']}   {result['repeats']} calls each: median (fastest)",
-             f"{'case':<12}{'rows':>5}{'old ms/row':>18}{'new ms/row':>18}{'speedup':>16}"]
+    lines = [
+        f"cpu: {result['cpu']}   torch threads: {result['torch_threads']}   torch {result['torch']}",
+        f"V={result['vocab']} temperature={result['temperature']} top_k={result['top_k']} "
+        f"top_p={result['top_p']} min_p={result['min_p']}   {result['repeats']} calls each: median (fastest)",
+        f"{'case':<12}{'rows':>5}{'old ms/row':>18}{'new ms/row':>18}{'speedup':>16}",
+    ]
     for row in result["cases"]:
         old = f"{row['old_ms_per_row']:.3f} ({row['old_best_ms_per_row']:.3f})"
         new = f"{row['new_ms_per_row']:.3f} ({row['new_best_ms_per_row']:.3f})"

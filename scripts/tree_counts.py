@@ -8,6 +8,7 @@ reports per setting: tokens committed per target pass
 depth. Every setting's output must equal the first's (greedy is exact, so they all equal the target's own).
 Prints one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,15 +45,18 @@ def main() -> None:
         draft = Eagle3Drafter.from_pretrained(shipped_head_path(), target)
     gen = SpeculativeGenerator(target, draft, tok)
     texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()][: args.prompts]
-    chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-             for t in texts]
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+        for t in texts
+    ]
     batch = tok(chats, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     settings = [("chain", g) for g in args.gammas] + [("tree", n) for n in args.trees]
     results, first = {}, None
     for kind, value in settings:
         kwargs = {"gamma": value} if kind == "chain" else {"tree": value}
-        out = gen.generate(batch.input_ids, batch.attention_mask, max_new_tokens=args.new_tokens, eos_token_id=[],
-                           **kwargs)
+        out = gen.generate(
+            batch.input_ids, batch.attention_mask, max_new_tokens=args.new_tokens, eos_token_id=[], **kwargs
+        )
         first = out.sequences if first is None else first
         assert torch.equal(out.sequences, first), f"{kind} {value}: greedy output differs"
         passes = sum(r.target_passes for r in out.stats.rows)
@@ -64,8 +68,18 @@ def main() -> None:
         }
         print(kind, value, results[f"{kind} {value}"], file=sys.stderr, flush=True)
     best = max((k for k in results if k.startswith("chain")), key=lambda k: results[k]["tokens_per_pass"])
-    print(json.dumps({"drafter": args.drafter, "prompts": args.prompts, "new_tokens": args.new_tokens,
-                      "best_chain": best, "results": results}, indent=1))
+    print(
+        json.dumps(
+            {
+                "drafter": args.drafter,
+                "prompts": args.prompts,
+                "new_tokens": args.new_tokens,
+                "best_chain": best,
+                "results": results,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ embedding in the block format asked for. The gguf package quantizes Q4_0, Q4_1, 
 blocks (which it only dequantizes) are random codes and scales, which is all a test of exactness needs. The file
 carries no tokenizer: tests pass the tiny word-level one (saved beside it) as ``tokenizer=``.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,7 +29,7 @@ def random_blocks(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> n
     out = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     for offset in HALVES.get(fmt, (0, 2) if fmt in ("Q4_1", "Q5_1") else (0,)):
         halves = (np.abs(rng.standard_normal((rows, cols // block))) * SCALE.get(fmt, 0.01)).astype(np.float16)
-        out[:, :, offset:offset + 2] = halves.view(np.uint8).reshape(rows, -1, 2)
+        out[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(rows, -1, 2)
     return out.reshape(rows, -1)
 
 
@@ -52,8 +53,18 @@ def _permute(w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write(directory: Path, arch: str = "llama", fmt: str | dict[str, str] = "Q8_0", *, hidden: int = 256,
-          layers: int = 2, vocab: int = 64, tied: bool = False, seed: int = 0, name: str = "model.gguf") -> Path:
+def write(
+    directory: Path,
+    arch: str = "llama",
+    fmt: str | dict[str, str] = "Q8_0",
+    *,
+    hidden: int = 256,
+    layers: int = 2,
+    vocab: int = 64,
+    tied: bool = False,
+    seed: int = 0,
+    name: str = "model.gguf",
+) -> Path:
     """Write ``directory/name`` (and the tiny tokenizer beside it); ``fmt`` is one format for every linear and the
     embedding, or a format per GGUF tensor kind (``"ffn_down"``, ``"token_embd"``, ..., ``"*"`` for the rest)."""
     directory = Path(directory)

@@ -7,6 +7,7 @@ row of a left-padded batch. :func:`schedules` feeds the same prefix those ways; 
 module, in forward order, whose rows differ from the decoding steps' in any bit. Used by
 ``tests/test_row_invariance.py`` and ``scripts/invariance_report.py``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,10 +26,10 @@ Rows = list[tuple[int, int, int]]
 
 @dataclass(frozen=True)
 class Feed:
-    ids: torch.Tensor                  # (B, k)
-    mask: torch.Tensor | None          # 2-D (B, cached + k), or a prepared 4-D mask (a tree's)
-    positions: torch.Tensor            # (B, k)
-    rows: Rows                         # (b, column, prefix position) to keep
+    ids: torch.Tensor  # (B, k)
+    mask: torch.Tensor | None  # 2-D (B, cached + k), or a prepared 4-D mask (a tree's)
+    positions: torch.Tensor  # (B, k)
+    rows: Rows  # (b, column, prefix position) to keep
 
 
 Schedule = Callable[[], Iterator[Feed]]
@@ -43,6 +44,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def _hooks(model: nn.Module, seen: dict[str, torch.Tensor]) -> Iterator[None]:
     """Record each module's first tensor input (``name:in``) and first tensor output (``name:out``) of a forward."""
+
     def first(x):
         if isinstance(x, torch.Tensor):
             return x
@@ -72,8 +74,9 @@ def _hooks(model: nn.Module, seen: dict[str, torch.Tensor]) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def record(model: nn.Module, schedule: Schedule,
-           cache: DynamicCache) -> tuple[list[str], dict[str, dict[int, torch.Tensor]]]:
+def record(
+    model: nn.Module, schedule: Schedule, cache: DynamicCache
+) -> tuple[list[str], dict[str, dict[int, torch.Tensor]]]:
     """Run ``schedule``'s forwards with ``cache``; per hooked name, the row of each prefix position it computed.
     Tensors whose first two dimensions are not the call's (batch, new columns) are not rows and are left out."""
     order: list[str] = []
@@ -81,8 +84,13 @@ def record(model: nn.Module, schedule: Schedule,
     for feed in schedule():
         seen: dict[str, torch.Tensor] = {}
         with _hooks(model, seen):
-            model(input_ids=feed.ids, attention_mask=feed.mask, position_ids=feed.positions,
-                  **{cache_kwarg(type(model)): cache}, use_cache=True)
+            model(
+                input_ids=feed.ids,
+                attention_mask=feed.mask,
+                position_ids=feed.positions,
+                **{cache_kwarg(type(model)): cache},
+                use_cache=True,
+            )
         batch, k = feed.ids.shape
         for name, t in seen.items():
             if t.dim() < 2 or tuple(t.shape[:2]) != (batch, k):
@@ -96,14 +104,16 @@ def record(model: nn.Module, schedule: Schedule,
     return order, rows
 
 
-def first_difference(order: list[str], want: dict[str, dict[int, torch.Tensor]],
-                     got: dict[str, dict[int, torch.Tensor]]) -> tuple[str, list[int]] | None:
+def first_difference(
+    order: list[str], want: dict[str, dict[int, torch.Tensor]], got: dict[str, dict[int, torch.Tensor]]
+) -> tuple[str, list[int]] | None:
     """The first hooked name, in forward order, where a position's row differs in any bit; with those positions."""
     for name in order:
         if name not in got:
             continue
-        differ = [p for p, row in got[name].items()
-                  if p in want[name] and not torch.equal(_bits(want[name][p]), _bits(row))]
+        differ = [
+            p for p, row in got[name].items() if p in want[name] and not torch.equal(_bits(want[name][p]), _bits(row))
+        ]
         if differ:
             return name, sorted(differ)
     return None
@@ -111,30 +121,39 @@ def first_difference(order: list[str], want: dict[str, dict[int, torch.Tensor]],
 
 # -- the schedules ---------------------------------------------------------------------------------
 
+
 def _ones(batch: int, length: int) -> torch.Tensor:
     return torch.ones(batch, length, dtype=torch.long)
 
 
 def decode(ids: list[int]) -> Schedule:
     """One token per forward (the model's own decoding steps)."""
+
     def run():
         for t, token in enumerate(ids):
             yield Feed(torch.tensor([[token]]), _ones(1, t + 1), torch.tensor([[t]]), [(0, 0, t)])
+
     return run
 
 
 def blocks(ids: list[int], k: int, first: int = 0) -> Schedule:
     """A prefill of ``first`` tokens (if any), then blocks of ``k`` (verifications of k - 1 drafts)."""
+
     def run():
         start = 0
         for size in ([first] if first else []) + [k] * len(ids):
             if start >= len(ids):
                 return
-            chunk = ids[start:start + size]
+            chunk = ids[start : start + size]
             positions = torch.arange(start, start + len(chunk))[None]
-            yield Feed(torch.tensor([chunk]), _ones(1, start + len(chunk)), positions,
-                       [(0, i, start + i) for i in range(len(chunk))])
+            yield Feed(
+                torch.tensor([chunk]),
+                _ones(1, start + len(chunk)),
+                positions,
+                [(0, i, start + i) for i in range(len(chunk))],
+            )
             start += len(chunk)
+
     return run
 
 
@@ -146,6 +165,7 @@ def prefill(ids: list[int]) -> Schedule:
 def tree(model: nn.Module, ids: list[int], start: int, distractors: list[int]) -> Schedule:
     """A prefill of ``ids[:start]``, then one tree forward: the rest of ``ids`` as a chain from the root
     ``ids[start]``, and a wrong sibling (from ``distractors``) beside each chain node."""
+
     def run():
         if start:
             yield Feed(torch.tensor([ids[:start]]), _ones(1, start), torch.arange(start)[None], [])
@@ -173,6 +193,7 @@ def tree(model: nn.Module, ids: list[int], start: int, distractors: list[int]) -
             columns = torch.cat([torch.arange(start), positions])
             sliding = (visible & (positions[:, None] - columns[None, :] < window))[None]
         yield Feed(torch.tensor([tokens]), tree_attention(model, visible[None], sliding), positions[None], keep)
+
     return run
 
 
@@ -183,7 +204,7 @@ def padded(ids: list[int], pad: int, other: list[int], first: int, k: int) -> Sc
 
     def run():
         real = torch.tensor([[0] * pad + [1] * len(ids), [1] * (pad + len(ids))])
-        both = torch.tensor([[0] * pad + ids, other[:pad + len(ids)]])
+        both = torch.tensor([[0] * pad + ids, other[: pad + len(ids)]])
         positions = (real.cumsum(1) - 1).clamp(min=0)
         start = 0
         for stop in [pad + first] + list(range(pad + first + k, pad + len(ids) + k, k)):
@@ -193,6 +214,7 @@ def padded(ids: list[int], pad: int, other: list[int], first: int, k: int) -> Sc
             keep = [(0, c - start, c - pad) for c in range(max(start, pad), stop)]
             yield Feed(both[:, start:stop], real[:, :stop], positions[:, start:stop], keep)
             start = stop
+
     return run
 
 
@@ -213,8 +235,9 @@ def schedules(model: nn.Module, ids: list[int], *, other: list[int], k: int = 4)
     return runs
 
 
-def report(model: nn.Module, ids: list[int], *, other: list[int],
-           k: int = 4) -> dict[str, tuple[str, list[int]] | None]:
+def report(
+    model: nn.Module, ids: list[int], *, other: list[int], k: int = 4
+) -> dict[str, tuple[str, list[int]] | None]:
     """Per schedule, the first hooked name (``module:in`` or ``module:out``) whose rows differ from the decoding
     steps' in any bit, with the positions where they do; None where every row is the same bits."""
     runs = schedules(model, ids, other=other, k=k)

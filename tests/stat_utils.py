@@ -4,6 +4,7 @@ Significance: each check fails a correct sampler with probability ALPHA = 1e-8; 
 suite runs fewer than 100 such checks, so a false failure of the whole suite is rarer
 than 1 in a million runs (Bonferroni). The negative controls must reach p < ALPHA too.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -86,8 +87,19 @@ def exact_joint(target, prompt: list[int], settings: dict, vocab: int, new: int)
     return joint
 
 
-def sample_counts(gen, prompts: list[list[int]], settings: dict, seed: int, *, vocab: int, new: int, samples: int,
-                  batch: int, gamma: int | str = 2, histogram: list[int] | None = None) -> list[np.ndarray]:
+def sample_counts(
+    gen,
+    prompts: list[list[int]],
+    settings: dict,
+    seed: int,
+    *,
+    vocab: int,
+    new: int,
+    samples: int,
+    batch: int,
+    gamma: int | str = 2,
+    histogram: list[int] | None = None,
+) -> list[np.ndarray]:
     """Counts of the first ``new`` tokens per prompt, drawing ``samples`` per prompt in batches of interleaved rows
     (and the steps by γ, added to ``histogram`` when given)."""
     counts = [np.zeros([vocab] * new) for _ in prompts]
@@ -99,14 +111,16 @@ def sample_counts(gen, prompts: list[list[int]], settings: dict, seed: int, *, v
         for k, n in enumerate(out.stats.gamma_histogram if histogram is not None else ()):
             histogram[k] += n
         for i in range(len(prompts)):
-            np.add.at(counts[i], tuple(drawn[i:: len(prompts)].T), 1)
+            np.add.at(counts[i], tuple(drawn[i :: len(prompts)].T), 1)
     return counts
 
 
-def joint_pvalues(gen, prompts: list[list[int]], settings: dict, seed: int, *, vocab: int, new: int,
-                  samples: int) -> list[float]:
+def joint_pvalues(
+    gen, prompts: list[list[int]], settings: dict, seed: int, *, vocab: int, new: int, samples: int
+) -> list[float]:
     """Per prompt, the p-value of ``samples`` rows' first ``new`` tokens against the exact joint of ``gen.target``,
     the prompts' rows interleaved in one batch."""
-    counts = sample_counts(gen, prompts, settings, seed, vocab=vocab, new=new, samples=samples,
-                           batch=samples * len(prompts))
+    counts = sample_counts(
+        gen, prompts, settings, seed, vocab=vocab, new=new, samples=samples, batch=samples * len(prompts)
+    )
     return [chi_square_pvalue(c, exact_joint(gen.target, p, settings, vocab, new)) for p, c in zip(prompts, counts)]

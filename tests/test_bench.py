@@ -1,4 +1,5 @@
 """hfspec bench: its arithmetic, its report's shape, and one end-to-end run on a tiny pair (no timing checks)."""
+
 from __future__ import annotations
 
 import json
@@ -21,11 +22,29 @@ from hfspec.stats import RowStats, Stats
 GREEDY = Mode("greedy", False)
 SAMPLE = Mode("sample", True, 0.7, 0.95, 0)
 CONTENDER_KEYS = {
-    "kind", "schedule", "gamma", "drafter", "tokens_per_second", "speedup_vs_plain", "speedup_vs_hfspec_g0",
+    "kind",
+    "schedule",
+    "gamma",
+    "drafter",
+    "tokens_per_second",
+    "speedup_vs_plain",
+    "speedup_vs_hfspec_g0",
     "speedup_vs_assisted",
-    "speedup_vs_assisted_default", "acceptance_rate", "alpha", "mean_accepted_length", "mean_gamma",
-    "acceptance_by_position", "gamma_histogram", "prediction_gamma", "predicted_speedup", "predicted_speedup_v",
-    "efficiency", "new_tokens", "seconds", "tree_steps", "tree_nodes",
+    "speedup_vs_assisted_default",
+    "acceptance_rate",
+    "alpha",
+    "mean_accepted_length",
+    "mean_gamma",
+    "acceptance_by_position",
+    "gamma_histogram",
+    "prediction_gamma",
+    "predicted_speedup",
+    "predicted_speedup_v",
+    "efficiency",
+    "new_tokens",
+    "seconds",
+    "tree_steps",
+    "tree_nodes",
 }
 
 
@@ -79,8 +98,9 @@ def test_ratios_spread_and_mismatches():
 def _stats(drafted: int, accepted: int, passes: int, committed: int) -> Stats:
     row = RowStats(committed, accepted, passes, drafted, "length")
     # Only the first two draft positions are filled in: 5 of 5, then 2 of 4 accepted.
-    return Stats(passes, drafted, drafted, accepted, committed, (5, 2), (5, 4), (0, 0, 0, 0, passes), 0.0, 0.0, 1.0,
-                 (row,))
+    return Stats(
+        passes, drafted, drafted, accepted, committed, (5, 2), (5, 4), (0, 0, 0, 0, passes), 0.0, 0.0, 1.0, (row,)
+    )
 
 
 def test_summary_arithmetic():
@@ -89,8 +109,9 @@ def test_summary_arithmetic():
     # 20 drafted (γ=4, 5 passes), 15 accepted: α = 0.75, 4 tokens per pass.
     spec = [Run([[1] * 20], 0.5, 6, 21, _stats(20, 15, 5, 20)), Run([[1] * 20], 1.0, 6, 21, _stats(20, 15, 5, 20))]
     c, v = 0.1, {4: 1.5}
-    row = bench.summarize(Contender("hfspec", "hfspec", 4, "fixed"), spec, plain, assisted, c, v, greedy=False,
-                          assisted_default=plain)
+    row = bench.summarize(
+        Contender("hfspec", "hfspec", 4, "fixed"), spec, plain, assisted, c, v, greedy=False, assisted_default=plain
+    )
     assert row["speedup_vs_plain"] == pytest.approx(4.0)
     assert row["speedup_vs_assisted"] == pytest.approx(2.0)
     assert row["speedup_vs_assisted_default"] == pytest.approx(4.0)
@@ -100,15 +121,16 @@ def test_summary_arithmetic():
     assert row["acceptance_by_position"] == [1.0, 0.5]
     # α is fitted to 4 tokens per pass at γ = 4, so the prediction is tokens per pass ÷ (γc + v).
     alpha = row["alpha"]
-    assert sum(alpha ** i for i in range(5)) == pytest.approx(4.0)
+    assert sum(alpha**i for i in range(5)) == pytest.approx(4.0)
     pred_v = 4.0 / (4 * 0.1 + 1.5)
     assert row["predicted_speedup_v"] == pytest.approx(pred_v)
     assert row["efficiency"] == pytest.approx(4.0 / pred_v)
     assert "greedy_mismatches" not in row
 
     # transformers' counts come from forward calls: 4 rounds commit 10 tokens, so 6 of 12 drafts were accepted.
-    row = bench.summarize(Contender("assisted", "assisted", 3, "constant"), assisted, plain, assisted, c, v,
-                          greedy=True)
+    row = bench.summarize(
+        Contender("assisted", "assisted", 3, "constant"), assisted, plain, assisted, c, v, greedy=True
+    )
     assert row["acceptance_rate"] == pytest.approx(0.5)
     assert row["mean_accepted_length"] == pytest.approx(2.5)
     assert sum(row["alpha"] ** i for i in range(4)) == pytest.approx(2.5)
@@ -136,8 +158,17 @@ def test_prompts_from_jsonl_and_text(tmp_path):
 
 
 def _tiny_settings(**kw) -> Settings:
-    base = dict(gamma=2, gammas=(1, 2), trees=(), modes=(GREEDY,), warmup=0, batch_size=2, batch_repeats=1,
-                cost_repeats=2, progress=False)
+    base = dict(
+        gamma=2,
+        gammas=(1, 2),
+        trees=(),
+        modes=(GREEDY,),
+        warmup=0,
+        batch_size=2,
+        batch_repeats=1,
+        cost_repeats=2,
+        progress=False,
+    )
     return Settings(**{**base, **kw})
 
 
@@ -154,8 +185,9 @@ class _Wrong(Bench):
 def test_greedy_check_flags_a_wrong_contender(tiny_pair):
     target, draft, tok = tiny_pair("llama", sharpness=4.0)
     prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}, {"id": "b", "kind": "-", "prompt": "w20 w21"}]
-    result = bench.run_bench(_Wrong(target, draft, tok, max_new_tokens=6, gamma=2), prompts,
-                             _tiny_settings(batch_size=0, trees=(4, 6)))
+    result = bench.run_bench(
+        _Wrong(target, draft, tok, max_new_tokens=6, gamma=2), prompts, _tiny_settings(batch_size=0, trees=(4, 6))
+    )
     rows = result["modes"]["greedy"]["contenders"]
     assert len(rows["hfspec-heuristic"]["greedy_mismatches"]) == 2
     trees = result["modes"]["greedy"]["tree_mismatches"]
@@ -180,15 +212,47 @@ def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
     target = model_dir("llama", seed=0, sharpness=4.0)
     draft = model_dir("llama", seed=0, sharpness=4.0, hidden=16)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"id": "a", "kind": "chat", "prompt": "w10 w11 w12"}\n'
-                       '{"id": "b", "kind": "list", "prompt": "w20 w21"}\n')
+    prompts.write_text(
+        '{"id": "a", "kind": "chat", "prompt": "w10 w11 w12"}\n{"id": "b", "kind": "list", "prompt": "w20 w21"}\n'
+    )
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    status = bench.main([
-        "--target", str(target), "--draft", str(draft), "--prompts-file", str(prompts), "--num-prompts", "2",
-        "--max-new-tokens", "6", "--gamma", "2", "--gammas", "1,2", "--warmup", "1", "--batch-size", "2",
-        "--batch-repeats", "1", "--cost-repeats", "2", "--threads", "1", "--no-progress",
-        "--drafters", "useless", "--trees", "4,8", "--json", str(out), "--plot", str(png),
-    ])
+    status = bench.main(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--prompts-file",
+            str(prompts),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--gamma",
+            "2",
+            "--gammas",
+            "1,2",
+            "--warmup",
+            "1",
+            "--batch-size",
+            "2",
+            "--batch-repeats",
+            "1",
+            "--cost-repeats",
+            "2",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--drafters",
+            "useless",
+            "--trees",
+            "4,8",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert status == 0
     table = capsys.readouterr().out
     assert "hfspec-heuristic" in table and "machine:" in table and "steps by γ" in table and "tree sweep" in table
@@ -201,9 +265,19 @@ def test_bench_end_to_end_writes_json_and_png(model_dir, tmp_path, capsys):
     assert all(a["measured_target_ms"]["1"] > 0 for a in result["auto_costs"].values())
     assert set(result["modes"]) == {"greedy", "sample"}
     for mode in result["modes"].values():
-        assert set(mode["contenders"]) == {"plain", "plain-kernel", "hfspec-g0", "assisted", "assisted-default",
-                                           "hfspec-auto", "hfspec", "hfspec-heuristic", "hfspec-cost", "auto:useless",
-                                           "assisted-default:useless"}
+        assert set(mode["contenders"]) == {
+            "plain",
+            "plain-kernel",
+            "hfspec-g0",
+            "assisted",
+            "assisted-default",
+            "hfspec-auto",
+            "hfspec",
+            "hfspec-heuristic",
+            "hfspec-cost",
+            "auto:useless",
+            "assisted-default:useless",
+        }
         assert sum(mode["contenders"]["hfspec-auto"]["gamma_histogram"]) > 0
         trees = mode["contenders"]["hfspec-auto"]["tree_steps"]  # auto may draft trees (tree="auto")
         assert trees is not None and 0 <= trees <= sum(mode["contenders"]["hfspec-auto"]["gamma_histogram"])
@@ -232,8 +306,11 @@ def test_bench_reports_the_rollback_cost_of_a_recurrent_target(model_dir, tmp_pa
     target, tok = tiny.load(model_dir("falcon_h1", vocab_size=64, seed=0))
     draft, _ = tiny.load(model_dir("llama", vocab_size=64, seed=1))
     prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}]
-    result = bench.run_bench(Bench(target, draft, tok, max_new_tokens=6, gamma=2), prompts,
-                             _tiny_settings(batch_size=0, gammas=(2,), trees=(4,)))
+    result = bench.run_bench(
+        Bench(target, draft, tok, max_new_tokens=6, gamma=2),
+        prompts,
+        _tiny_settings(batch_size=0, gammas=(2,), trees=(4,)),
+    )
     assert result["modes"]["greedy"]["tree_sweep"] == []  # one recurrent state cannot read a tree: no tree sweep
     row = result["rollback"]["2"]
     assert row["mechanism"] == "adapter" and row["v"] > 0 and len(row["replay"]) == 2
@@ -261,8 +338,11 @@ def test_skipping_hfspec_auto_on_a_recurrent_target_reports_the_rollback(model_d
     target, tok = tiny.load(model_dir("falcon_h1", vocab_size=64, seed=0))
     draft, _ = tiny.load(model_dir("llama", vocab_size=64, seed=1))
     prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}]
-    result = bench.run_bench(Bench(target, draft, tok, max_new_tokens=4, gamma=2), prompts,
-                             _tiny_settings(batch_size=0, gammas=(2,), skip=("hfspec-auto",)))
+    result = bench.run_bench(
+        Bench(target, draft, tok, max_new_tokens=4, gamma=2),
+        prompts,
+        _tiny_settings(batch_size=0, gammas=(2,), skip=("hfspec-auto",)),
+    )
     assert "hfspec-auto" not in result["modes"]["greedy"]["contenders"]
     # The rollback rows use the fixed-γ contender's α when hfspec-auto did not run.
     alpha = result["modes"]["greedy"]["contenders"]["hfspec"]["alpha"]
@@ -272,13 +352,15 @@ def test_skipping_hfspec_auto_on_a_recurrent_target_reports_the_rollback(model_d
 def test_plot_without_an_assisted_contender(tiny_pair, tmp_path):
     target, draft, tok = tiny_pair("llama", sharpness=4.0)
     prompts = [{"id": "a", "kind": "-", "prompt": "w10 w11 w12"}]
-    result = bench.run_bench(Bench(target, draft, tok, max_new_tokens=4, gamma=2), prompts,
-                             _tiny_settings(batch_size=0, skip=("assisted", "assisted-default")))
+    result = bench.run_bench(
+        Bench(target, draft, tok, max_new_tokens=4, gamma=2),
+        prompts,
+        _tiny_settings(batch_size=0, skip=("assisted", "assisted-default")),
+    )
     assert "assisted" not in result["modes"]["greedy"]["contenders"]
     png = tmp_path / "no-assisted.png"
     bench.plot(result, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
 
 
 def test_drafters_are_built_once_each_from_the_main_draft(tiny_pair):
@@ -314,12 +396,14 @@ class _Spy(Bench):
 def test_no_measured_prompt_finds_its_own_output_in_a_lookup_store(tiny_pair):
     target, draft, tok = tiny_pair("llama", sharpness=4.0)
     drafters = {"ngram": NgramDrafter(), "hybrid": with_ngram(make_drafter(draft))}
-    prompts = [{"id": str(i), "kind": "-", "prompt": p}
-               for i, p in enumerate(["w10 w11 w12", "w20 w21", "w30 w31 w32 w33"])]
+    prompts = [
+        {"id": str(i), "kind": "-", "prompt": p} for i, p in enumerate(["w10 w11 w12", "w20 w21", "w30 w31 w32 w33"])
+    ]
     spy = _Spy(target, draft, tok, max_new_tokens=8, gamma=2, drafters=drafters)
     others = ("assisted", "assisted-default", "prompt-lookup", "hfspec", "hfspec-heuristic", "hfspec-cost")
-    bench.run_bench(spy, prompts, _tiny_settings(gammas=(2,), batch_size=0, warmup=2, modes=(GREEDY, SAMPLE),
-                                                 skip=others))
+    bench.run_bench(
+        spy, prompts, _tiny_settings(gammas=(2,), batch_size=0, warmup=2, modes=(GREEDY, SAMPLE), skip=others)
+    )
     answers: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
     for _, _, prompt, _, out in spy.calls:  # every output of a prompt, in any mode, warm-up included
         answers.setdefault(prompt, set()).add(out)
@@ -334,12 +418,16 @@ def test_no_measured_prompt_finds_its_own_output_in_a_lookup_store(tiny_pair):
     # Exactly: the outputs of the drafter's earlier calls in this mode (warm-up included), oldest first, of the
     # other prompts (the store drops outputs too short to hold an n-gram with a continuation).
     for k, (drafter, mode, prompt, held, _) in enumerate(spy.calls):
-        expected = [out for d, m, p, _, out in spy.calls[:k]
-                    if (d, m) == (drafter, mode) and p != prompt and len(out) > NgramDrafter().min_match]
+        expected = [
+            out
+            for d, m, p, _, out in spy.calls[:k]
+            if (d, m) == (drafter, mode) and p != prompt and len(out) > NgramDrafter().min_match
+        ]
         assert held == expected, (k, drafter, mode)
 
 
 # -- the CPU kernel: where the time goes -------------------------------------------------------------
+
 
 class _KernelSpy(Bench):
     """Notes, at every call, whether the target and the draft run hfspec's CPU kernel."""
@@ -363,8 +451,12 @@ def _kernel_or_skip():
 
 def test_transformers_contenders_run_eager_and_hfspec_runs_the_kernel(model_dir):
     _kernel_or_skip()
-    target, draft, tok = load_pair(model_dir("llama", seed=0, sharpness=4.0), model_dir("llama", seed=1,
-                                   sharpness=4.0), dtype="float32", draft_bits=None)
+    target, draft, tok = load_pair(
+        model_dir("llama", seed=0, sharpness=4.0),
+        model_dir("llama", seed=1, sharpness=4.0),
+        dtype="float32",
+        draft_bits=None,
+    )
     # As `hfspec bench` runs them: hfspec's contenders draft with a copy in integer arithmetic, transformers' with
     # the draft as loaded (on torch's linears).
     twin = bench_command.integer_draft(draft, True)
@@ -389,10 +481,31 @@ def test_costs_are_measured_with_the_kernel_and_eager(model_dir, tmp_path, capsy
     library = _kernel_or_skip()
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "a", "prompt": "w10 w11 w12"}\n')
-    argv = ["--target", str(model_dir("llama", seed=0, sharpness=4.0)), "--draft",
-            str(model_dir("llama", seed=1, sharpness=4.0)), "--prompts-file", str(prompts), "--max-new-tokens", "4",
-            "--gamma", "2", "--gammas", "1,2", "--warmup", "0", "--batch-size", "0", "--cost-repeats", "2",
-            "--modes", "greedy", "--threads", "1", "--no-progress"]
+    argv = [
+        "--target",
+        str(model_dir("llama", seed=0, sharpness=4.0)),
+        "--draft",
+        str(model_dir("llama", seed=1, sharpness=4.0)),
+        "--prompts-file",
+        str(prompts),
+        "--max-new-tokens",
+        "4",
+        "--gamma",
+        "2",
+        "--gammas",
+        "1,2",
+        "--warmup",
+        "0",
+        "--batch-size",
+        "0",
+        "--cost-repeats",
+        "2",
+        "--modes",
+        "greedy",
+        "--threads",
+        "1",
+        "--no-progress",
+    ]
     results = []
     for extra in ([], ["--no-fast-kernels"]):
         out = tmp_path / f"bench{len(results)}.json"
@@ -415,11 +528,16 @@ def test_costs_are_measured_with_the_kernel_and_eager(model_dir, tmp_path, capsy
 def test_speedup_against_gamma_zero_is_a_paired_median():
     g0 = [Run([[1] * 10], 1.0, 11, 0), Run([[1] * 10], 0.5, 11, 0)]  # 10 and 20 tok/s
     spec = [Run([[1] * 20], 0.5, 6, 21, _stats(20, 15, 5, 20)), Run([[1] * 20], 0.5, 6, 21, _stats(20, 15, 5, 20))]
-    row = bench.summarize(Contender("hfspec", "hfspec", 4, "fixed"), spec, g0, None, 0.1, {4: 1.5}, greedy=False,
-                          gamma0=g0)
+    row = bench.summarize(
+        Contender("hfspec", "hfspec", 4, "fixed"), spec, g0, None, 0.1, {4: 1.5}, greedy=False, gamma0=g0
+    )
     assert row["speedup_vs_hfspec_g0"] == pytest.approx(3.0)  # ratios 4 and 2
-    assert bench.summarize(Contender("hfspec", "hfspec", 4, "fixed"), spec, g0, None, 0.1, {4: 1.5},
-                           greedy=False)["speedup_vs_hfspec_g0"] is None
+    assert (
+        bench.summarize(Contender("hfspec", "hfspec", 4, "fixed"), spec, g0, None, 0.1, {4: 1.5}, greedy=False)[
+            "speedup_vs_hfspec_g0"
+        ]
+        is None
+    )
 
 
 def test_the_table_says_how_many_steps_drafted_trees():

@@ -10,6 +10,7 @@ identical: chains, trees, n-gram lookup, an EAGLE-3 head, a draft with another t
 windows. On torch's own kernels the tests assert what holds there: any divergence is at a near-tie, the reference's
 two tokens within a few units in the last place of bfloat16.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,13 @@ V, NEW = 128, 24
 COMMON = dict(vocab_size=V, hidden=40, layers=3, eos=None, sharpness=0.3)
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(7, V) for _ in range(_rng.randrange(3, 25))] for _ in range(10)]
-SETTINGS = {"chain γ=1": dict(gamma=1, tree=None), "chain γ=4": dict(gamma=4, tree=None), "tree of 8": dict(tree=8),
-            "ngram chain": dict(gamma=3, tree=None), "ngram tree of 8": dict(tree=8)}
+SETTINGS = {
+    "chain γ=1": dict(gamma=1, tree=None),
+    "chain γ=4": dict(gamma=4, tree=None),
+    "tree of 8": dict(tree=8),
+    "ngram chain": dict(gamma=3, tree=None),
+    "ngram tree of 8": dict(tree=8),
+}
 
 
 def bf16(path, tokenizer: bool = False):
@@ -51,18 +57,29 @@ def own(model, prompts: list[list[int]], new: int = NEW) -> list[list[int]]:
     out = []
     for p in prompts:
         x = torch.tensor([p])
-        out.append(model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False)
-                   [0, len(p):].tolist())
+        out.append(
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+        )
     return out
 
 
 def rows_of(out) -> list[list[int]]:
-    return [out.sequences[b, out.prompt_length: out.prompt_length + r.committed].tolist()
-            for b, r in enumerate(out.stats.rows)]
+    return [
+        out.sequences[b, out.prompt_length : out.prompt_length + r.committed].tolist()
+        for b, r in enumerate(out.stats.rows)
+    ]
 
 
-def check(gen: SpeculativeGenerator, prompts: list[list[int]], want: list[list[int]], setting: dict,
-          new: int = NEW, alone: int = 3) -> int:
+def check(
+    gen: SpeculativeGenerator,
+    prompts: list[list[int]],
+    want: list[list[int]],
+    setting: dict,
+    new: int = NEW,
+    alone: int = 3,
+) -> int:
     """All prompts as one ragged batch, and the first ``alone`` each on its own, equal ``want``; the drafts
     accepted."""
     out = gen.generate(prompts, max_new_tokens=new, **setting)
@@ -77,8 +94,9 @@ def check(gen: SpeculativeGenerator, prompts: list[list[int]], want: list[list[i
 
 @pytest.fixture(scope="module")
 def kernel_models(model_dir, library):
-    target, draft = accelerated(bf16(model_dir("llama", seed=3, **COMMON)),
-                                bf16(model_dir("llama", seed=3, perturb=0.3, **COMMON)))
+    target, draft = accelerated(
+        bf16(model_dir("llama", seed=3, **COMMON)), bf16(model_dir("llama", seed=3, perturb=0.3, **COMMON))
+    )
     return target, draft, own(target, PROMPTS)
 
 
@@ -105,15 +123,23 @@ def test_a_draft_with_another_tokenizer_equals_the_accelerated_models_own_genera
     assert check(gen, prompts, own(target, prompts, 20), dict(gamma=3), new=20) > 0
 
 
-@pytest.mark.parametrize("arch, extra, settings", [
-    ("gemma2", {}, [dict(gamma=3, tree=None), dict(tree=8)]),  # eager attention, soft-capping, a mask per layer type
-    ("qwen2", dict(use_sliding_window=True, max_window_layers=0), [dict(gamma=3, tree=None), dict(tree=8)]),
-    ("mistral", {}, [dict(gamma=3, tree=None)]),  # the window in cache columns: chains, rows run alone
-])
+@pytest.mark.parametrize(
+    "arch, extra, settings",
+    [
+        (
+            "gemma2",
+            {},
+            [dict(gamma=3, tree=None), dict(tree=8)],
+        ),  # eager attention, soft-capping, a mask per layer type
+        ("qwen2", dict(use_sliding_window=True, max_window_layers=0), [dict(gamma=3, tree=None), dict(tree=8)]),
+        ("mistral", {}, [dict(gamma=3, tree=None)]),  # the window in cache columns: chains, rows run alone
+    ],
+)
 def test_sliding_windows_equal_the_accelerated_models_own_generate(model_dir, library, arch, extra, settings):
     common = dict(COMMON, layers=2, sliding_window=4, **extra)
-    target, draft = accelerated(bf16(model_dir(arch, seed=4, **common)),
-                                bf16(model_dir(arch, seed=4, perturb=0.3, **common)))
+    target, draft = accelerated(
+        bf16(model_dir(arch, seed=4, **common)), bf16(model_dir(arch, seed=4, perturb=0.3, **common))
+    )
     prompts = PROMPTS[:6]  # most longer than the window
     want = own(target, prompts)
     for setting in settings:
@@ -122,9 +148,10 @@ def test_sliding_windows_equal_the_accelerated_models_own_generate(model_dir, li
 
 # -- torch's own kernels: identical up to rounding ------------------------------------------------------------
 
+
 def ulp_bf16(x: float) -> float:
     """One unit in the last place of bfloat16 at |x| (8 significant bits)."""
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0**-133
 
 
 @pytest.mark.parametrize("name", ["chain γ=4", "tree of 8"])

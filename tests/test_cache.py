@@ -1,4 +1,5 @@
 """Cache rollback: exact contents, the invariant after every kind of step, long runs."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,16 @@ def spy_steps(monkeypatch):
         retire(self, finished, has_eos)
         if verdicts and self.rows.active:
             drafter, lengths, verdict = self.drafter, self.rows.lengths, verdicts[-1]
-            log.append((verdict.proposal.gamma, verdict.accepted.tolist(), self.kv.length, drafter.kv.length,
-                        lengths.tolist(), (lengths - drafter.fed).tolist()))
+            log.append(
+                (
+                    verdict.proposal.gamma,
+                    verdict.accepted.tolist(),
+                    self.kv.length,
+                    drafter.kv.length,
+                    lengths.tolist(),
+                    (lengths - drafter.fed).tolist(),
+                )
+            )
 
     monkeypatch.setattr(_Loop, "verify", spy_verify)
     monkeypatch.setattr(_Loop, "retire", spy_retire)
@@ -45,8 +54,9 @@ def spy_steps(monkeypatch):
 def test_single_row_caches_hold_exactly_the_committed_tokens(pair, kind, monkeypatch):
     target, drafts, tok = pair
     log = spy_steps(monkeypatch)
-    SpeculativeGenerator(target, drafts[kind], tok).generate([list(range(7, 17))], max_new_tokens=60, gamma=4,
-                                                            do_sample=True, seed=1)
+    SpeculativeGenerator(target, drafts[kind], tok).generate(
+        [list(range(7, 17))], max_new_tokens=60, gamma=4, do_sample=True, seed=1
+    )
     assert log
     accepted = set()
     for gamma, n, t_len, d_len, lengths, unfed in log:
@@ -102,8 +112,9 @@ def test_long_run_keeps_caches_at_the_committed_length(model_dir, monkeypatch):
     target, tok = tiny.load(model_dir("llama", **common))
     draft, _ = tiny.load(model_dir("llama", perturb=0.5, **common))
     log = spy_steps(monkeypatch)
-    out = SpeculativeGenerator(target, draft, tok).generate([[7, 8]], max_new_tokens=4096, gamma=4,
-                                                           do_sample=True, seed=0)
+    out = SpeculativeGenerator(target, draft, tok).generate(
+        [[7, 8]], max_new_tokens=4096, gamma=4, do_sample=True, seed=0
+    )
     assert out.sequences.shape[1] == 2 + 4096
     assert all(t_len == lengths[0] - 1 for _, _, t_len, _, lengths, _ in log)
     # Memory is flat: the cache never holds more than the committed tokens, however many drafts were rejected.

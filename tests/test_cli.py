@@ -1,4 +1,5 @@
 """The hfspec command line, in process through main() and once as a real subprocess."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,36 @@ from hfspec.loading import Preset
 
 PROMPT = "w10 w11 w12"
 GENERATE_FLAGS = [
-    "--target", "--draft", "--config", "--device", "--dtype", "--fast-kernels", "--no-fast-kernels", "--gamma",
-    "--adaptive", "--ngram", "--no-ngram", "--draft-cost", "--tree",
-    "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed",
-    "--chat", "--no-chat", "--system", "--prompts-file", "--batch-size", "--stream", "--stats", "--json",
-    "--draft-vocab", "--draft-bits",
+    "--target",
+    "--draft",
+    "--config",
+    "--device",
+    "--dtype",
+    "--fast-kernels",
+    "--no-fast-kernels",
+    "--gamma",
+    "--adaptive",
+    "--ngram",
+    "--no-ngram",
+    "--draft-cost",
+    "--tree",
+    "--max-new-tokens",
+    "--do-sample",
+    "--temperature",
+    "--top-k",
+    "--top-p",
+    "--repetition-penalty",
+    "--seed",
+    "--chat",
+    "--no-chat",
+    "--system",
+    "--prompts-file",
+    "--batch-size",
+    "--stream",
+    "--stats",
+    "--json",
+    "--draft-vocab",
+    "--draft-bits",
 ]
 PROMPTS = ["w10 w11 w12", "w30", "w20 w21 w22 w23 w24 w25 w26"]  # different lengths, so batches are padded
 
@@ -43,8 +69,17 @@ def pair(model_dir):
 @pytest.fixture
 def preset(model_dir, tmp_path):
     path = tmp_path / "tiny.json"
-    path.write_text(json.dumps({"name": "tiny", "target": str(model_dir("llama", seed=0)),
-                                "draft": str(model_dir("llama", seed=1)), "gamma": 3, "chat": True}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "tiny",
+                "target": str(model_dir("llama", seed=0)),
+                "draft": str(model_dir("llama", seed=1)),
+                "gamma": 3,
+                "chat": True,
+            }
+        )
+    )
     return str(path)
 
 
@@ -63,6 +98,7 @@ def one_error_line(err: str) -> str:
 
 
 # -- help -----------------------------------------------------------------------------------------
+
 
 def test_help_lists_the_commands(capsys):
     code, out, _ = run(capsys, "--help")
@@ -94,10 +130,12 @@ def test_no_command_prints_help_and_fails(capsys):
 
 # -- generate -------------------------------------------------------------------------------------
 
+
 def test_generate_prints_the_same_text_as_the_api(capsys, pair, model_dir):
     code, out, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "10", "--stats")
-    expected = api.generate(PROMPT, target=str(model_dir("llama", seed=0)), draft=str(model_dir("llama", seed=1)),
-                            max_new_tokens=10)
+    expected = api.generate(
+        PROMPT, target=str(model_dir("llama", seed=0)), draft=str(model_dir("llama", seed=1)), max_new_tokens=10
+    )
     assert code == 0 and out == expected + "\n"
     assert "acceptance rate" in err and "mean accepted length" in err and "tokens/s" in err
     assert "γ per step" in err and "steps by γ" in err, "the γ that gamma='auto' chose, step by step"
@@ -184,29 +222,59 @@ def test_adaptive_cost_estimates_the_draft_cost_from_what_the_drafter_reads(mode
 
 
 def test_seed_reproducible_between_runs_and_equal_to_python(capsys, pair, model_dir):
-    args = ["generate", "w10 w11", *pair, "--max-new-tokens", "12", "--do-sample", "--temperature", "1.0",
-            "--gamma", "3"]
+    args = [
+        "generate",
+        "w10 w11",
+        *pair,
+        "--max-new-tokens",
+        "12",
+        "--do-sample",
+        "--temperature",
+        "1.0",
+        "--gamma",
+        "3",
+    ]
     first = run(capsys, *args, "--seed", "5")[1]
     assert first == run(capsys, *args, "--seed", "5")[1]
     assert first != run(capsys, *args, "--seed", "6")[1]
     gen = hfspec.SpeculativeGenerator.from_pretrained(str(model_dir("llama", seed=0)), str(model_dir("llama", seed=1)))
     out = gen.generate([10, 11], max_new_tokens=12, do_sample=True, temperature=1.0, gamma=3, seed=5)
-    assert first == gen.tokenizer.decode(out.sequences[0, out.prompt_length:], skip_special_tokens=True) + "\n"
+    assert first == gen.tokenizer.decode(out.sequences[0, out.prompt_length :], skip_special_tokens=True) + "\n"
 
 
 # -- many prompts ---------------------------------------------------------------------------------
 
+
 def test_prompts_file_rows_equal_each_prompt_alone(capsys, pair, tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text(f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n  \n{PROMPTS[2]}\n")
-    code, out, err = run(capsys, "generate", "--prompts-file", str(path), *pair, "--max-new-tokens", "8",
-                         "--batch-size", "2", "--json", "--stats")
+    code, out, err = run(
+        capsys,
+        "generate",
+        "--prompts-file",
+        str(path),
+        *pair,
+        "--max-new-tokens",
+        "8",
+        "--batch-size",
+        "2",
+        "--json",
+        "--stats",
+    )
     assert code == 0
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["id"] for r in rows] == [1, 3, 5] and [r["prompt"] for r in rows] == PROMPTS
     for row, prompt in zip(rows, PROMPTS):
-        assert set(row) == {"id", "prompt", "text", "tokens", "stop_reason", "accepted", "target_passes",
-                            "mean_accepted_length"}
+        assert set(row) == {
+            "id",
+            "prompt",
+            "text",
+            "tokens",
+            "stop_reason",
+            "accepted",
+            "target_passes",
+            "mean_accepted_length",
+        }
         alone = json.loads(run(capsys, "generate", prompt, *pair, "--max-new-tokens", "8", "--json")[1])
         assert row["text"] == alone["text"] and row["tokens"] == len(alone["tokens"])
         assert row["stop_reason"] == alone["stats"]["rows"][0]["stop_reason"]
@@ -219,8 +287,19 @@ def test_jsonl_prompts_file_with_chat_keeps_ids(capsys, preset, tmp_path):
     path = tmp_path / "prompts.jsonl"
     lines = [{"id": "a", "prompt": PROMPTS[0]}, {"prompt": PROMPTS[1]}, {"id": 7, "prompt": PROMPTS[2]}]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    code, out, _ = run(capsys, "generate", "--prompts-file", str(path), "--config", preset, "--max-new-tokens", "8",
-                       "--batch-size", "2", "--json")
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "--prompts-file",
+        str(path),
+        "--config",
+        preset,
+        "--max-new-tokens",
+        "8",
+        "--batch-size",
+        "2",
+        "--json",
+    )
     assert code == 0
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["id"] for r in rows] == ["a", 2, 7] and [r["prompt"] for r in rows] == PROMPTS
@@ -235,13 +314,16 @@ def test_prompts_from_stdin_print_texts_between_blank_lines(capsys, pair, monkey
     assert code == 0 and out == "".join(text + "\n" for text in alone)
 
 
-@pytest.mark.parametrize("content, says", [
-    ('{"prompt": "w10"}\n{"id": 2}\n', ':2: this JSON object has no "prompt" string'),
-    ('{"prompt": "w10"}\n{"prompt": 5}\n', ':2: this JSON object has no "prompt" string'),
-    ('{"prompt": "w10"}\n\nw11 w12\n', ':3: not a JSON object, but line 1 is'),
-    ('w11 w12\n{"prompt": "w10"}\n', ':1: not a JSON object, but line 2 is'),
-    ("\n  \n", "has no prompts"),
-])
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        ('{"prompt": "w10"}\n{"id": 2}\n', ':2: this JSON object has no "prompt" string'),
+        ('{"prompt": "w10"}\n{"prompt": 5}\n', ':2: this JSON object has no "prompt" string'),
+        ('{"prompt": "w10"}\n\nw11 w12\n', ":3: not a JSON object, but line 1 is"),
+        ('w11 w12\n{"prompt": "w10"}\n', ":1: not a JSON object, but line 2 is"),
+        ("\n  \n", "has no prompts"),
+    ],
+)
 def test_bad_prompts_file_gives_one_line(capsys, pair, tmp_path, content, says):
     path = tmp_path / "prompts.jsonl"
     path.write_text(content)
@@ -250,14 +332,17 @@ def test_bad_prompts_file_gives_one_line(capsys, pair, tmp_path, content, says):
     assert code == 2 and out == "" and str(path) in line and says in line
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--prompts-file", "/no/such/prompts.txt"], "prompts file '/no/such/prompts.txt' does not exist"),
-    (["--prompts-file", "{file}", PROMPT], "give PROMPT or --prompts-file, not both"),
-    (["--prompts-file", "{file}", "--stream"], "--stream needs a single PROMPT"),
-    (["--prompts-file", "{file}", "--batch-size", "0"], "--batch-size: must be >= 1"),
-    ([PROMPT, "--batch-size", "2"], "--batch-size only applies with --prompts-file"),
-    ([], "no prompt: give PROMPT"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--prompts-file", "/no/such/prompts.txt"], "prompts file '/no/such/prompts.txt' does not exist"),
+        (["--prompts-file", "{file}", PROMPT], "give PROMPT or --prompts-file, not both"),
+        (["--prompts-file", "{file}", "--stream"], "--stream needs a single PROMPT"),
+        (["--prompts-file", "{file}", "--batch-size", "0"], "--batch-size: must be >= 1"),
+        ([PROMPT, "--batch-size", "2"], "--batch-size only applies with --prompts-file"),
+        ([], "no prompt: give PROMPT"),
+    ],
+)
 def test_prompts_file_usage_errors_give_one_line(capsys, pair, tmp_path, argv, says):
     path = tmp_path / "prompts.txt"
     path.write_text(PROMPT + "\n")
@@ -268,35 +353,42 @@ def test_prompts_file_usage_errors_give_one_line(capsys, pair, tmp_path, argv, s
 
 # -- errors ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flags, says", [
-    (["--gamma", "0"], "--gamma: must be >= 1 or 'auto'"),
-    (["--gamma", "two"], "--gamma: expected an integer"),
-    (["--gamma", "auto", "--adaptive", "heuristic"], "--adaptive chooses γ itself"),
-    (["--temperature", "-0.5"], "--temperature: must be a finite number >= 0"),
-    (["--temperature", "nan"], "--temperature: must be a finite number >= 0"),
-    (["--top-p", "0"], "--top-p: must be in (0, 1]"),
-    (["--top-p", "1.01"], "--top-p: must be in (0, 1]"),
-    (["--top-k", "-1"], "--top-k: must be >= 0"),
-    (["--max-new-tokens", "-3"], "--max-new-tokens: must be >= 0"),
-    (["--repetition-penalty", "0"], "--repetition-penalty: must be a number > 0"),
-    (["--seed", "-1"], "--seed: must be >= 0"),
-    (["--dtype", "fp8"], "--dtype: invalid choice"),
-    (["--bogus"], "unrecognized arguments: --bogus (see 'hfspec generate --help')"),
-])
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--gamma", "0"], "--gamma: must be >= 1 or 'auto'"),
+        (["--gamma", "two"], "--gamma: expected an integer"),
+        (["--gamma", "auto", "--adaptive", "heuristic"], "--adaptive chooses γ itself"),
+        (["--temperature", "-0.5"], "--temperature: must be a finite number >= 0"),
+        (["--temperature", "nan"], "--temperature: must be a finite number >= 0"),
+        (["--top-p", "0"], "--top-p: must be in (0, 1]"),
+        (["--top-p", "1.01"], "--top-p: must be in (0, 1]"),
+        (["--top-k", "-1"], "--top-k: must be >= 0"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens: must be >= 0"),
+        (["--repetition-penalty", "0"], "--repetition-penalty: must be a number > 0"),
+        (["--seed", "-1"], "--seed: must be >= 0"),
+        (["--dtype", "fp8"], "--dtype: invalid choice"),
+        (["--bogus"], "unrecognized arguments: --bogus (see 'hfspec generate --help')"),
+    ],
+)
 def test_invalid_flag_values_give_one_line_and_exit_2(capsys, pair, flags, says):
     code, out, err = run(capsys, "generate", PROMPT, *pair, *flags)
     assert code == 2 and out == ""
     assert says in one_error_line(err)
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--target", "/no/such/model", "--draft", "/no/such/draft"], "target path '/no/such/model' does not exist"),
-    (["--target", "x"], "--draft is missing"),
-    (["--config", "no-such-preset"], "no preset named 'no-such-preset'"),
-    (["--config", "gpt2-xl", "--target", "x", "--draft", "y"], "use --config or --target/--draft, not both"),
-    (["--stream", "--json"], "pick one"),
-    (["--draft-cost", "0.1"], "--draft-cost only applies with --adaptive cost"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--target", "/no/such/model", "--draft", "/no/such/draft"], "target path '/no/such/model' does not exist"),
+        (["--target", "x"], "--draft is missing"),
+        (["--config", "no-such-preset"], "no preset named 'no-such-preset'"),
+        (["--config", "gpt2-xl", "--target", "x", "--draft", "y"], "use --config or --target/--draft, not both"),
+        (["--stream", "--json"], "pick one"),
+        (["--draft-cost", "0.1"], "--draft-cost only applies with --adaptive cost"),
+    ],
+)
 def test_usage_errors_give_one_line_and_exit_2(capsys, argv, says):
     code, _, err = run(capsys, "generate", PROMPT, *argv)
     assert code == 2 and says in one_error_line(err)
@@ -346,6 +438,7 @@ def test_ctrl_c_while_streaming_prints_the_partial_text(capsys, pair, monkeypatc
 
 # -- optional commands ----------------------------------------------------------------------------
 
+
 def test_optional_commands_are_guarded(capsys, monkeypatch):
     real = cli.importlib.import_module
 
@@ -373,6 +466,7 @@ def test_optional_commands_are_registered_when_present(capsys, name):
 
 # -- a real process -------------------------------------------------------------------------------
 
+
 def test_subprocess_stream_chat_and_json(pair, preset, tmp_path, library):
     root = Path(__file__).resolve().parent.parent
     # One thread each: the three processes run side by side on what may be two cores.
@@ -383,17 +477,28 @@ def test_subprocess_stream_chat_and_json(pair, preset, tmp_path, library):
     shutil.copy2(library.path, kernels_dir / library.path.name)
 
     def hfspec_cmd(*argv: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "hfspec.cli", "generate", PROMPT, *argv], cwd=root, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "hfspec.cli", "generate", PROMPT, *argv],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
         out, err = proc.communicate(timeout=300)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     # The three run side by side: most of each one's time is importing torch and transformers.
-    streamed, as_json, bad = map(finished, [hfspec_cmd(*pair, "--max-new-tokens", "8", "--chat", "--stream"),
-                                            hfspec_cmd("--config", preset, "--max-new-tokens", "8", "--json"),
-                                            hfspec_cmd(*pair, "--top-p", "2")])
+    streamed, as_json, bad = map(
+        finished,
+        [
+            hfspec_cmd(*pair, "--max-new-tokens", "8", "--chat", "--stream"),
+            hfspec_cmd("--config", preset, "--max-new-tokens", "8", "--json"),
+            hfspec_cmd(*pair, "--top-p", "2"),
+        ],
+    )
     assert streamed.returncode == 0, streamed.stderr
     assert as_json.returncode == 0, as_json.stderr
     assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"

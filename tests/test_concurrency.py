@@ -4,6 +4,7 @@ A generator runs one call at a time (README, "Threads"): calls from other thread
 each gets what it would get alone, at a fixed γ greedy or seeded. A call that ends in an exception (an error in
 a drafter, Ctrl-C) leaves nothing behind: the next call starts fresh caches and passes their invariants.
 """
+
 from __future__ import annotations
 
 import threading
@@ -78,8 +79,16 @@ def test_hfspec_generate_from_threads_loads_the_pair_once(model_dir, monkeypatch
 
     def call(i: int, thread: int = 0) -> str:
         sampling = {"do_sample": True, "seed": i} if i % 2 else {}
-        return hfspec.generate(prompts[i], target=target, draft=draft, max_new_tokens=8, gamma=2, tree=None,
-                               device_map={"": "cpu"}, **sampling)
+        return hfspec.generate(
+            prompts[i],
+            target=target,
+            draft=draft,
+            max_new_tokens=8,
+            gamma=2,
+            tree=None,
+            device_map={"": "cpu"},
+            **sampling,
+        )
 
     together = run_in_threads(call, list(range(len(prompts))))
     assert len(loads) == 1, "a device_map dict is part of the key by value: one pair for every call"
@@ -118,6 +127,7 @@ def test_a_call_from_inside_a_call_is_refused(tiny_pair):
 
 # -- interrupts -------------------------------------------------------------------------------------
 
+
 class Interrupt(Exception):
     pass
 
@@ -130,10 +140,18 @@ def drafter_for(kind: str, target, draft):
 
 
 @pytest.mark.parametrize("where", ["drafter", "target"])
-@pytest.mark.parametrize("kind,tree,fault", [("model", None, KeyboardInterrupt), ("model", None, Interrupt),
-                                             ("model", 4, Interrupt), ("hybrid", None, Interrupt),
-                                             ("ngram", None, Interrupt), ("eagle3", None, KeyboardInterrupt),
-                                             ("eagle3", 4, Interrupt)])
+@pytest.mark.parametrize(
+    "kind,tree,fault",
+    [
+        ("model", None, KeyboardInterrupt),
+        ("model", None, Interrupt),
+        ("model", 4, Interrupt),
+        ("hybrid", None, Interrupt),
+        ("ngram", None, Interrupt),
+        ("eagle3", None, KeyboardInterrupt),
+        ("eagle3", 4, Interrupt),
+    ],
+)
 def test_a_call_cut_short_leaves_the_generator_exact(tiny_pair, fault, where, kind, tree):
     target, draft, tok = tiny_pair("llama", layers=8, eos=None)  # an EAGLE-3 head reads 3 layers; no early end
     gen = SpeculativeGenerator(target, drafter_for(kind, target, draft), tok, ngram=kind == "hybrid")

@@ -1,5 +1,6 @@
 """hfspec's CPU attention: close to exact attention, a row's bits independent of every other row and of the keys it
 cannot see, and the accelerated model's own attention (sdpa and eager models alike)."""
+
 from __future__ import annotations
 
 import pytest
@@ -50,15 +51,22 @@ def test_close_to_exact_attention_with_every_kind_of_mask(dim, dv):
     seen = torch.rand(2, 1, 5, 11, generator=g) > 0.3
     seen[..., 0] = True
     additive = torch.zeros(seen.shape).masked_fill(~seen, torch.finfo(torch.float32).min)
-    for kwargs in ({}, {"mask": seen}, {"mask": additive}, {"mask": additive.bfloat16()},
-                   {"mask": additive.half()}, {"mask": seen, "softcap": 2.0, "scale": 0.3}):
+    for kwargs in (
+        {},
+        {"mask": seen},
+        {"mask": additive},
+        {"mask": additive.bfloat16()},
+        {"mask": additive.half()},
+        {"mask": seen, "softcap": 2.0, "scale": 0.3},
+    ):
         got = cpu_attention.attention(q, k, v, **kwargs)
         want = exact(q, k, v, kwargs.get("mask"), kwargs.get("scale"), kwargs.get("softcap"))
         assert got.shape == (2, 5, 6, dv) and got.is_contiguous()
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     q, k, v = qkv(rows=7, length=7, dim=dim, dv=dv)
-    torch.testing.assert_close(cpu_attention.attention(q, k, v, is_causal=True).double(), exact(q, k, v, causal=True),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_attention.attention(q, k, v, is_causal=True).double(), exact(q, k, v, causal=True), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_bfloat16_in_and_out_sums_in_float32():
@@ -79,8 +87,12 @@ def test_a_row_gets_the_same_bits_alone_in_a_block_beside_padding_and_on_more_th
     causal = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
     verification = cpu_attention.attention(q[:, :, -4:], k, v, causal[..., -4:, :])[:, -1]
     pad = torch.full((1, 2, 3, 24), float("nan"), dtype=dtype)
-    shifted = cpu_attention.attention(q[:, :, -4:], torch.cat([pad, k], 2), torch.cat([pad, v], 2),
-                                      torch.cat([torch.zeros(1, 1, 4, 3, dtype=torch.bool), causal[..., -4:, :]], -1))
+    shifted = cpu_attention.attention(
+        q[:, :, -4:],
+        torch.cat([pad, k], 2),
+        torch.cat([pad, v], 2),
+        torch.cat([torch.zeros(1, 1, 4, 3, dtype=torch.bool), causal[..., -4:, :]], -1),
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -115,7 +127,8 @@ def test_the_models_own_forward_runs_it_close_to_torchs(model_dir, arch, extra):
     report = fast.accelerate(model)
     try:
         assert report.attention and model.config._attn_implementation == (
-            cpu_attention.IMPLEMENTATION if original == "sdpa" else cpu_attention.EAGER)
+            cpu_attention.IMPLEMENTATION if original == "sdpa" else cpu_attention.EAGER
+        )
         entry = cpu_attention._ENTRY
         cpu_attention._ENTRY = lambda *a: calls.append(1) or entry(*a)
         got = logits(model, ids, pad)

@@ -5,6 +5,7 @@ SentencePiece-style BPE (``▁`` for a space, a space added at the start of a te
 trained here on different texts with different vocabulary sizes; each model is sized to its
 own tokenizer and saved by path with it.
 """
+
 from __future__ import annotations
 
 import random
@@ -27,23 +28,30 @@ from hfspec.drafters.vocabulary import byte_decoder, vocab_map
 from hfspec.errors import HfspecError
 from hfspec.loading import load_pair
 
-WORDS = ("the a cat dog sat on mat ran to house big small red blue tree under over quick brown fox jumps lazy "
-         "river ate bone bird sang song morning night").split()
+WORDS = (
+    "the a cat dog sat on mat ran to house big small red blue tree under over quick brown fox jumps lazy "
+    "river ate bone bird sang song morning night"
+).split()
 TEXTS = ["The quick brown fox jumps over", "A cat sat", "The lazy dog ran to the big red house under a tree and"]
 
 
 def corpus(seed: int, words: list[str], n: int = 400) -> list[str]:
     r = random.Random(seed)
-    return [" ".join(r.choice(words) for _ in range(r.randint(4, 12))).capitalize() + r.choice(".!?,")
-            for _ in range(n)]
+    return [
+        " ".join(r.choice(words) for _ in range(r.randint(4, 12))).capitalize() + r.choice(".!?,") for _ in range(n)
+    ]
 
 
 def byte_level_bpe(texts: list[str], size: int) -> PreTrainedTokenizerFast:
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    core.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, special_tokens=["<s>", "</s>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    core.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=size, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="</s>")
 
 
@@ -51,10 +59,17 @@ def metaspace_bpe(texts: list[str], size: int) -> PreTrainedTokenizerFast:
     core = Tokenizer(models.BPE(unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     core.decoder = decoders.Metaspace(prepend_scheme="first")
-    core.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, special_tokens=["<unk>", "<|endoftext|>"],
-                                                        initial_alphabet=[chr(c) for c in range(32, 127)]))
-    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>")
+    core.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=size,
+            special_tokens=["<unk>", "<|endoftext|>"],
+            initial_alphabet=[chr(c) for c in range(32, 127)],
+        ),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
 
 
 def save(model, tok, directory):
@@ -120,20 +135,23 @@ def generator(pair, draft="draft", greedy="tli") -> SpeculativeGenerator:
     target, target_tok = loaded(pair["target"])
     draft_model, draft_tok = loaded(pair[draft])
     if greedy != "tli":
-        return SpeculativeGenerator(target, CrossTokenizerDrafter(draft_model, draft_tok, target_tok, greedy),
-                                    target_tok)
+        return SpeculativeGenerator(
+            target, CrossTokenizerDrafter(draft_model, draft_tok, target_tok, greedy), target_tok
+        )
     return SpeculativeGenerator(target, draft_model, target_tok, draft_tokenizer=draft_tok)
 
 
 def alone(target, prompt: list[int], new: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def rows_of(out) -> list[list[int]]:
-    return [out.sequences[b, out.prompt_length: out.prompt_length + r.committed].tolist()
-            for b, r in enumerate(out.stats.rows)]
+    return [
+        out.sequences[b, out.prompt_length : out.prompt_length + r.committed].tolist()
+        for b, r in enumerate(out.stats.rows)
+    ]
 
 
 @pytest.mark.parametrize("greedy", ["tli", "slem"])
@@ -207,8 +225,9 @@ def test_draft_context_is_its_tokenization_of_the_committed_text(pair, monkeypat
     gen = generator(pair)
     drafter, tok, draft_tok = gen.drafter, gen.tokenizer, gen.drafter.draft_tokenizer
     whole = []
-    monkeypatch.setattr(drafter, "_full",
-                        lambda row: whole.append(len(row.ends)) or CrossTokenizerDrafter._full(drafter, row))
+    monkeypatch.setattr(
+        drafter, "_full", lambda row: whole.append(len(row.ends)) or CrossTokenizerDrafter._full(drafter, row)
+    )
     texts = [" ".join(random.Random(seed).choice(WORDS) for _ in range(40)) for seed in (0, 1)]
     full = [tok(t)["input_ids"] for t in texts]
     ctx = _Context([f[:2] for f in full], len(tok))
@@ -253,8 +272,9 @@ def test_negative_control_q_without_the_shared_processing_is_detected(pair, monk
     gen = generator(pair)
     raw: list[torch.Tensor] = []
     target_row = CrossTokenizerDrafter._target_row
-    monkeypatch.setattr(CrossTokenizerDrafter, "_target_row",
-                        lambda self, logits: raw.append(target_row(self, logits)) or raw[-1])
+    monkeypatch.setattr(
+        CrossTokenizerDrafter, "_target_row", lambda self, logits: raw.append(target_row(self, logits)) or raw[-1]
+    )
     propose = CrossTokenizerDrafter.propose
 
     def unprocessed_q(self, ctx, gamma, stop=None):
@@ -270,8 +290,9 @@ def test_negative_control_q_without_the_shared_processing_is_detected(pair, monk
 
 def _sample(gen, prompt, settings, seed, samples=12_000, batch=3_000) -> tuple[np.ndarray, np.ndarray]:
     vocab = len(gen.tokenizer)
-    (counts,) = stat_utils.sample_counts(gen, [prompt], settings, seed, vocab=vocab, new=2, samples=samples,
-                                         batch=batch, gamma=2)
+    (counts,) = stat_utils.sample_counts(
+        gen, [prompt], settings, seed, vocab=vocab, new=2, samples=samples, batch=batch, gamma=2
+    )
     exact = stat_utils.exact_joint(gen.target, prompt, settings, vocab, 2)
     return counts, exact
 
@@ -279,8 +300,9 @@ def _sample(gen, prompt, settings, seed, samples=12_000, batch=3_000) -> tuple[n
 def test_the_draft_disagrees_enough_for_the_sampling_test_to_mean_something(pair):
     gen = generator(pair)
     prompt = gen.tokenizer("The cat")["input_ids"]
-    out = gen.generate([prompt] * 500, max_new_tokens=2, gamma=2, do_sample=True, temperature=0.7, top_p=0.9,
-                       eos_token_id=[], seed=0)
+    out = gen.generate(
+        [prompt] * 500, max_new_tokens=2, gamma=2, do_sample=True, temperature=0.7, top_p=0.9, eos_token_id=[], seed=0
+    )
     assert 0.2 < out.stats.acceptance_rate < 0.9
 
 
@@ -304,12 +326,27 @@ def test_from_pretrained_api_and_cli_pick_the_cross_tokenizer_path(pair, capsys,
     prompt = gen.tokenizer(TEXTS[0])["input_ids"]
     want = gen.tokenizer.decode(alone(gen.target, prompt, 12), skip_special_tokens=True)
     assert rows_of(gen.generate([prompt], max_new_tokens=12, gamma=3))[0] == alone(gen.target, prompt, 12)
-    text = hfspec.generate(TEXTS[0], target=str(pair["target"]), draft=str(pair["draft"]), max_new_tokens=12,
-                           gamma=3, dtype="float32")
+    text = hfspec.generate(
+        TEXTS[0], target=str(pair["target"]), draft=str(pair["draft"]), max_new_tokens=12, gamma=3, dtype="float32"
+    )
     assert text == want
     capsys.readouterr()
-    code = cli.main(["generate", TEXTS[0], "--target", str(pair["target"]), "--draft", str(pair["draft"]),
-                     "--max-new-tokens", "12", "--gamma", "3", "--dtype", "float32"])
+    code = cli.main(
+        [
+            "generate",
+            TEXTS[0],
+            "--target",
+            str(pair["target"]),
+            "--draft",
+            str(pair["draft"]),
+            "--max-new-tokens",
+            "12",
+            "--gamma",
+            "3",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert code == 0 and capsys.readouterr().out.strip() == want.strip()
 
 
@@ -337,8 +374,11 @@ def test_draft_context_window_full_of_its_own_smaller_tokens(pair, monkeypatch):
     target, target_tok = loaded(pair["target"])
     gen = SpeculativeGenerator(target, draft, target_tok, draft_tokenizer=draft_tok)
     shortened = []
-    monkeypatch.setattr(gen.drafter, "_shorten", lambda *args: shortened.append(args[0].origin)
-                        or CrossTokenizerDrafter._shorten(gen.drafter, *args))
+    monkeypatch.setattr(
+        gen.drafter,
+        "_shorten",
+        lambda *args: shortened.append(args[0].origin) or CrossTokenizerDrafter._shorten(gen.drafter, *args),
+    )
     prompt = target_tok(TEXTS[2])["input_ids"]
     assert len(draft_tok(TEXTS[2])["input_ids"]) > 2 * len(prompt)
     for gamma in (1, 4):

@@ -6,6 +6,7 @@ stop early), sampling follows the target's distribution (chi-square, with a nega
 lookup and drafts with another tokenizer run, what hfspec cannot honour is refused by name, and one generator
 serves later calls without keeping a model alive. Models are tiny, saved and loaded by path.
 """
+
 from __future__ import annotations
 
 import copy
@@ -86,17 +87,25 @@ def test_greedy_equals_generate_without_the_hook(arch, tiny_pair):
     ids, mask = batch(32, seed=("llama", "gpt2", "qwen2").index(arch))
     eos = early_eos(target, ids, mask)
     want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, eos_token_id=eos)
-    finished = (want[:, ids.shape[1]:] == eos).any(dim=1)
+    finished = (want[:, ids.shape[1] :] == eos).any(dim=1)
     assert finished.any() and not finished.all(), "no row stops before the others; the test would not cover it"
     for assistant in (draft, target):
-        got = target.generate(ids, attention_mask=mask, assistant_model=assistant, do_sample=False, max_new_tokens=20,
-                              eos_token_id=eos, **HOOK)
+        got = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=assistant,
+            do_sample=False,
+            max_new_tokens=20,
+            eos_token_id=eos,
+            **HOOK,
+        )
         assert torch.equal(got, want), arch
         for row in range(len(LENGTHS)):  # one prompt, without padding or a mask
-            alone = ids[row: row + 1, ids.shape[1] - LENGTHS[row]:]
+            alone = ids[row : row + 1, ids.shape[1] - LENGTHS[row] :]
             want_alone = target.generate(alone, do_sample=False, max_new_tokens=20, eos_token_id=eos)
-            got_alone = target.generate(alone, assistant_model=assistant, do_sample=False, max_new_tokens=20,
-                                        eos_token_id=eos, **HOOK)
+            got_alone = target.generate(
+                alone, assistant_model=assistant, do_sample=False, max_new_tokens=20, eos_token_id=eos, **HOOK
+            )
             assert torch.equal(got_alone, want_alone), (arch, row)
     assert kinds(target) == {"model"} and len(reuse.generators(target)) == 2  # one per draft
 
@@ -105,20 +114,33 @@ def test_the_callable_form_equals_generate(tiny_pair):
     target, draft, _ = tiny_pair("llama", vocab_size=32)
     ids, mask = batch(32, seed=5)
     want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
-    for decoding in (hfspec.custom_generate(draft), hfspec.custom_generate(draft, gamma=3),
-                     hfspec.custom_generate()):
+    for decoding in (hfspec.custom_generate(draft), hfspec.custom_generate(draft, gamma=3), hfspec.custom_generate()):
         got = target.generate(ids, attention_mask=mask, custom_generate=decoding, do_sample=False, max_new_tokens=16)
         assert torch.equal(got, want)
-    out = target.generate(ids, attention_mask=mask, custom_generate=hfspec.custom_generate(draft), max_new_tokens=16,
-                          do_sample=False, return_dict_in_generate=True, gamma=2)
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        custom_generate=hfspec.custom_generate(draft),
+        max_new_tokens=16,
+        do_sample=False,
+        return_dict_in_generate=True,
+        gamma=2,
+    )
     assert torch.equal(out.sequences, want) and out.stats.gamma_histogram[2] > 0
 
 
 def test_return_dict_in_generate_gives_sequences_and_stats(tiny_pair):
     target, draft, _ = tiny_pair("llama", vocab_size=32)
     ids, mask = batch(32, seed=6)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=12,
-                          return_dict_in_generate=True, **HOOK)
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        do_sample=False,
+        max_new_tokens=12,
+        return_dict_in_generate=True,
+        **HOOK,
+    )
     assert isinstance(out, GenerateDecoderOnlyOutput) and isinstance(out, SpeculativeOutput)
     assert torch.equal(out.sequences, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12))
     assert len(out.stats.rows) == len(LENGTHS) and out.stats.target_passes > 0
@@ -130,14 +152,30 @@ def test_prompt_lookup_num_tokens_runs_lookup(tiny_pair):
     reuse.forget(target)
     ids, mask = left_padded([[9, 10, 11, 12, 9, 10, 11, 12, 9, 10], [20, 21, 20, 21, 20]])
     want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, eos_token_id=None)
-    out = target.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=3, do_sample=False, max_new_tokens=24,
-                          eos_token_id=None, return_dict_in_generate=True, **HOOK)
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        prompt_lookup_num_tokens=3,
+        do_sample=False,
+        max_new_tokens=24,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        **HOOK,
+    )
     assert torch.equal(out.sequences, want)
     assert only_generator(target).drafter.kind == "ngram"
     assert out.stats.drafted > 0 and max(g for g, n in enumerate(out.stats.gamma_histogram) if n) == 3
     # Beside a draft model, lookup is added to it: per row, whichever is expected to get more accepted.
-    both = target.generate(ids, attention_mask=mask, assistant_model=draft, prompt_lookup_num_tokens=3,
-                           do_sample=False, max_new_tokens=24, eos_token_id=None, **HOOK)
+    both = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        prompt_lookup_num_tokens=3,
+        do_sample=False,
+        max_new_tokens=24,
+        eos_token_id=None,
+        **HOOK,
+    )
     assert torch.equal(both, want)
     assert kinds(target) == {"ngram", "hybrid"}
 
@@ -155,11 +193,20 @@ def test_without_a_draft_it_drafts_by_lookup_under_auto(tiny_pair):
 def test_a_draft_with_another_tokenizer(cross_pair):  # noqa: F811 (the fixture)
     # A target on a byte-level BPE and a draft resembling it on a SentencePiece-style BPE.
     (target, target_tok), (draft, draft_tok) = loaded(cross_pair["target"]), loaded(cross_pair["draft"])
-    batch_ = target_tok(["The quick brown fox jumps over", "A cat sat"], return_tensors="pt", padding=True,
-                        padding_side="left")
+    batch_ = target_tok(
+        ["The quick brown fox jumps over", "A cat sat"], return_tensors="pt", padding=True, padding_side="left"
+    )
     want = target.generate(**batch_, do_sample=False, max_new_tokens=16)
-    out = target.generate(**batch_, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
-                          do_sample=False, max_new_tokens=16, return_dict_in_generate=True, **HOOK)
+    out = target.generate(
+        **batch_,
+        assistant_model=draft,
+        tokenizer=target_tok,
+        assistant_tokenizer=draft_tok,
+        do_sample=False,
+        max_new_tokens=16,
+        return_dict_in_generate=True,
+        **HOOK,
+    )
     assert torch.equal(out.sequences, want)
     assert only_generator(target).drafter.kind == "cross-tokenizer" and out.stats.accepted > 0
     with pytest.raises(HfspecError, match="tokenizer="):
@@ -173,9 +220,17 @@ def test_sampling_follows_the_targets_distribution(model_dir, monkeypatch):
 
     def pvalue(seed: int) -> tuple[float, float]:
         ids = torch.tensor([PROMPT_A] * samples)
-        out = target.generate(ids, assistant_model=draft, do_sample=True, max_new_tokens=3, gamma=2,
-                              generator=torch.Generator().manual_seed(seed), return_dict_in_generate=True,
-                              **settings, **HOOK)
+        out = target.generate(
+            ids,
+            assistant_model=draft,
+            do_sample=True,
+            max_new_tokens=3,
+            gamma=2,
+            generator=torch.Generator().manual_seed(seed),
+            return_dict_in_generate=True,
+            **settings,
+            **HOOK,
+        )
         counts = np.zeros([V] * 3)
         np.add.at(counts, tuple(out.sequences[:, -3:].numpy().T), 1)
         return chi_square_pvalue(counts, exact), out.stats.acceptance_rate
@@ -211,14 +266,17 @@ def test_streamer_lengths_and_repeats_follow_transformers(tiny_pair):
         want = target.generate(ids, do_sample=False, eos_token_id=None, **lengths)
         got = target.generate(ids, assistant_model=draft, do_sample=False, eos_token_id=None, **lengths, **HOOK)
         assert torch.equal(got, want), lengths
-    out = target.generate(ids, assistant_model=draft, do_sample=True, num_return_sequences=3, max_new_tokens=5,
-                          seed=0, **HOOK)
+    out = target.generate(
+        ids, assistant_model=draft, do_sample=True, num_return_sequences=3, max_new_tokens=5, seed=0, **HOOK
+    )
     assert out.shape == (3, 8) and torch.equal(out[:, :3], ids.repeat(3, 1))
     # A setting the call turns off reaches hfspec, though the model's own config has it on.
     beams = copy.deepcopy(target)
     beams.generation_config.num_beams = 4
-    assert torch.equal(beams.generate(ids, num_beams=1, do_sample=False, max_new_tokens=6, **HOOK),
-                       target.generate(ids, do_sample=False, max_new_tokens=6))
+    assert torch.equal(
+        beams.generate(ids, num_beams=1, do_sample=False, max_new_tokens=6, **HOOK),
+        target.generate(ids, do_sample=False, max_new_tokens=6),
+    )
 
 
 class Never(StoppingCriteria):
@@ -261,21 +319,32 @@ def test_the_callable_form_refuses_what_it_cannot_rebuild(tiny_pair):
     with pytest.raises(HfspecError, match="num_beams=2"):
         target.generate(ids, num_beams=2, max_new_tokens=4, custom_generate=hfspec.custom_generate(draft))
     with pytest.raises(HfspecError, match="stopping criteria Never"):
-        target.generate(ids, max_new_tokens=4, stopping_criteria=StoppingCriteriaList([Never()]),
-                        custom_generate=hfspec.custom_generate(draft))
+        target.generate(
+            ids,
+            max_new_tokens=4,
+            stopping_criteria=StoppingCriteriaList([Never()]),
+            custom_generate=hfspec.custom_generate(draft),
+        )
     penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])  # replaces the one the setting builds
     with pytest.raises(HfspecError, match="CUSTOM_GENERATE"):
-        target.generate(ids, max_new_tokens=4, repetition_penalty=1.2, logits_processor=penalty,
-                        custom_generate=hfspec.custom_generate(draft))
+        target.generate(
+            ids,
+            max_new_tokens=4,
+            repetition_penalty=1.2,
+            logits_processor=penalty,
+            custom_generate=hfspec.custom_generate(draft),
+        )
     with pytest.raises(HfspecError, match="RepetitionPenaltyLogitsProcessor"):
-        target.generate(ids, max_new_tokens=4, repetition_penalty=1.2, logits_processor=penalty, assistant_model=draft,
-                        **HOOK)
+        target.generate(
+            ids, max_new_tokens=4, repetition_penalty=1.2, logits_processor=penalty, assistant_model=draft, **HOOK
+        )
     # The caller's own processors run, between the penalties and the warpers as in transformers.
     own = LogitsProcessorList([Identity()])
     want = target.generate(ids, max_new_tokens=6, do_sample=False, repetition_penalty=1.2, logits_processor=own)
     for hook in ({"custom_generate": hfspec.custom_generate(draft)}, {"assistant_model": draft, **HOOK}):
-        got = target.generate(ids, max_new_tokens=6, do_sample=False, repetition_penalty=1.2, logits_processor=own,
-                              **hook)
+        got = target.generate(
+            ids, max_new_tokens=6, do_sample=False, repetition_penalty=1.2, logits_processor=own, **hook
+        )
         assert torch.equal(got, want)
 
 
@@ -308,8 +377,16 @@ def test_hfspec_settings_pass_through_and_a_generation_config_is_merged_as_trans
     ids, mask = batch(32, seed=9)
     config = GenerationConfig(max_new_tokens=10, do_sample=False)
     want = target.generate(ids, attention_mask=mask, generation_config=config)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, generation_config=config, gamma=4,
-                          tree=None, return_dict_in_generate=True, **HOOK)
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        generation_config=config,
+        gamma=4,
+        tree=None,
+        return_dict_in_generate=True,
+        **HOOK,
+    )
     assert torch.equal(out.sequences, want) and out.stats.gamma_histogram[4] > 0
 
 
@@ -319,7 +396,8 @@ def test_assistant_model_may_be_what_speculative_generator_takes_as_a_draft(mode
     ids, mask = batch(32, seed=10)
     want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
     for assistant in (str(model_dir("llama", vocab_size=32, seed=1)), "ngram"):  # a draft's directory, lookup
-        got = target.generate(ids, attention_mask=mask, assistant_model=assistant, do_sample=False, max_new_tokens=12,
-                              **HOOK)
+        got = target.generate(
+            ids, attention_mask=mask, assistant_model=assistant, do_sample=False, max_new_tokens=12, **HOOK
+        )
         assert torch.equal(got, want), assistant
     assert kinds(target) == {"model", "ngram"}

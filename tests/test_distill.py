@@ -1,4 +1,5 @@
 """train_draft_model() on a tiny random Llama target: it trains, saves, reports and resumes."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,20 @@ def tiny_target(tmp_path_factory):
     return tiny.chat_target(tmp_path_factory.mktemp("tiny-target"), layers=2)
 
 
-SMALL = dict(hidden=16, layers=1, heads=2, tokens=600, eval_tokens=150, seq_len=12, gen_batch=8, top_k=8,
-             batch=8, steps=40, lr=1e-2, progress=False)
+SMALL = dict(
+    hidden=16,
+    layers=1,
+    heads=2,
+    tokens=600,
+    eval_tokens=150,
+    seq_len=12,
+    gen_batch=8,
+    top_k=8,
+    batch=8,
+    steps=40,
+    lr=1e-2,
+    progress=False,
+)
 
 
 def test_distill_trains_saves_and_reports(tiny_target, tmp_path):
@@ -99,7 +112,9 @@ def test_init_from_starts_where_an_earlier_draft_ended(tiny_target, tmp_path):
     assert warm_losses[0] < 0.8 * fresh_losses[0]
     assert abs(warm_losses[0] - sum(fresh_losses[-5:]) / 5) < 0.3 * fresh_losses[0]
     assert more.alpha > first.alpha - 0.1
-    assert json.loads((tmp_path / "b" / "train" / "settings.json").read_text())["init_from"] == str((tmp_path / "a").resolve())
+    assert json.loads((tmp_path / "b" / "train" / "settings.json").read_text())["init_from"] == str(
+        (tmp_path / "a").resolve()
+    )
 
 
 def test_init_from_refuses_a_different_architecture(tiny_target, tmp_path):
@@ -217,8 +232,16 @@ def test_data_only_stages_shards_and_stops(tiny_target, tmp_path):
 
 def test_decode_step_seconds_times_each_model(tiny_target):
     target = AutoModelForCausalLM.from_pretrained(tiny_target)
-    small = LlamaForCausalLM(LlamaConfig(vocab_size=160, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    small = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=160,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     times = report_mod.decode_step_seconds(target, small, steps=4, warmup=1)
     assert len(times) == 2 and all(t > 0 for t in times)
 

@@ -3,6 +3,7 @@
 The target has 8 decoder layers (features from layers 2, 4 and 5) and a word-level
 chat tokenizer, so the real prompt file and chat template stage its text.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,19 @@ from hfspec.training import eagle3_data, optim
 from hfspec.training.eagle3 import Eagle3Report, parse_layer_ids, train_eagle3_head
 from hfspec.training.eagle3_data import draft_vocabulary
 
-SMALL = dict(draft_vocab=100, unroll=3, tokens=600, eval_tokens=150, seq_len=12, gen_batch=8, top_k=8, batch=8,
-             steps=60, lr=1e-2, progress=False)
+SMALL = dict(
+    draft_vocab=100,
+    unroll=3,
+    tokens=600,
+    eval_tokens=150,
+    seq_len=12,
+    gen_batch=8,
+    top_k=8,
+    batch=8,
+    steps=60,
+    lr=1e-2,
+    progress=False,
+)
 LAYERS = (2, 4, 5)  # default_layer_ids(8)
 
 
@@ -44,6 +56,7 @@ def load_target(path):
 
 # -- staging ------------------------------------------------------------------------------------
 
+
 def test_features_are_the_target_hidden_states_of_each_staged_sample(target8, trained):
     out, _ = trained
     target, _ = load_target(target8)
@@ -58,7 +71,7 @@ def test_features_are_the_target_hidden_states_of_each_staged_sample(target8, tr
         with torch.no_grad():
             hidden = target(input_ids=ids, output_hidden_states=True).hidden_states
         want = torch.cat([hidden[j] for j in LAYERS], dim=-1)[0, : ids.shape[1] - 2]  # positions 0..L-3
-        got = feats["values"][feats["offsets"][i]: feats["offsets"][i + 1]].float()
+        got = feats["values"][feats["offsets"][i] : feats["offsets"][i + 1]].float()
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=0.02 * float(want.abs().max()), rtol=0.02)
 
@@ -76,14 +89,17 @@ def test_hidden_features_skip_nothing_they_return(target8):
 
 
 def test_draft_vocabulary_is_the_most_frequent_generated_tokens_sorted():
-    samples = [{"prompt": torch.tensor([9, 9, 9, 9]), "gen": torch.tensor([5, 3, 5, 7])},
-               {"prompt": torch.tensor([9]), "gen": torch.tensor([7, 5, 1])}]
+    samples = [
+        {"prompt": torch.tensor([9, 9, 9, 9]), "gen": torch.tensor([5, 3, 5, 7])},
+        {"prompt": torch.tensor([9]), "gen": torch.tensor([7, 5, 1])},
+    ]
     assert draft_vocabulary(samples, 2, 10).tolist() == [5, 7]  # 9 only occurs in prompts
     assert draft_vocabulary(samples, 4, 10).tolist() == [1, 3, 5, 7]  # ties: the lower id first
     assert draft_vocabulary(samples, 5, 10).tolist() == [0, 1, 3, 5, 7]  # then unseen ids, lowest first
 
 
 # -- training -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("steps", [1, 4])
 def test_fast_unroll_equals_the_heads_training_time_test(target8, trained, steps):
@@ -160,8 +176,14 @@ def test_model_card_says_how_the_head_was_made_and_what_it_measures(trained):
     out, report = trained
     card = de.model_card(out, title="Tiny head", note="Trained for a tiny target.")
     assert card.startswith("# Tiny head\n") and "Trained for a tiny target." in card
-    for value in (f"{report.train_tokens:,} tokens", f"{report.steps:,} steps", f"{report.alpha_by_depth[2]:.3f}",
-                  f"{report.cost_ratio:.3f}", "3 unrolled draft steps", "100 most frequent generated tokens"):
+    for value in (
+        f"{report.train_tokens:,} tokens",
+        f"{report.steps:,} steps",
+        f"{report.alpha_by_depth[2]:.3f}",
+        f"{report.cost_ratio:.3f}",
+        "3 unrolled draft steps",
+        "100 most frequent generated tokens",
+    ):
         assert value in card, value
 
 
@@ -182,10 +204,11 @@ def test_head_drives_exact_greedy_decoding_in_both_layouts(target8, trained, tmp
     accepted = 0
     for prompt in ([3, 4, 0, 7, 2, 3, 5], [3, 11, 12, 13, 2, 3, 5, 20]):
         ids = torch.tensor([prompt])
-        want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                               eos_token_id=None)[0, len(prompt):].tolist()
+        want = target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, eos_token_id=None
+        )[0, len(prompt) :].tolist()
         result = gen.generate([prompt], max_new_tokens=16, gamma=3, eos_token_id=[])
-        assert result.sequences[0, result.prompt_length: result.prompt_length + 16].tolist() == want
+        assert result.sequences[0, result.prompt_length : result.prompt_length + 16].tolist() == want
         accepted += result.stats.accepted
     assert accepted > 0
 
@@ -230,6 +253,7 @@ def test_features_are_staged_once_and_shared(target8, tmp_path, monkeypatch):
 
 # -- bad input ----------------------------------------------------------------------------------
 
+
 def test_bad_arguments_are_rejected(target8, tmp_path):
     with pytest.raises(ValueError, match="must not exceed the target vocabulary"):
         train_eagle3_head(target8, tmp_path / "a", **{**SMALL, "draft_vocab": 161})
@@ -247,14 +271,17 @@ def test_bad_arguments_are_rejected(target8, tmp_path):
     assert parse_layer_ids("2, 15,27") == (2, 15, 27)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--kind", "eagle3", "--hidden", "64"], "--hidden only apply to --kind model"),
-    (["--kind", "eagle3", "--negatives", "0", "--init-from", "x"], "--negatives, --init-from only apply"),
-    (["--draft-vocab", "64"], "--draft-vocab only apply to --kind eagle3"),
-    (["--kind", "eagle3", "--format", "gguf"], "invalid choice: 'gguf'"),
-    (["--kind", "eagle3", "--layer-ids", "5,2"], "strictly increasing"),
-    (["--kind", "eagle3", "--draft-vocab", "100000"], "must not exceed the target vocabulary"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kind", "eagle3", "--hidden", "64"], "--hidden only apply to --kind model"),
+        (["--kind", "eagle3", "--negatives", "0", "--init-from", "x"], "--negatives, --init-from only apply"),
+        (["--draft-vocab", "64"], "--draft-vocab only apply to --kind eagle3"),
+        (["--kind", "eagle3", "--format", "gguf"], "invalid choice: 'gguf'"),
+        (["--kind", "eagle3", "--layer-ids", "5,2"], "strictly increasing"),
+        (["--kind", "eagle3", "--draft-vocab", "100000"], "must not exceed the target vocabulary"),
+    ],
+)
 def test_cli_refuses_flags_that_do_not_apply(target8, tmp_path, capsys, argv, message):
     capsys.readouterr()
     code = cli.main(["distill", "--target", str(target8), "--out", str(tmp_path / "x"), "--quiet", *argv])

@@ -7,6 +7,7 @@ SpeculativeGenerator and compared with a chi-square test (see stat_utils for
 the significance level). Each generate call is a batch of many rows of the same
 prompt(s): rows advance at different speeds, so the batch path is tested too.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -42,10 +43,18 @@ def exact_joint(target, prompt: list[int], settings: dict) -> np.ndarray:
     return stat_utils.exact_joint(target, prompt, settings, V, NEW)
 
 
-def sample_counts(gen, prompts: list[list[int]], settings: dict, seed: int, gamma: int | str = 2,
-                  histogram: list[int] | None = None, samples: int = SAMPLES) -> list[np.ndarray]:
-    return stat_utils.sample_counts(gen, prompts, settings, seed, vocab=V, new=NEW, samples=samples, batch=BATCH,
-                                    gamma=gamma, histogram=histogram)
+def sample_counts(
+    gen,
+    prompts: list[list[int]],
+    settings: dict,
+    seed: int,
+    gamma: int | str = 2,
+    histogram: list[int] | None = None,
+    samples: int = SAMPLES,
+) -> list[np.ndarray]:
+    return stat_utils.sample_counts(
+        gen, prompts, settings, seed, vocab=V, new=NEW, samples=samples, batch=BATCH, gamma=gamma, histogram=histogram
+    )
 
 
 SETTINGS = {
@@ -110,6 +119,7 @@ def test_negative_control_wrong_residual_is_detected(pair, monkeypatch):
 def test_the_draft_really_disagrees_with_the_target(pair):
     # Otherwise the tests above could pass with any acceptance rule.
     target, draft, tok = pair
-    out = SpeculativeGenerator(target, draft, tok).generate([PROMPT_A] * 2000, max_new_tokens=NEW, gamma=2,
-                                                            do_sample=True, seed=0)
+    out = SpeculativeGenerator(target, draft, tok).generate(
+        [PROMPT_A] * 2000, max_new_tokens=NEW, gamma=2, do_sample=True, seed=0
+    )
     assert 0.2 < out.stats.acceptance_rate < 0.9

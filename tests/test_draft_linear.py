@@ -1,5 +1,6 @@
 """The draft kernel (hfspec.cpu.draft_linear): packing, the integer arithmetic against a torch reference, the torch
 fallback, whole converted drafts, and exact speculative decoding with one."""
+
 from __future__ import annotations
 
 import ctypes
@@ -70,9 +71,9 @@ def test_packing_round_trip_is_within_one_step(bits, draft_kernel):
     packed = draft_linear.pack(layer.weight, bits)
     assert packed.shape == (3, 3, 16 * 32 * bits // 8 + 64)  # 37 rows in 3 groups of 16, 96 in 3 blocks of 32
     codes, d, m = draft_linear.unpack(packed, bits, 37)
-    assert int(codes.max()) <= 2 ** bits - 1
+    assert int(codes.max()) <= 2**bits - 1
     blocks = layer.weight.detach().reshape(37, 3, 32)
-    step = (blocks.amax(-1) - blocks.amin(-1)) / (2 ** bits - 1)  # the step of a min/max grid
+    step = (blocks.amax(-1) - blocks.amin(-1)) / (2**bits - 1)  # the step of a min/max grid
     err = (draft_linear.dequantize(packed, bits, 37) - layer.weight).reshape(37, 3, 32)
     assert (err.abs().amax(-1) <= step).all()
     assert (err.pow(2).mean(-1).sqrt() / step).mean() < 0.27  # better than the grid's 1/sqrt(12) = 0.29
@@ -103,9 +104,11 @@ def test_kernel_equals_the_integer_arithmetic(bits, draft_kernel):
 
 
 # The paths this CPU's build does not take, built on their own (-O1: seconds) where the CPU can run them.
-OTHER_PATHS = {"avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
-               "avxvnni": (["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], {"avx2", "fma", "f16c", "avx_vnni"}),
-               "scalar": ([], set())}
+OTHER_PATHS = {
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+    "avxvnni": (["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], {"avx2", "fma", "f16c", "avx_vnni"}),
+    "scalar": ([], set()),
+}
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +116,27 @@ def other_paths(tmp_path_factory, draft_kernel) -> dict[str, draft_linear.DraftK
     flags = set(kernels._cpu_flags().split())
     source = Path(draft_linear.__file__).parent / "csrc" / "draft.cpp"
     out = tmp_path_factory.mktemp("draft-paths")
-    jobs = {isa: subprocess.Popen(["g++", "-O1", "-march=x86-64", *extra, "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-                                   "-o", str(out / f"{isa}.so"), str(source)], stderr=subprocess.PIPE, text=True)
-            for isa, (extra, needs) in OTHER_PATHS.items() if needs <= flags}
+    jobs = {
+        isa: subprocess.Popen(
+            [
+                "g++",
+                "-O1",
+                "-march=x86-64",
+                *extra,
+                "-fopenmp",
+                "-shared",
+                "-fPIC",
+                "-std=c++17",
+                "-o",
+                str(out / f"{isa}.so"),
+                str(source),
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for isa, (extra, needs) in OTHER_PATHS.items()
+        if needs <= flags
+    }
     found = {}
     for isa, job in jobs.items():
         assert job.wait() == 0, job.stderr.read()[-1500:]
@@ -135,7 +156,9 @@ def test_every_path_computes_the_integer_arithmetic(bits, other_paths):
         for m in (1, 2, 5, 9):
             x = torch.randn(m, 96, generator=g) * 3
             y = torch.empty(m, 37)
-            dk.linear(bits, x.data_ptr(), 96, packed.data_ptr(), drafted.bias.data_ptr(), y.data_ptr(), 37, m, 37, 96, 1)
+            dk.linear(
+                bits, x.data_ptr(), 96, packed.data_ptr(), drafted.bias.data_ptr(), y.data_ptr(), 37, m, 37, 96, 1
+            )
             want = reference(x, drafted)
             assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (isa, m)
 
@@ -149,8 +172,9 @@ def test_kernel_takes_any_leading_shape_strides_and_bf16(draft_kernel):
         assert torch.allclose(got.reshape(6, 20).double(), reference(x.reshape(6, 64), layer), atol=1e-5)
         half = layer(x.bfloat16())
     assert half.dtype == torch.bfloat16
-    assert torch.allclose(half.float(), reference(x.bfloat16().reshape(6, 64), layer).float().reshape(2, 3, 20),
-                          atol=2e-2)
+    assert torch.allclose(
+        half.float(), reference(x.bfloat16().reshape(6, 64), layer).float().reshape(2, 3, 20), atol=2e-2
+    )
 
 
 def test_in_features_not_a_multiple_of_32_is_refused(draft_kernel):
@@ -243,8 +267,11 @@ def test_a_cut_head_converts_its_kept_rows(model_dir, draft_kernel):
     assert (out[..., outside] == OUTSIDE).all() and (out[..., keep] > OUTSIDE).all()
 
 
-@pytest.mark.parametrize("arch, dtype", [("llama", torch.float32), ("qwen2", torch.float32),
-                                         ("llama", torch.bfloat16)], ids=["llama", "qwen2", "llama-bf16"])
+@pytest.mark.parametrize(
+    "arch, dtype",
+    [("llama", torch.float32), ("qwen2", torch.float32), ("llama", torch.bfloat16)],
+    ids=["llama", "qwen2", "llama-bf16"],
+)
 def test_greedy_with_a_converted_draft_equals_the_targets_generate(arch, dtype, model_dir, draft_kernel):
     # The draft is the target itself, converted: it agrees often but not always, so both accepts and rejects occur.
     path = model_dir(arch, vocab_size=64, hidden=64)
@@ -279,11 +306,13 @@ def test_load_pair_runs_a_cpu_draft_in_integer_arithmetic_by_default(model_dir):
     gen = SpeculativeGenerator(target, draft, tok)
     described = gen.describe()["fast_kernels"]["draft"]
     assert described["on"] and described["integer"]["bits"] == [4]
-    assert gen.describe()["drafter"]["parameters"] == sum(p.numel() for p in load_pair(
-        model_dir("llama"), model_dir("llama", seed=1), draft_bits=None)[1].parameters())
+    assert gen.describe()["drafter"]["parameters"] == sum(
+        p.numel() for p in load_pair(model_dir("llama"), model_dir("llama", seed=1), draft_bits=None)[1].parameters()
+    )
     ids = torch.tensor([[1, 9, 10, 11, 12]])
-    want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                           eos_token_id=None)
+    want = target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, eos_token_id=None
+    )
     assert torch.equal(gen.generate(ids, max_new_tokens=16, gamma=3, eos_token_id=[]).sequences, want)
     _, kept, _ = load_pair(model_dir("llama"), model_dir("llama", seed=1), draft_bits=None)
     assert not any(isinstance(m, draft_linear.DraftLinear) for m in kept.modules())
@@ -313,16 +342,18 @@ def converted_pair(model_dir, dtype: torch.dtype) -> tuple:
 def first_tokens_pvalue(target, draft, tok, seed: int) -> float:
     settings = {"temperature": 0.8}
     gen = SpeculativeGenerator(target, draft, tok)
-    (counts,) = stat_utils.sample_counts(gen, [PROMPT], settings, seed, vocab=V, new=NEW, samples=SAMPLES,
-                                         batch=SAMPLES, gamma=2)
+    (counts,) = stat_utils.sample_counts(
+        gen, [PROMPT], settings, seed, vocab=V, new=NEW, samples=SAMPLES, batch=SAMPLES, gamma=2
+    )
     return stat_utils.chi_square_pvalue(counts, stat_utils.exact_joint(target, PROMPT, settings, V, NEW))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sampling_with_a_converted_draft_follows_the_target(model_dir, draft_kernel, dtype):
     target, draft, tok = converted_pair(model_dir, dtype)
-    out = SpeculativeGenerator(target, draft, tok).generate([PROMPT] * 500, max_new_tokens=NEW, gamma=2,
-                                                            do_sample=True, temperature=0.8, seed=0)
+    out = SpeculativeGenerator(target, draft, tok).generate(
+        [PROMPT] * 500, max_new_tokens=NEW, gamma=2, do_sample=True, temperature=0.8, seed=0
+    )
     assert 0.2 < out.stats.acceptance_rate < 0.95  # accepts and rejects both occur: the rule is exercised
     pv = first_tokens_pvalue(target, draft, tok, seed=3)
     assert pv > ALPHA, f"{dtype}: speculative samples with a 4-bit draft differ from the target (p-value {pv:.3g})"

@@ -3,6 +3,7 @@
 Targets are tiny Llamas with 8 decoder layers (features from layers 2, 4 and 5);
 heads are random or briefly trained on the target's own text (see eagle3_heads).
 """
+
 from __future__ import annotations
 
 import json
@@ -55,15 +56,18 @@ def prompts(count: int, seed: int, vocab: int = 64) -> list[list[int]]:
 def reference(target, prompt: list[int], new: int, **kw) -> list[int]:
     ids = torch.tensor([prompt])
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, **kw)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def rows_of(out) -> list[list[int]]:
-    return [out.sequences[b, out.prompt_length: out.prompt_length + r.committed].tolist()
-            for b, r in enumerate(out.stats.rows)]
+    return [
+        out.sequences[b, out.prompt_length : out.prompt_length + r.committed].tolist()
+        for b, r in enumerate(out.stats.rows)
+    ]
 
 
 # -- exact output -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("which", ["trained", "random"])
 def test_greedy_equals_target_generate(target64, trained64, random64, which):
@@ -119,14 +123,16 @@ def test_trained_head_accepts_more_than_a_random_one(target64, trained64, random
 
 # -- the head's forward and cache ---------------------------------------------------------------
 
-def naive_logits(tensors: dict, features: torch.Tensor, tokens: torch.Tensor, embedding: torch.Tensor,
-                 c: Eagle3Config) -> torch.Tensor:
+
+def naive_logits(
+    tensors: dict, features: torch.Tensor, tokens: torch.Tensor, embedding: torch.Tensor, c: Eagle3Config
+) -> torch.Tensor:
     """EAGLE-3's layer written out from the published format (one sequence, no cache): (T, Vd) logits.
 
     Position j reads features[j] and the token at j + 1 (``tokens[j]``), at RoPE position j.
     """
     prefixes = ("midlayer.", "layers.0.", "layer.")  # SafeAILab, speculators, hfspec's own module names
-    t = {next(("L." + k[len(p):] for p in prefixes if k.startswith(p)), k): v.float() for k, v in tensors.items()}
+    t = {next(("L." + k[len(p) :] for p in prefixes if k.startswith(p)), k): v.float() for k, v in tensors.items()}
 
     def rms(x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps))
@@ -141,7 +147,7 @@ def naive_logits(tensors: dict, features: torch.Tensor, tokens: torch.Tensor, em
     inv = 1.0 / c.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
     angle = torch.arange(length).float()[:, None] * inv
     cos, sin = torch.cat([angle, angle], -1).cos()[:, None], torch.cat([angle, angle], -1).sin()[:, None]
-    q, k = [y * cos + torch.cat([-y[..., d // 2:], y[..., : d // 2]], -1) * sin for y in (q, k)]
+    q, k = [y * cos + torch.cat([-y[..., d // 2 :], y[..., : d // 2]], -1) * sin for y in (q, k)]
     k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
     scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(d)
     scores = scores.masked_fill(torch.ones(length, length).triu(1).bool(), float("-inf"))
@@ -199,8 +205,9 @@ def test_every_draft_equals_a_forward_from_scratch(target64, trained64, monkeypa
     target, tok, _ = target64
     drafter = Eagle3Drafter(trained64, target)
     records = record_proposals(drafter, monkeypatch)
-    out = SpeculativeGenerator(target, drafter, tok).generate(prompts(6, seed=6), max_new_tokens=16, gamma=3,
-                                                              eos_token_id=[], do_sample=sample, seed=0)
+    out = SpeculativeGenerator(target, drafter, tok).generate(
+        prompts(6, seed=6), max_new_tokens=16, gamma=3, eos_token_id=[], do_sample=sample, seed=0
+    )
     assert 0 < out.stats.acceptance_rate < 1
     emb = target.get_input_embeddings().weight
     checked = 0
@@ -342,7 +349,8 @@ def test_heads_in_the_distribution_tests_really_disagree_with_the_target(target9
     target, tok = target9
     for head in (trained9, random9(target)):
         out = SpeculativeGenerator(target, Eagle3Drafter(head, target), tok).generate(
-            [PROMPT_A] * 2000, max_new_tokens=NEW, gamma=2, do_sample=True, seed=0)
+            [PROMPT_A] * 2000, max_new_tokens=NEW, gamma=2, do_sample=True, seed=0
+        )
         assert 0.05 < out.stats.acceptance_rate < 0.9
         # Ids outside the draft vocabulary are reachable, through the residual only.
         outside = set(range(V)) - set(head.target_ids().tolist())
@@ -360,12 +368,19 @@ LAYOUTS = [  # (layout, container, architecture, with the target's embedding)
 
 
 @pytest.mark.parametrize("layout, container, architecture, embedding", LAYOUTS)
-def test_hand_written_head_loads_and_runs(target64, trained64, tmp_path, monkeypatch, layout, container,
-                                          architecture, embedding):
+def test_hand_written_head_loads_and_runs(
+    target64, trained64, tmp_path, monkeypatch, layout, container, architecture, embedding
+):
     target, tok, target_dir = target64
     emb = target.get_input_embeddings().weight
-    head_dir = eh.write_by_hand(trained64, tmp_path / "head", layout=layout, container=container,
-                                architecture=architecture, embedding=emb if embedding else None)
+    head_dir = eh.write_by_hand(
+        trained64,
+        tmp_path / "head",
+        layout=layout,
+        container=container,
+        architecture=architecture,
+        embedding=emb if embedding else None,
+    )
     assert is_eagle3_dir(head_dir) and not is_eagle3_dir(target_dir)
     head = load_head(head_dir)
     assert (head.embed_tokens is not None) == embedding
@@ -373,8 +388,12 @@ def test_hand_written_head_loads_and_runs(target64, trained64, tmp_path, monkeyp
     feats = features_of(target, ids[:-1], default_layer_ids(8))
     tokens = torch.tensor(ids[1:])
     tensors = dict(trained64.state_dict())
-    torch.testing.assert_close(head.unroll(head.fuse(feats[None]), emb[tokens][None], 1)[0][0],
-                               naive_logits(tensors, feats, tokens, emb, trained64.config), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        head.unroll(head.fuse(feats[None]), emb[tokens][None], 1)[0][0],
+        naive_logits(tensors, feats, tokens, emb, trained64.config),
+        atol=1e-4,
+        rtol=1e-4,
+    )
     # Loaded by path for a target by path, it never goes through AutoModelForCausalLM.
     loaded = []
     auto = AutoModelForCausalLM.from_pretrained.__func__
@@ -387,8 +406,9 @@ def test_hand_written_head_loads_and_runs(target64, trained64, tmp_path, monkeyp
     gen = SpeculativeGenerator.from_pretrained(str(target_dir), str(head_dir), dtype="float32")
     assert loaded == [str(target_dir)] and isinstance(gen.drafter, Eagle3Drafter)
     for prompt in prompts(3, seed=9):
-        assert rows_of(gen.generate([prompt], max_new_tokens=12, gamma=3, eos_token_id=[])) == \
-            [reference(target, prompt, 12, eos_token_id=None)]
+        assert rows_of(gen.generate([prompt], max_new_tokens=12, gamma=3, eos_token_id=[])) == [
+            reference(target, prompt, 12, eos_token_id=None)
+        ]
 
 
 def test_the_same_head_every_way_a_draft_is_accepted(target64, trained64, tmp_path, capsys):
@@ -396,8 +416,13 @@ def test_the_same_head_every_way_a_draft_is_accepted(target64, trained64, tmp_pa
     head_dir = save_head(trained64, tmp_path / "head", target=target)
     prompt = prompts(4, seed=10)[3]
     want = [reference(target, prompt, 10, eos_token_id=None)]
-    for draft in (str(head_dir), head_dir, trained64, Eagle3Drafter(trained64, target),
-                  Eagle3Drafter.from_pretrained(head_dir, target)):
+    for draft in (
+        str(head_dir),
+        head_dir,
+        trained64,
+        Eagle3Drafter(trained64, target),
+        Eagle3Drafter.from_pretrained(head_dir, target),
+    ):
         gen = SpeculativeGenerator(target, draft, tok)
         assert rows_of(gen.generate([prompt], max_new_tokens=10, gamma=3, eos_token_id=[])) == want
     assert gen.drafter.step_seconds(prompt, torch.device("cpu")) > 0  # the cost model's measurement runs
@@ -458,18 +483,31 @@ def test_save_head_round_trip_in_bfloat16_without_the_embedding(target64, traine
 
 
 def test_a_head_for_a_576_wide_49k_target_fits_in_25_megabytes(tmp_path):
-    c = Eagle3Config(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                     vocab_size=49152, draft_vocab_size=8192)
+    c = Eagle3Config(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        draft_vocab_size=8192,
+    )
     path = save_head(Eagle3Head(c), tmp_path / "head", dtype=torch.bfloat16)
     size = sum(f.stat().st_size for f in path.iterdir())
-    assert size <= 25 * 2 ** 20, f"{size / 2 ** 20:.1f} MiB"
+    assert size <= 25 * 2**20, f"{size / 2**20:.1f} MiB"
 
 
 # -- refused ------------------------------------------------------------------------------------
 
+
 def speculators_dir(trained64, tmp_path, **extra):
-    return eh.write_by_hand(trained64, tmp_path / "head", layout="speculators", container="safetensors",
-                            architecture="Eagle3DraftModel", **extra)
+    return eh.write_by_hand(
+        trained64,
+        tmp_path / "head",
+        layout="speculators",
+        container="safetensors",
+        architecture="Eagle3DraftModel",
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("flag", ["norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"])
@@ -478,12 +516,15 @@ def test_unsupported_speculators_options_are_refused(trained64, tmp_path, flag):
         load_head(speculators_dir(trained64, tmp_path, extra={flag: True}))
 
 
-@pytest.mark.parametrize("change, says", [
-    ({"speculators_model_type": "mtp"}, "speculators model type 'mtp' is not supported"),
-    ({"norm_before_residual": None}, "norm_before_residual is not set"),
-    ({"transformer_layer_config": {"model_type": "qwen3", "hidden_size": 32}}, "'qwen3' draft layer"),
-    ({"eagle_aux_hidden_state_layer_ids": [5, 2, 4]}, "strictly increasing"),
-])
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"speculators_model_type": "mtp"}, "speculators model type 'mtp' is not supported"),
+        ({"norm_before_residual": None}, "norm_before_residual is not set"),
+        ({"transformer_layer_config": {"model_type": "qwen3", "hidden_size": 32}}, "'qwen3' draft layer"),
+        ({"eagle_aux_hidden_state_layer_ids": [5, 2, 4]}, "strictly increasing"),
+    ],
+)
 def test_configs_that_would_run_wrong_are_refused(trained64, tmp_path, change, says):
     path = speculators_dir(trained64, tmp_path)
     conf = json.loads((path / "config.json").read_text())
@@ -497,11 +538,14 @@ def test_configs_that_would_run_wrong_are_refused(trained64, tmp_path, change, s
         load_head(path)
 
 
-@pytest.mark.parametrize("extra_tensors, says", [
-    ({"input_norm.weight": torch.ones(96)}, "would ignore: input_norm.weight"),
-    ({"layers.1.mlp.up_proj.weight": torch.ones(2, 2)}, "would ignore: layers.1.mlp.up_proj.weight"),
-    ({"fc.weight": torch.ones(32, 64)}, r"fc.weight \(32, 64\) \(config: \(32, 96\)\)"),
-])
+@pytest.mark.parametrize(
+    "extra_tensors, says",
+    [
+        ({"input_norm.weight": torch.ones(96)}, "would ignore: input_norm.weight"),
+        ({"layers.1.mlp.up_proj.weight": torch.ones(2, 2)}, "would ignore: layers.1.mlp.up_proj.weight"),
+        ({"fc.weight": torch.ones(32, 64)}, r"fc.weight \(32, 64\) \(config: \(32, 96\)\)"),
+    ],
+)
 def test_tensors_that_do_not_fit_the_config_are_refused(trained64, tmp_path, extra_tensors, says):
     with pytest.raises(HfspecError, match=says):
         load_head(speculators_dir(trained64, tmp_path, extra_tensors=extra_tensors))
@@ -528,8 +572,9 @@ def test_a_head_that_does_not_fit_the_target_is_refused(target64, model_dir):
 
 
 def test_a_head_directory_is_never_loaded_as_a_causal_lm(trained64, tmp_path, target64):
-    path = eh.write_by_hand(trained64, tmp_path / "head", layout="eagle", container="bin",
-                            architecture="LlamaForCausalLM")
+    path = eh.write_by_hand(
+        trained64, tmp_path / "head", layout="eagle", container="bin", architecture="LlamaForCausalLM"
+    )
     with pytest.raises(HfspecError, match="holds an EAGLE-3 draft head, not a causal LM"):
         load_model(path, "target")
     with pytest.raises(HfspecError, match="holds an EAGLE-3 draft head"):
@@ -546,5 +591,6 @@ def test_a_full_vocabulary_head_without_draft_vocab_size_is_recognised_by_its_te
     assert is_eagle3_dir(path)
     prompt = prompts(4, seed=11)[3]
     gen = SpeculativeGenerator(target, str(path), tok)
-    assert rows_of(gen.generate([prompt], max_new_tokens=8, gamma=2, eos_token_id=[])) == \
-        [reference(target, prompt, 8, eos_token_id=None)]
+    assert rows_of(gen.generate([prompt], max_new_tokens=8, gamma=2, eos_token_id=[])) == [
+        reference(target, prompt, 8, eos_token_id=None)
+    ]

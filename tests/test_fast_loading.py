@@ -1,4 +1,5 @@
 """hfspec's CPU kernel is on for the models hfspec loads, off for the models a caller passes, and reported."""
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,8 @@ def test_load_pair_accelerates_both_models_by_default(model_dir, dtype):
     target, draft, _ = load_pair(model_dir("llama", seed=0), model_dir("llama", seed=1), dtype=dtype)
     # The draft's linears run in integer arithmetic where that kernel is on (hfspec.cpu.draft_linear).
     assert draft_linear.kernel() is None or draft_linear.describe(draft)["layers"] == linear_count(
-        tiny.load(model_dir("llama", seed=1))[0])
+        tiny.load(model_dir("llama", seed=1))[0]
+    )
     _, kept, _ = load_pair(model_dir("llama", seed=0), model_dir("llama", seed=1), dtype=dtype, draft_bits=None)
     for model in (target, kept):
         assert fast.is_accelerated(model)
@@ -45,8 +47,9 @@ def test_load_pair_accelerates_both_models_by_default(model_dir, dtype):
 
 
 def test_fast_kernels_false_loads_plain_models(model_dir):
-    target, draft, _ = load_pair(model_dir("llama", seed=0), model_dir("llama", seed=1), dtype="float32",
-                                 fast_kernels=False)
+    target, draft, _ = load_pair(
+        model_dir("llama", seed=0), model_dir("llama", seed=1), dtype="float32", fast_kernels=False
+    )
     assert not fast.is_accelerated(target) and not fast.is_accelerated(draft)
     assert fast.describe(target)["on"] is False and "not accelerated" in fast.describe(target)["reason"]
     with pytest.raises(HfspecError, match="fast_kernels must be True or False"):
@@ -63,14 +66,19 @@ def test_a_model_off_the_cpu_is_reported_as_such(model_dir):
     target, _ = tiny.load(model_dir("llama", seed=0))
     off = target.to("meta")
     assert fast.accelerate_loaded(off).layers == ()
-    assert fast.describe(off) == {"on": False, "isa": None, "layers": 0, "bytes_added": 0,
-                                  "reason": fast.NOT_CPU} and fast.NOT_CPU == "off: not a CPU model"
+    assert (
+        fast.describe(off) == {"on": False, "isa": None, "layers": 0, "bytes_added": 0, "reason": fast.NOT_CPU}
+        and fast.NOT_CPU == "off: not a CPU model"
+    )
 
 
 def test_the_constructor_leaves_the_callers_models_alone(model_dir):
     target, tok = tiny.load(model_dir("llama", seed=0))
     draft, _ = tiny.load(model_dir("llama", seed=1))
-    for gen in (SpeculativeGenerator(target, draft, tok), SpeculativeGenerator(target, str(model_dir("llama", seed=1)), tok)):
+    for gen in (
+        SpeculativeGenerator(target, draft, tok),
+        SpeculativeGenerator(target, str(model_dir("llama", seed=1)), tok),
+    ):
         gen.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4, gamma=2)
         assert not fast.is_accelerated(gen.target) and not fast.is_accelerated(gen.draft)
         described = gen.describe()["fast_kernels"]
@@ -82,24 +90,32 @@ def test_the_constructor_leaves_the_callers_models_alone(model_dir):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
 def test_greedy_equals_the_loaded_targets_own_generate(model_dir, arch):
-    gen = SpeculativeGenerator.from_pretrained(str(model_dir(arch, seed=0)), str(model_dir(arch, seed=1)),
-                                               dtype="float32")
+    gen = SpeculativeGenerator.from_pretrained(
+        str(model_dir(arch, seed=0)), str(model_dir(arch, seed=1)), dtype="float32"
+    )
     assert fast.is_accelerated(gen.target) and gen.describe()["fast_kernels"]["draft"]["on"]
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
-        reference = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                                        do_sample=False)  # the same kernels: the loaded model's own generate()
+        reference = gen.target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
+        )  # the same kernels: the loaded model's own generate()
         for gamma in (1, 3, "auto"):
             assert torch.equal(gen.generate(ids, max_new_tokens=16, gamma=gamma).sequences, reference), (prompt, gamma)
 
 
 def test_describe_reports_isa_layers_and_no_memory_added(model_dir, library):
-    gen = SpeculativeGenerator.from_pretrained(str(model_dir("llama", seed=0)), str(model_dir("llama", seed=1)),
-                                               dtype="float32")
+    gen = SpeculativeGenerator.from_pretrained(
+        str(model_dir("llama", seed=0)), str(model_dir("llama", seed=1)), dtype="float32"
+    )
     described = gen.describe()
     assert described["drafter"]["kind"] == gen.drafter.kind
-    assert described["fast_kernels"]["target"] == {"on": True, "isa": library.isa, "bytes_added": 0, "reason": None,
-                                                   "layers": linear_count(gen.target)}
+    assert described["fast_kernels"]["target"] == {
+        "on": True,
+        "isa": library.isa,
+        "bytes_added": 0,
+        "reason": None,
+        "layers": linear_count(gen.target),
+    }
     draft = described["fast_kernels"]["draft"]  # in integer arithmetic (hfspec.cpu.draft_linear) where it can be
     integer = draft_linear.describe(gen.draft)
     assert draft["on"] and draft["layers"] == linear_count(tiny.load(model_dir("llama", seed=1))[0])
@@ -123,8 +139,9 @@ def test_an_eagle3_heads_linears_run_the_kernel(model_dir, tmp_path):
 
 
 def test_suspended_runs_torch_and_puts_the_kernel_back(model_dir):
-    target, draft, _ = load_pair(model_dir("llama", seed=0), model_dir("llama", seed=1), dtype="float32",
-                                 draft_bits=None)
+    target, draft, _ = load_pair(
+        model_dir("llama", seed=0), model_dir("llama", seed=1), dtype="float32", draft_bits=None
+    )
     layers = fast.describe(target)["layers"]
     with fast.suspended(target, draft, None):
         assert not fast.is_accelerated(target) and not fast.is_accelerated(draft)
@@ -143,8 +160,16 @@ def test_the_api_keys_its_pairs_on_fast_kernels(model_dir):
 
 def test_a_preset_turns_the_kernel_off(model_dir, tmp_path):
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({"name": "p", "target": str(model_dir("llama", seed=0)),
-                                "draft": str(model_dir("llama", seed=1)), "fast_kernels": False}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "p",
+                "target": str(model_dir("llama", seed=0)),
+                "draft": str(model_dir("llama", seed=1)),
+                "fast_kernels": False,
+            }
+        )
+    )
     preset = load_preset(path)
     assert preset.fast_kernels is False and preset.load_kwargs()["fast_kernels"] is False
     assert not fast.is_accelerated(load_pair(preset.target, preset.draft, **preset.load_kwargs())[0])

@@ -1,4 +1,5 @@
 """A GGUF's config, tensor names and tokenizer are read once per file and kept where reading them took long."""
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ and Qwen2s the tests write (``gguf_files``), in every format the kernel reads, m
 The real Qwen2.5-Coder pair is checked the same way by ``scripts/gguf_pair_bench.py --parts exact`` (transformers'
 float32 load of the 1.5B alone takes minutes, too long for the suite).
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,11 @@ MIXES = {
     "llama-q8_0": ("llama", "Q8_0", False),
     "llama-k-mix-tied": ("llama", {"*": "Q4_K", "ffn_down": "Q6_K", "attn_v": "Q5_K", "token_embd": "Q4_1"}, True),
     "qwen2-k-mix": ("qwen2", {"*": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K", "token_embd": "Q4_K"}, False),
-    "qwen2-legacy-mix": ("qwen2", {"*": "Q5_0", "attn_q": "Q4_0", "attn_k": "Q5_1", "output": "Q8_0",
-                                   "token_embd": "Q5_0"}, False),
+    "qwen2-legacy-mix": (
+        "qwen2",
+        {"*": "Q5_0", "attn_q": "Q4_0", "attn_k": "Q5_1", "output": "Q8_0", "token_embd": "Q5_0"},
+        False,
+    ),
 }
 
 
@@ -63,12 +67,13 @@ def test_a_native_model_computes_the_dequantized_models_logits_bit_for_bit(files
         # a decoding step and a verification of 4 rows against a cache, as hfspec feeds them
         a, b = got(ids[:, :9], use_cache=True), want(ids[:, :9], use_cache=True)
         for k in (1, 4):
-            new = ids[:, 9:9 + k]
-            assert torch.equal(got(new, cache=a.past_key_values).logits,
-                               want(new, cache=b.past_key_values).logits)
+            new = ids[:, 9 : 9 + k]
+            assert torch.equal(got(new, cache=a.past_key_values).logits, want(new, cache=b.past_key_values).logits)
     prompt = ids[:1, :6]
-    assert torch.equal(got.generate(prompt, max_new_tokens=24, do_sample=False),
-                       want.generate(prompt, max_new_tokens=24, do_sample=False))
+    assert torch.equal(
+        got.generate(prompt, max_new_tokens=24, do_sample=False),
+        want.generate(prompt, max_new_tokens=24, do_sample=False),
+    )
 
 
 def test_a_tied_head_reads_the_embeddings_blocks(files):
@@ -84,24 +89,29 @@ def test_load_pair_keeps_both_models_blocks_and_speculation_is_exact(files):
     want = dequantized(target_file)
     ids = torch.tensor([[1, 9, 17, 33, 4]])
     for bits in (None, 4):  # the draft's blocks as stored, or converted to integer arithmetic (the default)
-        target, draft, tok = load_pair(str(target_file.parent), str(draft_file.parent), gguf_file=target_file.name,
-                                       draft_gguf_file=draft_file.name, tokenizer=str(target_file.parent),
-                                       draft_bits=bits)
+        target, draft, tok = load_pair(
+            str(target_file.parent),
+            str(draft_file.parent),
+            gguf_file=target_file.name,
+            draft_gguf_file=draft_file.name,
+            tokenizer=str(target_file.parent),
+            draft_bits=bits,
+        )
         assert quant.quantized_layers(target) and (bits or quant.quantized_layers(draft))
         gen = SpeculativeGenerator(target, draft, tok)
         described = gen.describe()["fast_kernels"]["draft"]
         assert described["quantized"]["formats"]["Q5_0"] > 0 if bits is None else described["integer"]["layers"]
         for gamma in (1, 3, "auto"):
             out = gen.generate(ids, max_new_tokens=20, gamma=gamma, eos_token_id=[])
-            assert torch.equal(out.sequences, want.generate(ids, max_new_tokens=20, do_sample=False,
-                                                            eos_token_id=None))
+            assert torch.equal(out.sequences, want.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
 
 
 def test_gguf_native_false_and_no_fast_kernels_dequantize_as_transformers_does(files):
     path = files["llama-q8_0"]
     for kwargs in ({"gguf_native": False}, {"fast_kernels": False}):
-        target, _, _ = load_pair(str(path.parent), "ngram", gguf_file=path.name, tokenizer=str(path.parent),
-                                 dtype="float32", **kwargs)
+        target, _, _ = load_pair(
+            str(path.parent), "ngram", gguf_file=path.name, tokenizer=str(path.parent), dtype="float32", **kwargs
+        )
         assert not quant.quantized_layers(target) and target.dtype == torch.float32
 
 
@@ -133,8 +143,22 @@ def test_the_cli_and_presets_load_gguf_pairs(files, capsys, tmp_path):
     from hfspec.loading import load_preset
 
     target, draft = files["llama-q8_0"], files["llama-k-mix-tied"]
-    argv = ["generate", "w10 w11", "--target", str(target.parent), "--draft", str(draft.parent), "--gguf-file",
-            target.name, "--draft-gguf-file", draft.name, "--max-new-tokens", "8", "--json", "--stats"]
+    argv = [
+        "generate",
+        "w10 w11",
+        "--target",
+        str(target.parent),
+        "--draft",
+        str(draft.parent),
+        "--gguf-file",
+        target.name,
+        "--draft-gguf-file",
+        draft.name,
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "--stats",
+    ]
     api.clear_cache()
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
@@ -148,7 +172,22 @@ def test_the_cli_and_presets_load_gguf_pairs(files, capsys, tmp_path):
     assert dense["tokens"] == native["tokens"]  # the dequantized float32 pair, on the fp32 kernel
     api.clear_cache()
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({"name": "p", "target": str(target.parent), "draft": str(draft.parent),
-                                "gguf_file": target.name, "draft_gguf_file": draft.name, "gguf_native": False}))
-    assert load_preset(path).load_kwargs() == {"dtype": "auto", "trust_remote_code": False, "gguf_native": False,
-                                               "gguf_file": target.name, "draft_gguf_file": draft.name}
+    path.write_text(
+        json.dumps(
+            {
+                "name": "p",
+                "target": str(target.parent),
+                "draft": str(draft.parent),
+                "gguf_file": target.name,
+                "draft_gguf_file": draft.name,
+                "gguf_native": False,
+            }
+        )
+    )
+    assert load_preset(path).load_kwargs() == {
+        "dtype": "auto",
+        "trust_remote_code": False,
+        "gguf_native": False,
+        "gguf_file": target.name,
+        "draft_gguf_file": draft.name,
+    }

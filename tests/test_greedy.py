@@ -1,4 +1,5 @@
 """Greedy speculative decoding equals the target's own greedy generate(), token for token."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,9 @@ def prompts(vocab_size: int, count: int, seed: int = 0):
 
 
 def reference(target, ids, max_new_tokens, **kw):
-    return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                           do_sample=False, **kw)
+    return target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, **kw
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -51,8 +53,9 @@ def test_auto_equals_target_greedy(profile, tiny_pair, scripted_auto):
 
 def test_draft_equal_to_target_accepts_everything(tiny_pair):
     target, _, tok = tiny_pair("llama", vocab_size=32)
-    out = SpeculativeGenerator(target, target, tok).generate(prompts(32, 1)[0], max_new_tokens=20, gamma=4,
-                                                             eos_token_id=[])
+    out = SpeculativeGenerator(target, target, tok).generate(
+        prompts(32, 1)[0], max_new_tokens=20, gamma=4, eos_token_id=[]
+    )
     assert out.stats.acceptance_rate == 1.0
     assert out.stats.target_passes == 4  # 20 tokens, 5 per pass
 
@@ -74,7 +77,7 @@ def test_eos_inside_an_accepted_block_ends_the_sequence(tiny_pair):
         want = reference(target, ids, 40)
         got = gen.generate(ids, max_new_tokens=40, gamma=7)
         assert torch.equal(got.sequences, want)
-        new = got.sequences[0, ids.shape[1]:]
+        new = got.sequences[0, ids.shape[1] :]
         if new.numel() < 40:
             stopped += 1
             assert new[-1].item() == tiny.EOS and (new[:-1] != tiny.EOS).all()
@@ -87,8 +90,9 @@ def test_max_new_tokens_below_gamma_is_never_exceeded(tiny_pair, max_new_tokens)
     target, draft, tok = tiny_pair("gpt2", vocab_size=32)
     ids = prompts(32, 1, seed=3)[0]
     for d in (draft, target):
-        out = SpeculativeGenerator(target, d, tok).generate(ids, max_new_tokens=max_new_tokens, gamma=7,
-                                                            eos_token_id=[])
+        out = SpeculativeGenerator(target, d, tok).generate(
+            ids, max_new_tokens=max_new_tokens, gamma=7, eos_token_id=[]
+        )
         assert out.sequences.shape[1] == ids.shape[1] + max_new_tokens
         if max_new_tokens:
             assert torch.equal(out.sequences, reference(target, ids, max_new_tokens, eos_token_id=None))

@@ -1,4 +1,5 @@
 """A draft whose LM head is cut to frequent tokens (FR-Spec): q is 0 outside, and hfspec stays exact."""
+
 from __future__ import annotations
 
 import copy

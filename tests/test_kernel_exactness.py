@@ -7,6 +7,7 @@ target: the kernel's own numerics) all take the kernel. The greedy tests run as
 hfspec loads its models. Every test counts its ``FastLinear``
 forwards and asserts that each one ran the kernel, so none of them passes with the kernel silently off.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,9 @@ class KernelCalls:
 
     def check(self) -> None:
         """Every FastLinear forward ran the kernel (torch's F.linear none of them)."""
-        assert self.forwards > 0 and self.kernel == self.forwards, \
+        assert self.forwards > 0 and self.kernel == self.forwards, (
             f"{self.forwards - self.kernel} of {self.forwards} linear forwards fell back to torch"
+        )
 
 
 @pytest.fixture
@@ -89,6 +91,7 @@ def joint_pvalues(gen: SpeculativeGenerator, prompts: list[list[int]], settings:
 
 # -- chains: a draft model, and the lookup ----------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_chain_samples_of_ragged_rows_match_the_target(chain_models, name, calls):
     # Two prompts of different lengths interleaved in one batch: rows padded and advancing at their own pace.
@@ -120,12 +123,12 @@ def test_lookup_samples_match_the_target(chain_models, name, calls):
 
 # -- trees: a draft model, the lookup, an EAGLE-3 head ----------------------------------------------
 
+
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_tree_samples_match_the_target(tree_models, name, calls):
     target, draft, tok = tree_models
     with on_kernel(target, draft):
-        pv, depths = tree_pvalue(SpeculativeGenerator(target, draft, tok), SETTINGS[name], 6, seed=3,
-                                 samples=SAMPLES)
+        pv, depths = tree_pvalue(SpeculativeGenerator(target, draft, tok), SETTINGS[name], 6, seed=3, samples=SAMPLES)
     calls.check()
     deepest = 2 if "top_k" in name else 1  # top-p at T=0.7 leaves the draft one token often: paths stay short
     assert len(depths) > deepest and depths[0] > 0, f"no path {deepest} deep accepted, or none rejected: {depths}"
@@ -136,8 +139,9 @@ def test_negative_control_tree_without_the_residual_update_is_detected(tree_mode
     target, draft, tok = tree_models
     monkeypatch.setattr(tree, "verify_tree", functools.partial(tree.verify_tree, residual_update=False))
     with on_kernel(target, draft):
-        pv, _ = tree_pvalue(SpeculativeGenerator(target, draft, tok), SETTINGS["t0.7_top_k"], 6, seed=3,
-                            samples=SAMPLES)
+        pv, _ = tree_pvalue(
+            SpeculativeGenerator(target, draft, tok), SETTINGS["t0.7_top_k"], 6, seed=3, samples=SAMPLES
+        )
     calls.check()
     assert pv < ALPHA, pv
 
@@ -145,8 +149,9 @@ def test_negative_control_tree_without_the_residual_update_is_detected(tree_mode
 def test_lookup_tree_samples_match_the_target(tree_models, calls):
     target, _, tok = tree_models
     with on_kernel(target):
-        pv, depths = tree_pvalue(SpeculativeGenerator(target, "ngram", tok), SETTINGS["t0.7_top_k"], 6, 4,
-                                 NGRAM_PROMPT, samples=SAMPLES)
+        pv, depths = tree_pvalue(
+            SpeculativeGenerator(target, "ngram", tok), SETTINGS["t0.7_top_k"], 6, 4, NGRAM_PROMPT, samples=SAMPLES
+        )
     calls.check()
     assert depths[0] > 0 and len(depths) > 1, depths
     assert pv > ALPHA, f"lookup tree samples differ from the target on the kernel (p-value {pv:.3g})"
@@ -156,14 +161,20 @@ def test_eagle3_tree_samples_match_the_target(model_dir, calls):
     target, tok = tiny.load(model_dir("llama", vocab_size=V, layers=5, hidden=16, seed=10, sharpness=30.0, eos=None))
     head = eh.random_head(target, [1, 3, 4, 5, 6, 7], seed=1, scale=4.0, layer_ids=(1, 2, 3))
     with on_kernel(target, head):
-        pv, depths = tree_pvalue(SpeculativeGenerator(target, Eagle3Drafter(head, target), tok),
-                                 {"temperature": 0.7, "top_p": 0.95}, 6, 8, samples=SAMPLES)
+        pv, depths = tree_pvalue(
+            SpeculativeGenerator(target, Eagle3Drafter(head, target), tok),
+            {"temperature": 0.7, "top_p": 0.95},
+            6,
+            8,
+            samples=SAMPLES,
+        )
     calls.check()
     assert depths[0] > 0 and len(depths) > 1, depths
     assert pv > ALPHA, f"EAGLE-3 tree samples differ from the target on the kernel (p-value {pv:.3g})"
 
 
 # -- greedy: trees and the lookup (chains: test_kernels, test_fast_loading; bf16: test_bf16_exactness) -----
+
 
 @pytest.mark.parametrize("draft, nodes", [("model", 8), ("ngram", 0), ("ngram", 8)])
 def test_greedy_equals_the_accelerated_targets_own_generate(model_dir, draft, nodes, calls):

@@ -1,5 +1,6 @@
 """The CPU kernel fails safely: each fault leaves torch's own linears (the same output as without hfspec), at most
 one warning per process, and a failed build that is not tried again until the source or the compiler changes."""
+
 from __future__ import annotations
 
 import logging
@@ -46,7 +47,7 @@ def compiler(tmp_path: Path, body: str, name: str = "cxx") -> tuple[str, Path]:
     """An executable stand-in for the compiler that logs each run to a file and then runs ``body``."""
     log = tmp_path / f"{name}.log"
     script = tmp_path / name
-    script.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n{body}\n")
+    script.write_text(f'#!/bin/sh\necho "$@" >> {log}\n{body}\n')
     script.chmod(0o755)
     return str(script), log
 
@@ -59,12 +60,16 @@ def runs(log: Path) -> int:
 
 def copying(tmp_path: Path, library: kernels.KernelLibrary, pause: float = 0.0) -> tuple[str, Path]:
     """A compiler that 'builds' by copying the library already built (no real compile: fast)."""
-    return compiler(tmp_path, textwrap.dedent(f"""\
+    return compiler(
+        tmp_path,
+        textwrap.dedent(f"""\
         sleep {pause}
         out=""; prev=""
         for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
         cp {library.path} "$out"
-        """), "copy")
+        """),
+        "copy",
+    )
 
 
 def torch_runs(caplog, says: str) -> str:
@@ -192,13 +197,17 @@ def test_files_it_makes_are_not_writable_by_others_whatever_the_umask(fresh, lib
         assert not path.stat().st_mode & 0o022, path
 
 
-@pytest.mark.parametrize("system,machine,says", [
-    ("Linux", "aarch64", "this CPU (aarch64) has no vector path"),
-    ("Darwin", "arm64", "this CPU (arm64) has no vector path"),
-    ("Darwin", "x86_64", "is Apple clang, which has no OpenMP"),
-])
-def test_platforms_without_a_build_are_told_why_before_any_compile(fresh, caplog, monkeypatch, tmp_path, system,
-                                                                   machine, says):
+@pytest.mark.parametrize(
+    "system,machine,says",
+    [
+        ("Linux", "aarch64", "this CPU (aarch64) has no vector path"),
+        ("Darwin", "arm64", "this CPU (arm64) has no vector path"),
+        ("Darwin", "x86_64", "is Apple clang, which has no OpenMP"),
+    ],
+)
+def test_platforms_without_a_build_are_told_why_before_any_compile(
+    fresh, caplog, monkeypatch, tmp_path, system, machine, says
+):
     cxx, log = compiler(tmp_path, 'case "$1" in --version) echo "Apple clang version 15.0.0";; *) exit 1;; esac')
     monkeypatch.setenv("HFSPEC_CXX", cxx)
     monkeypatch.setattr(kernels.platform, "system", lambda: system)
@@ -208,14 +217,31 @@ def test_platforms_without_a_build_are_told_why_before_any_compile(fresh, caplog
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
-@pytest.mark.parametrize("flags", ["-mavx512f -mno-avx512bw -mno-avx512vl -mno-avx512dq", "-mavx2 -mfma -mno-avx512f",
-                                   "-mavx2 -mno-fma", "-mno-avx"])
+@pytest.mark.parametrize(
+    "flags",
+    ["-mavx512f -mno-avx512bw -mno-avx512vl -mno-avx512dq", "-mavx2 -mfma -mno-avx512f", "-mavx2 -mno-fma", "-mno-avx"],
+)
 def test_each_vector_path_uses_only_what_its_guard_names(flags, tmp_path):
     # A CPU with AVX-512F but not BW/VL (Xeon Phi), AVX2 with or without FMA, none: each builds what it defines.
     # -O0 is enough: an intrinsic the flags do not allow fails to inline at any level.
     for source in kernels.SOURCES:
-        proc = subprocess.run(["g++", "-O0", "-march=x86-64", *flags.split(), "-fopenmp", "-std=c++17", "-fPIC",
-                               "-c", "-o", str(tmp_path / "out.o"), str(source)], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                "g++",
+                "-O0",
+                "-march=x86-64",
+                *flags.split(),
+                "-fopenmp",
+                "-std=c++17",
+                "-fPIC",
+                "-c",
+                "-o",
+                str(tmp_path / "out.o"),
+                str(source),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, f"{source.name} with {flags}: {proc.stderr[-1500:]}"
 
 
@@ -235,11 +261,20 @@ print(report.isa, model[0].plan, out.sum().item(), flush=True)
 
 def test_two_processes_building_and_planning_at_once(fresh, library, tmp_path):
     cxx, log = copying(tmp_path, library, pause=1.0)  # the build takes long enough for the second to wait on it
-    env = {**os.environ, "HFSPEC_CACHE": str(fresh.cache), "HFSPEC_CXX": cxx, "PYTHONPATH": str(ROOT),
-           "HFSPEC_KERNEL_PLAN": "timed"}
+    env = {
+        **os.environ,
+        "HFSPEC_CACHE": str(fresh.cache),
+        "HFSPEC_CXX": cxx,
+        "PYTHONPATH": str(ROOT),
+        "HFSPEC_KERNEL_PLAN": "timed",
+    }
     script = "import logging; logging.basicConfig(level=logging.INFO)\n" + TWO_PROCESSES
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in results]
     outs = [out.strip() for out, _ in results]
@@ -252,6 +287,7 @@ def test_two_processes_building_and_planning_at_once(fresh, library, tmp_path):
 
 # -- kernels.linear checks what it is given ---------------------------------------------------------
 
+
 def test_a_column_slice_of_a_weight_gives_the_right_numbers(library):
     wide, x = torch.randn(12, 70), torch.randn(4, 30)
     w = wide[:, 20:50]  # rows 70 apart
@@ -259,18 +295,21 @@ def test_a_column_slice_of_a_weight_gives_the_right_numbers(library):
     assert torch.equal(kernels.linear(library, x, w), kernels.linear(library, x, w.contiguous()))
 
 
-@pytest.mark.parametrize("bad,error,says", [
-    (lambda x, w, b: (x.double(), w, b), TypeError, "float32 x"),
-    (lambda x, w, b: (x, w.half(), b), TypeError, "bfloat16 weight"),
-    (lambda x, w, b: (x, w, b.bfloat16()), TypeError, "bias"),
-    (lambda x, w, b: (x[:, :5], w, b), ValueError, "weight (N, K)"),
-    (lambda x, w, b: (x, w.t().contiguous().t(), b), ValueError, "unit stride"),
-    (lambda x, w, b: (x, w[:1].expand(6, -1), b), ValueError, "do not overlap"),
-    (lambda x, w, b: (x.t().contiguous().t(), w, b), ValueError, "unit stride"),
-    (lambda x, w, b: (x, w, b[:3]), ValueError, "bias of 6"),
-    (lambda x, w, b: (x, w, torch.randn(12)[::2]), ValueError, "contiguous bias"),
-    (lambda x, w, b: (x.to("meta"), w, b), ValueError, "CPU"),
-])
+@pytest.mark.parametrize(
+    "bad,error,says",
+    [
+        (lambda x, w, b: (x.double(), w, b), TypeError, "float32 x"),
+        (lambda x, w, b: (x, w.half(), b), TypeError, "bfloat16 weight"),
+        (lambda x, w, b: (x, w, b.bfloat16()), TypeError, "bias"),
+        (lambda x, w, b: (x[:, :5], w, b), ValueError, "weight (N, K)"),
+        (lambda x, w, b: (x, w.t().contiguous().t(), b), ValueError, "unit stride"),
+        (lambda x, w, b: (x, w[:1].expand(6, -1), b), ValueError, "do not overlap"),
+        (lambda x, w, b: (x.t().contiguous().t(), w, b), ValueError, "unit stride"),
+        (lambda x, w, b: (x, w, b[:3]), ValueError, "bias of 6"),
+        (lambda x, w, b: (x, w, torch.randn(12)[::2]), ValueError, "contiguous bias"),
+        (lambda x, w, b: (x.to("meta"), w, b), ValueError, "CPU"),
+    ],
+)
 def test_bad_arguments_are_refused_before_the_kernel_reads_them(library, bad, error, says):
     x, w, b = torch.randn(3, 8), torch.randn(6, 8), torch.randn(6)
     with pytest.raises(error, match=says.replace("(", r"\(").replace(")", r"\)")):

@@ -1,4 +1,5 @@
 """The kernel's block shapes: the same bits in every shape, and a plan chosen by timing, cached on disk."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,11 @@ def test_every_shape_gives_the_same_bits_for_every_row_count(library, dtype):
     w, b = torch.randn(37, 71, generator=g).to(dtype), torch.randn(37, generator=g)
     x = torch.randn(50, 71, generator=g)
     for m in [*range(1, 18), 23, 24, 25, 33, 49, 50]:
-        outs = [kernels.linear(library, x[:m], w, bias, (shape,)) for shape in range(len(library.shapes))
-                for bias in (None, b)]
+        outs = [
+            kernels.linear(library, x[:m], w, bias, (shape,))
+            for shape in range(len(library.shapes))
+            for bias in (None, b)
+        ]
         for i, out in enumerate(outs):
             assert torch.equal(out, outs[i % 2]), f"{m} rows, shape {i // 2}"
 
@@ -36,10 +40,12 @@ DEFAULT = (2, 0, 0, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 2, 2)  # 0..14 rows, the last 
 
 
 def test_choose_takes_a_faster_shape_only_beyond_the_margin():
-    best = {1: [1.0, 2.0, 2.0],            # the default already
-               3: [0.90, 1.2, 1.0],           # 10% faster than the default's 1.0: taken
-               5: [0.99, 1.1, 1.0],           # 1% faster: within the margin, the default stays
-               9: [1.00, 1.5, 0.80]}          # the default (1) loses to shape 2
+    best = {
+        1: [1.0, 2.0, 2.0],  # the default already
+        3: [0.90, 1.2, 1.0],  # 10% faster than the default's 1.0: taken
+        5: [0.99, 1.1, 1.0],  # 1% faster: within the margin, the default stays
+        9: [1.00, 1.5, 0.80],
+    }  # the default (1) loses to shape 2
     plan = kernel_plan.choose(DEFAULT, best)
     assert plan[1] == 0 and plan[3] == 0 and plan[5] == 2 and plan[9] == 2
     # Between timed counts the count below decides; past the last timed count, and for prompts, the default.
@@ -54,8 +60,7 @@ def test_choose_with_nothing_timed_is_the_default():
 def test_time_shapes_times_every_shape_at_every_row_count(library):
     layers = [nn.Linear(40, 24), nn.Linear(24, 40, bias=False)]
     ticks = iter(range(10**6))
-    best = kernel_plan.time_shapes(library, layers, rows=(1, 3), rounds=3, clock=lambda: next(ticks),
-                                      progress=False)
+    best = kernel_plan.time_shapes(library, layers, rows=(1, 3), rounds=3, clock=lambda: next(ticks), progress=False)
     assert set(best) == {1, 3}  # each layer's call takes one tick: a pass, two
     assert all(len(times) == len(library.shapes) and all(t == 2 for t in times) for times in best.values())
 
@@ -71,8 +76,15 @@ def test_a_shape_far_slower_than_the_fastest_is_timed_in_one_round_only(library)
             calls[plan[0]] += 1
             now[0] += (1.0, 1.5, kernel_plan.SLOWER + 1.0)[plan[0]]
 
-    best = kernel_plan.time_shapes(library, [Layer(8, 4)], rows=(1, 4), rounds=3, clock=lambda: now[0],
-                                      progress=False, shapes=[(1, 1, 0), (2, 2, 0), (3, 3, 0)])
+    best = kernel_plan.time_shapes(
+        library,
+        [Layer(8, 4)],
+        rows=(1, 4),
+        rounds=3,
+        clock=lambda: now[0],
+        progress=False,
+        shapes=[(1, 1, 0), (2, 2, 0), (3, 3, 0)],
+    )
     assert best == {1: [1.0, 1.5, kernel_plan.SLOWER + 1.0], 4: [1.0, 1.5, kernel_plan.SLOWER + 1.0]}
     assert calls == {0: 1 + 2 * 3, 1: 1 + 2 * 3, 2: 1 + 2 * 1}  # one warm-up; per row count 3 rounds, or 1
 
@@ -87,8 +99,9 @@ def test_a_round_stalled_by_another_process_does_not_count(library):
         def kernel_call(self, x, w, bias, plan):
             now[0] += 1.0 + next(stalls)
 
-    best = kernel_plan.time_shapes(library, [Layer(8, 4)], rows=(1,), rounds=3, clock=lambda: now[0],
-                                   progress=False, shapes=[(1, 1, 0)])
+    best = kernel_plan.time_shapes(
+        library, [Layer(8, 4)], rows=(1,), rounds=3, clock=lambda: now[0], progress=False, shapes=[(1, 1, 0)]
+    )
     assert best == {1: [1.0]}
 
 
@@ -131,10 +144,14 @@ def test_a_plan_is_timed_once_then_read_from_disk(library, tmp_path, monkeypatch
     assert kernel_plan.plan_path(lib, layers[:1], torch.get_num_threads()) != path
     path.write_text("{not json")
     monkeypatch.setattr(kernel_plan, "_PLANS", {})
-    monkeypatch.setattr(kernel_plan, "time_shapes", lambda *a, **k: {m: [1.0, 0.5] + [1.0] * (len(lib.shapes) - 2)
-                                                                       for m in kernel_plan.TUNED_ROWS})
-    assert kernel_plan.plan_for(lib, layers) == kernel_plan.choose(kernels.default_plan(lib), {
-        m: [1.0, 0.5] + [1.0] * (len(lib.shapes) - 2) for m in kernel_plan.TUNED_ROWS})
+    monkeypatch.setattr(
+        kernel_plan,
+        "time_shapes",
+        lambda *a, **k: {m: [1.0, 0.5] + [1.0] * (len(lib.shapes) - 2) for m in kernel_plan.TUNED_ROWS},
+    )
+    assert kernel_plan.plan_for(lib, layers) == kernel_plan.choose(
+        kernels.default_plan(lib), {m: [1.0, 0.5] + [1.0] * (len(lib.shapes) - 2) for m in kernel_plan.TUNED_ROWS}
+    )
 
 
 def test_accelerate_gives_every_layer_the_models_plan(library, tiny_pair):

@@ -1,4 +1,5 @@
 """hfspec's CPU linear kernel: equal to F.linear, row-invariant, exact in speculative decoding, and optional."""
+
 from __future__ import annotations
 
 import logging
@@ -43,11 +44,15 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(library, dtype):
     # Verification feeds k + 1 rows where decoding feeds one, a prompt many (the tiled path past 64 rows): the
     # kernel must not tell them apart.
     g = torch.Generator().manual_seed(1)
-    w, b, x = torch.randn(45, 71, generator=g).to(dtype), torch.randn(45, generator=g), torch.randn(100, 71, generator=g)
+    w, b, x = (
+        torch.randn(45, 71, generator=g).to(dtype),
+        torch.randn(45, generator=g),
+        torch.randn(100, 71, generator=g),
+    )
     for rows in (16, 100):
         together = kernels.linear(library, x[:rows], w, b)
         for i in range(rows):
-            assert torch.equal(kernels.linear(library, x[i:i + 1], w, b), together[i:i + 1]), f"row {i} of {rows}"
+            assert torch.equal(kernels.linear(library, x[i : i + 1], w, b), together[i : i + 1]), f"row {i} of {rows}"
 
 
 def test_strided_rows_and_a_bad_layout(library):
@@ -157,6 +162,7 @@ def test_switched_off_by_environment_and_bad_max_rows(monkeypatch):
 def test_every_row_count_runs_on_the_kernel_in_both_dtypes(library, monkeypatch):
     # Prompts too: a row's bits may not depend on how many rows share the call (tests/test_row_invariance.py).
     calls = []
+
     def counted(library, x, w, b=None, plan=None):
         calls.append(x.numel() // x.shape[-1])
         return F.linear(x, w.float(), b)

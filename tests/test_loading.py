@@ -1,4 +1,5 @@
 """Loading pairs by path, the tokenizer check, the usual loading mistakes, and presets."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ def foreign_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<pad>"
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
@@ -49,8 +51,9 @@ def test_from_pretrained_by_path_matches_target_greedy(model_dir, arch):
 
 
 def test_dtypes_apply_to_both_unless_the_draft_has_its_own(model_dir):
-    target, draft, _ = load_pair(model_dir("llama", seed=0), model_dir("llama", seed=1), dtype="bf16",
-                                 draft_dtype="float32")
+    target, draft, _ = load_pair(
+        model_dir("llama", seed=0), model_dir("llama", seed=1), dtype="bf16", draft_dtype="float32"
+    )
     assert target.dtype == torch.bfloat16 and draft.dtype == torch.float32
     target, draft, _ = load_pair(model_dir("llama", seed=0), model_dir("llama", seed=1), dtype=torch.float16)
     assert target.dtype == draft.dtype == torch.float16
@@ -156,6 +159,7 @@ def test_the_constructor_takes_the_shipped_names(monkeypatch, tiny_pair, model_d
 
 # -- presets --------------------------------------------------------------------------------------
 
+
 def test_every_shipped_preset_is_valid():
     names = preset_names()
     assert {"smollm2-offline", "smollm2-1.7b", "qwen2.5-7b", "llama-3.1-8b", "gpt2-xl", "pythia-6.9b"} <= set(names)
@@ -177,8 +181,12 @@ def write(path: Path, text: str) -> Path:
 
 
 def test_preset_by_path_with_sampling_defaults(tmp_path):
-    path = write(tmp_path / "p.json", json.dumps({"name": "p", "target": "t", "draft": "d", "gamma": 3,
-                                                 "do_sample": True, "temperature": 0.7, "top_p": 0.9}))
+    path = write(
+        tmp_path / "p.json",
+        json.dumps(
+            {"name": "p", "target": "t", "draft": "d", "gamma": 3, "do_sample": True, "temperature": 0.7, "top_p": 0.9}
+        ),
+    )
     preset = load_preset(path)
     assert isinstance(preset, Preset) and preset.gamma == 3 and preset.temperature == 0.7
     assert preset.source == str(path) and preset.load_kwargs() == {"dtype": "auto", "trust_remote_code": False}
@@ -188,10 +196,16 @@ def test_preset_by_path_with_sampling_defaults(tmp_path):
 
 @pytest.mark.parametrize("bits, want", [(4, {"draft_bits": 4}), (8, {"draft_bits": 8}), ("off", {"draft_bits": None})])
 def test_preset_sets_the_drafts_arithmetic_and_vocabulary(tmp_path, bits, want):
-    path = write(tmp_path / "p.json", json.dumps({"name": "p", "target": "t", "draft": "d", "draft_bits": bits,
-                                                 "draft_vocab": 32768}))
-    assert load_preset(path).load_kwargs() == {"dtype": "auto", "trust_remote_code": False, "draft_vocab": 32768,
-                                               **want}
+    path = write(
+        tmp_path / "p.json",
+        json.dumps({"name": "p", "target": "t", "draft": "d", "draft_bits": bits, "draft_vocab": 32768}),
+    )
+    assert load_preset(path).load_kwargs() == {
+        "dtype": "auto",
+        "trust_remote_code": False,
+        "draft_vocab": 32768,
+        **want,
+    }
 
 
 def test_preset_unknown_key_is_named_with_the_allowed_ones(tmp_path):
@@ -214,12 +228,23 @@ def test_preset_bad_json_names_file_and_line(tmp_path):
         load_preset(path)
 
 
-@pytest.mark.parametrize("key, value, rule", [
-    ("gamma", 0, ">= 1"), ("gamma", "4", "int"), ("chat", "yes", "bool"),
-    ("gamma", True, "int"), ("dtype", "fp8", "one of auto"), ("top_p", 1.5, r"in \(0, 1\]"),
-    ("temperature", -1, ">= 0"), ("target", " ", "non-empty"), ("draft_bits", 3, '4, 8 or "off"'),
-    ("draft_bits", "on", '4, 8 or "off"'), ("draft_vocab", 0, ">= 1"), ("draft_vocab", 1.5, "int"),
-])
+@pytest.mark.parametrize(
+    "key, value, rule",
+    [
+        ("gamma", 0, ">= 1"),
+        ("gamma", "4", "int"),
+        ("chat", "yes", "bool"),
+        ("gamma", True, "int"),
+        ("dtype", "fp8", "one of auto"),
+        ("top_p", 1.5, r"in \(0, 1\]"),
+        ("temperature", -1, ">= 0"),
+        ("target", " ", "non-empty"),
+        ("draft_bits", 3, '4, 8 or "off"'),
+        ("draft_bits", "on", '4, 8 or "off"'),
+        ("draft_vocab", 0, ">= 1"),
+        ("draft_vocab", 1.5, "int"),
+    ],
+)
 def test_preset_bad_values(tmp_path, key, value, rule):
     data = {"name": "p", "target": "t", "draft": "d", key: value}
     with pytest.raises(HfspecError, match=f"p.json: {key} must be .*{rule}"):

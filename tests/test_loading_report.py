@@ -6,6 +6,7 @@ tied lm_head (accepted: the head is the loaded embedding), and GGUF files. Last,
 heads whose layer config carries the attention fields speculators writes: a
 sliding-window layer is refused rather than run with full attention.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,15 @@ PROMPT = "w10 w11 w12"
 def classifier(tmp_path_factory) -> Path:
     """A BertForSequenceClassification checkpoint (with the tiny tokenizer): no LM head at all."""
     directory = tmp_path_factory.mktemp("bert-classifier")
-    config = AutoConfig.for_model("bert", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, pad_token_id=tiny.PAD)
+    config = AutoConfig.for_model(
+        "bert",
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        pad_token_id=tiny.PAD,
+    )
     torch.manual_seed(0)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(directory)
     tiny.save_tokenizer(tiny.make_tokenizer(64), directory)
@@ -101,8 +109,10 @@ def test_untied_lm_head_cut_from_the_checkpoint_is_refused(headless, model_dir):
 
 def test_cli_refuses_in_one_line(capsys, classifier, headless, model_dir):
     llama = str(model_dir("llama", seed=0))
-    for target, draft, bad in ((str(classifier), llama, "BertForSequenceClassification"),
-                               (llama, str(headless), "lm_head.weight")):
+    for target, draft, bad in (
+        (str(classifier), llama, "BertForSequenceClassification"),
+        (llama, str(headless), "lm_head.weight"),
+    ):
         capsys.readouterr()
         code = cli.main(["generate", PROMPT, "--target", target, "--draft", draft, "--max-new-tokens", "4"])
         err = capsys.readouterr().err.strip()
@@ -115,8 +125,7 @@ def test_tied_lm_head_is_accepted_and_exact(tied, model_dir):
     head, embedding = gen.target.get_output_embeddings().weight, gen.target.get_input_embeddings().weight
     assert head.data_ptr() == embedding.data_ptr()  # the head is the loaded embedding, not a random init
     ids = torch.tensor([[1, 10, 11, 12]])
-    reference = tiny.load(tied)[0].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                            do_sample=False)
+    reference = tiny.load(tied)[0].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     assert torch.equal(gen.generate(ids, max_new_tokens=8, gamma=3).sequences, reference)
 
 
@@ -130,6 +139,7 @@ def test_ordinary_pair_is_accepted_everywhere(capsys, model_dir):
 
 
 # -- GGUF -----------------------------------------------------------------------------------------
+
 
 def write_gguf(path: Path, *, skip: str | None = None, vocab: int = 64, hidden: int = 32, layers: int = 2) -> Path:
     """A tiny llama GGUF (float32, no output.weight, so its lm_head is tied); ``skip`` leaves one tensor out."""
@@ -149,11 +159,17 @@ def write_gguf(path: Path, *, skip: str | None = None, vocab: int = 64, hidden: 
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     kv = kv_heads * hidden // heads
     for i in range(layers):
-        shapes |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
-                   f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv, hidden),
-                   f"blk.{i}.attn_v.weight": (kv, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
-                   f"blk.{i}.ffn_gate.weight": (inter, hidden), f"blk.{i}.ffn_up.weight": (inter, hidden),
-                   f"blk.{i}.ffn_down.weight": (hidden, inter)}
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (hidden,),
+            f"blk.{i}.ffn_norm.weight": (hidden,),
+            f"blk.{i}.attn_q.weight": (hidden, hidden),
+            f"blk.{i}.attn_k.weight": (kv, hidden),
+            f"blk.{i}.attn_v.weight": (kv, hidden),
+            f"blk.{i}.attn_output.weight": (hidden, hidden),
+            f"blk.{i}.ffn_gate.weight": (inter, hidden),
+            f"blk.{i}.ffn_up.weight": (inter, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, inter),
+        }
     for name, shape in shapes.items():
         if name != skip:
             writer.add_tensor(name, (rng.standard_normal(shape) * 0.5).astype(np.float32))
@@ -166,8 +182,9 @@ def write_gguf(path: Path, *, skip: str | None = None, vocab: int = 64, hidden: 
 
 def test_gguf_target_still_loads(tmp_path, model_dir):
     write_gguf(tmp_path / "tiny.gguf")
-    target, draft, _ = load_pair(tmp_path, model_dir("llama", seed=1), gguf_file="tiny.gguf",
-                                 tokenizer=tiny.make_tokenizer(64))
+    target, draft, _ = load_pair(
+        tmp_path, model_dir("llama", seed=1), gguf_file="tiny.gguf", tokenizer=tiny.make_tokenizer(64)
+    )
     assert target.get_output_embeddings().weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
     ids = torch.tensor([[1, 10, 11, 12]])
     gen = SpeculativeGenerator(target, draft, tiny.make_tokenizer(64))
@@ -184,15 +201,27 @@ def test_gguf_missing_a_tensor_is_refused(tmp_path, model_dir):
 
 # -- EAGLE-3 heads as speculators' training CLI writes them ----------------------------------------
 
+
 def speculators_layer_head(tmp_path: Path, layer_types: list[str], window: int | None) -> Path:
     """A head saved by hfspec whose layer config then gets the attention fields speculators writes."""
     torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                   vocab_size=64, draft_vocab_size=64))
+    head = Eagle3Head(
+        Eagle3Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            draft_vocab_size=64,
+        )
+    )
     path = save_head(head, tmp_path / "head", dtype=torch.float32)
     conf = json.loads((path / "config.json").read_text())
-    conf["transformer_layer_config"] |= {"layer_types": layer_types, "sliding_window": window,
-                                         "use_sliding_window": window is not None}
+    conf["transformer_layer_config"] |= {
+        "layer_types": layer_types,
+        "sliding_window": window,
+        "use_sliding_window": window is not None,
+    }
     (path / "config.json").write_text(json.dumps(conf))
     return path
 

@@ -6,6 +6,7 @@ earlier outputs, proposal lengths. Losslessness: greedy output equals ``target.g
 first tokens matches the target's by chi-square, with negative controls that must fail.
 Plumbing: ``"ngram"`` and ``ngram=True`` through every entry point.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,6 +51,7 @@ def propose(drafter: NgramDrafter, rows: list[list[int]], gamma: int, **ctx) -> 
 
 # -- the index ------------------------------------------------------------------------------------
 
+
 def test_the_longest_suffix_match_wins_and_ties_go_to_the_most_recent():
     index = TokenIndex(key=2, max_match=32, candidates=64)
     index.extend([30, 11, 12, 13, 20, 21, 11, 12, 13, 22, 30, 11, 12, 13])
@@ -68,7 +70,7 @@ def test_extending_in_pieces_equals_extending_at_once():
     whole, pieces = TokenIndex(3, 32, 64), TokenIndex(3, 32, 64)
     whole.extend(seq)
     for start in range(0, len(seq), 7):
-        pieces.extend(seq[start: start + 7])
+        pieces.extend(seq[start : start + 7])
     assert pieces.tokens == whole.tokens and pieces.ends == whole.ends
     assert sum(map(len, whole.ends.values())) == len(seq) - 2  # one entry per n-gram, each indexed once
 
@@ -224,7 +226,8 @@ def test_the_hybrid_skips_the_draft_model_when_every_row_takes_the_lookup(tiny_p
 
 @pytest.mark.parametrize("profile", ["cheap", "dear", "model dear as the target"])
 def test_the_hybrid_under_auto_equals_target_greedy_and_pays_for_its_model_only_where_it_runs(
-        profile, tiny_pair, scripted_auto, monkeypatch):
+    profile, tiny_pair, scripted_auto, monkeypatch
+):
     target, draft, tok = tiny_pair("llama", vocab_size=16)
     gen = scripted_auto(SpeculativeGenerator(target, draft, tok, ngram=True), "cheap" if profile == "cheap" else "dear")
     if profile == "model dear as the target":
@@ -268,6 +271,7 @@ def test_earlier_outputs_are_learned_when_rows_finish(tiny_pair, monkeypatch):
 
 # -- the hybrid's rule ----------------------------------------------------------------------------
 
+
 def test_rates_follow_the_evidence():
     rate = Acceptance(prior=0.5, weight=2.0, decay=1.0)
     assert rate.expected(2) == pytest.approx(0.75)
@@ -306,8 +310,10 @@ SAMPLES = 3_000  # per prompt: one call of 6000 rows, half of them each prompt's
 
 def generators(pair):
     target, draft, tok = pair
-    return {"ngram": (SpeculativeGenerator(target, "ngram", tok), NGRAM_PROMPTS),
-            "hybrid": (SpeculativeGenerator(target, draft, tok, ngram=True), HYBRID_PROMPTS)}
+    return {
+        "ngram": (SpeculativeGenerator(target, "ngram", tok), NGRAM_PROMPTS),
+        "hybrid": (SpeculativeGenerator(target, draft, tok, ngram=True), HYBRID_PROMPTS),
+    }
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -323,11 +329,13 @@ def test_joint_of_first_tokens_matches_target(pair, kind, name):
 
 def accept_always(verify):
     """Verification that keeps every draft: the one-hot proposal taken as if it were the target's choice."""
+
     def wrong(drafts, q, p, generator=None, counts=None):
         real = sampling.draft_mask(drafts, counts)
         real = torch.ones_like(drafts, dtype=torch.bool) if real is None else real
         p_drafts = torch.where(real[..., None], q, p[:, :-1])  # then u * q <= p always holds
         return verify(drafts, q, torch.cat([p_drafts, p[:, -1:]], dim=1), generator, counts)
+
     return wrong
 
 
@@ -358,6 +366,7 @@ def test_the_drafts_really_disagree_with_the_target(pair, kind, monkeypatch):
 
 # -- plumbing -------------------------------------------------------------------------------------
 
+
 def test_ngram_by_name(model_dir):
     path = str(model_dir("llama", vocab_size=16, window=40))
     target, tok = tiny.load(path)
@@ -367,8 +376,9 @@ def test_ngram_by_name(model_dir):
         assert isinstance(gen.drafter, NgramDrafter) and gen.draft is None
         assert gen._context_window() == 40
         assert rows_of(gen.generate([ids], max_new_tokens=12, gamma=4))[0] == want
-    hybrid = SpeculativeGenerator.from_pretrained(path, str(model_dir("llama", vocab_size=16, window=40, seed=1)),
-                                                  ngram=True)
+    hybrid = SpeculativeGenerator.from_pretrained(
+        path, str(model_dir("llama", vocab_size=16, window=40, seed=1)), ngram=True
+    )
     assert isinstance(hybrid.drafter, HybridDrafter) and hybrid.draft is hybrid.drafter.main.model
     assert rows_of(hybrid.generate([ids], max_new_tokens=12, gamma=4))[0] == want
     with pytest.raises(ValueError, match="context window"):
@@ -385,8 +395,7 @@ def test_an_unknown_draft_name_is_a_clear_error(tiny_pair):
 def test_api_draft_ngram_and_the_hybrid(model_dir):
     target, draft = str(model_dir("llama", seed=0)), str(model_dir("llama", seed=1))
     reference = hfspec.generate("w10 w11 w10 w11", target=target, draft=draft, max_new_tokens=12)
-    text, stats = hfspec.generate("w10 w11 w10 w11", target=target, draft="ngram", max_new_tokens=12,
-                                  return_stats=True)
+    text, stats = hfspec.generate("w10 w11 w10 w11", target=target, draft="ngram", max_new_tokens=12, return_stats=True)
     assert text == reference and stats.draft_passes == 0
     assert hfspec.generate("w10 w11 w10 w11", target=target, draft=draft, ngram=True, max_new_tokens=12) == reference
     kinds = sorted(gen.drafter.kind for gen in api._PAIRS.values())
@@ -401,11 +410,26 @@ def test_cli_draft_ngram_and_the_ngram_flag(capsys, model_dir):
     assert cli.main(["generate", "--help"]) == 0
     assert "--ngram" in capsys.readouterr().out
     runs = {}
-    for name, flags in {"model": ["--draft", draft], "ngram": ["--draft", "ngram"],
-                        "hybrid": ["--draft", draft, "--ngram"]}.items():
+    for name, flags in {
+        "model": ["--draft", draft],
+        "ngram": ["--draft", "ngram"],
+        "hybrid": ["--draft", draft, "--ngram"],
+    }.items():
         capsys.readouterr()
-        code = cli.main(["generate", "w10 w11 w10 w11", "--target", target, *flags, "--max-new-tokens", "12",
-                         "--json", "--adaptive", "cost"])
+        code = cli.main(
+            [
+                "generate",
+                "w10 w11 w10 w11",
+                "--target",
+                target,
+                *flags,
+                "--max-new-tokens",
+                "12",
+                "--json",
+                "--adaptive",
+                "cost",
+            ]
+        )
         assert code == 0, capsys.readouterr().err
         runs[name] = json.loads(capsys.readouterr().out)
     assert runs["ngram"]["text"] == runs["model"]["text"] == runs["hybrid"]["text"]
@@ -430,6 +454,7 @@ def test_presets_name_ngram_and_the_hybrid(model_dir, tmp_path):
 
 
 # -- prompt sets ----------------------------------------------------------------------------------
+
 
 def read_jsonl(name: str) -> list[dict]:
     path = Path(hfspec.__file__).parent / "prompts" / name

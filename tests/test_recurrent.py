@@ -4,6 +4,7 @@ Tiny random models of each family (see tiny.recurrent_config). The rollback of a
 state is checked against a fresh forward at the cache level, for both the adapter and the
 generic path, then end to end: greedy output equals the target's own generate().
 """
+
 from __future__ import annotations
 
 import pytest
@@ -97,20 +98,31 @@ def rolled_back_logits(model, kv: KVState, past: int, keep: int) -> tuple[torch.
     the same logits from an uncached forward over everything kept)."""
     seq = prompt(past + 6, seed=7)
     if past:
-        forward(model, seq[:, :past], kv.extend_mask(torch.ones(1, past, dtype=torch.long)),
-                torch.arange(past)[None], kv.cache)
+        forward(
+            model,
+            seq[:, :past],
+            kv.extend_mask(torch.ones(1, past, dtype=torch.long)),
+            torch.arange(past)[None],
+            kv.cache,
+        )
     kv.snapshot()
     block = seq[:, past : past + 5]
     # A draft feeds one token per forward after its snapshot, a verification all of them at once.
     step = 1 if kv.serial else 5
     for s in range(0, 5, step):
-        forward(model, block[:, s : s + step], kv.extend_mask(torch.ones(1, step, dtype=torch.long)),
-                torch.arange(past + s, past + s + step)[None], kv.cache)
+        forward(
+            model,
+            block[:, s : s + step],
+            kv.extend_mask(torch.ones(1, step, dtype=torch.long)),
+            torch.arange(past + s, past + s + step)[None],
+            kv.cache,
+        )
     kv.rollback(torch.tensor([keep]), past, block)
     kv.check(torch.tensor([past + keep]), "model")
     nxt = seq[:, -1:]
-    got = forward(model, nxt, kv.extend_mask(torch.ones(1, 1, dtype=torch.long)), torch.tensor([[past + keep]]),
-                  kv.cache)[:, -1]
+    got = forward(
+        model, nxt, kv.extend_mask(torch.ones(1, 1, dtype=torch.long)), torch.tensor([[past + keep]]), kv.cache
+    )[:, -1]
     kept = torch.cat([seq[:, : past + keep], nxt], dim=1)
     want = model(kept, use_cache=False).logits[:, -1].float()
     return got, want
@@ -166,9 +178,14 @@ def test_recurrent_draft_keeps_the_target_exact(arch, load):
     assert_greedy_equal(target, draft, tok, f"llama target, {arch} draft", full=arch in FULL)
 
 
-@pytest.mark.parametrize("target_arch, draft_arch", [
-    ("falcon_h1", "mamba"), ("qwen3_next", "falcon_h1"), ("bamba", "jamba"),
-])
+@pytest.mark.parametrize(
+    "target_arch, draft_arch",
+    [
+        ("falcon_h1", "mamba"),
+        ("qwen3_next", "falcon_h1"),
+        ("bamba", "jamba"),
+    ],
+)
 def test_recurrent_target_with_recurrent_draft(target_arch, draft_arch, load):
     target, tok = load(target_arch)
     draft, _ = load(draft_arch, seed=1)
@@ -200,10 +217,12 @@ def test_a_mamba1_draft_catches_up_one_token_at_a_time(load, monkeypatch):
 
     monkeypatch.setattr(KVState, "extend_mask", extend_mask)
     ids = prompt(13)
-    out = SpeculativeGenerator(target, draft, tok).generate(ids, max_new_tokens=NEW, gamma=1, eos_token_id=[],
-                                                            suppress_tokens=suppress)
-    want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                           suppress_tokens=suppress)
+    out = SpeculativeGenerator(target, draft, tok).generate(
+        ids, max_new_tokens=NEW, gamma=1, eos_token_id=[], suppress_tokens=suppress
+    )
+    want = target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, suppress_tokens=suppress
+    )
     assert torch.equal(out.sequences, want)
     assert out.stats.accepted > 0, "no draft accepted: no catch-up of two tokens was exercised"
     assert widths[0] == 13 and set(widths[1:]) == {1}, "after the prompt, the mamba draft is fed one token at a time"
@@ -219,7 +238,7 @@ def test_ragged_batch_rows_equal_each_prompt_alone(model_dir):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(7, 16, (n,), generator=g).tolist() for n in lengths]
     eos = reference(target, torch.tensor([prompts[2]]), 8)[0, -3].item()  # makes row 2 stop early
-    want = [reference(target, torch.tensor([p]), 30)[0, len(p):] for p in prompts]
+    want = [reference(target, torch.tensor([p]), 30)[0, len(p) :] for p in prompts]
     want = [w[: (w == eos).nonzero()[0, 0] + 1] if (w == eos).any() else w for w in want]
     assert any(len(w) < 30 for w in want), "no row stops early; the test would not cover it"
     out = SpeculativeGenerator(target, draft, tok).generate(prompts, max_new_tokens=30, gamma=3, eos_token_id=eos)
@@ -250,10 +269,16 @@ def test_sampled_rows_share_one_generator(load):
 # -- sliding windows, prompts longer than the window ------------------------------------------------
 
 
-@pytest.mark.parametrize("arch, extra", [
-    ("mistral", {}), ("qwen2", {"use_sliding_window": True, "max_window_layers": 0}), ("gemma2", {}),
-    ("gemma3_text", {}), ("lfm3", {}),
-])
+@pytest.mark.parametrize(
+    "arch, extra",
+    [
+        ("mistral", {}),
+        ("qwen2", {"use_sliding_window": True, "max_window_layers": 0}),
+        ("gemma2", {}),
+        ("gemma3_text", {}),
+        ("lfm3", {}),
+    ],
+)
 def test_sliding_window_with_prompts_longer_than_the_window(arch, extra, load):
     target, tok = load(arch, sliding_window=4, **extra)
     assert target.config.sliding_window == 4
@@ -287,11 +312,18 @@ def test_state_kept_inside_modules_is_refused(role, load):
         SpeculativeGenerator(*pair, tok)
 
 
-@pytest.mark.parametrize("arch, sizes", [
-    ("rwkv", dict(hidden_size=16, num_hidden_layers=2, attention_hidden_size=16, intermediate_size=32,
-                  context_length=64)),
-    ("xlstm", dict(hidden_size=32, num_hidden_layers=2, num_heads=4)),
-])
+@pytest.mark.parametrize(
+    "arch, sizes",
+    [
+        (
+            "rwkv",
+            dict(
+                hidden_size=16, num_hidden_layers=2, attention_hidden_size=16, intermediate_size=32, context_length=64
+            ),
+        ),
+        ("xlstm", dict(hidden_size=32, num_hidden_layers=2, num_heads=4)),
+    ],
+)
 def test_state_outside_the_cache_is_refused(arch, sizes):
     target = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, vocab_size=V, **sizes))
     with pytest.raises(HfspecError, match=rf"target \({arch}\) keeps its recurrent state outside transformers' Cache"):

@@ -7,6 +7,7 @@ time, so each sample is its own generate call and the sample count is smaller (t
 control, a state restored but not replayed, is still far outside). Three tokens at γ = 2 put
 steps that follow a rollback (keeping one or two columns) inside the joint.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -7,6 +7,7 @@ The models have sizes off the vector widths (head dim 10, MLP width 1100: tails 
 torch's parallel grain), in float32 and bfloat16, on one thread and on two. The negative controls show the harness
 finding what torch's own attention, activations and Conv1D do with the row count.
 """
+
 from __future__ import annotations
 
 import random
@@ -24,10 +25,10 @@ SLIDING = dict(sliding_window=6)
 ARCHS = {
     "llama": {},
     "qwen2": dict(SLIDING, use_sliding_window=True, max_window_layers=0),  # biases on q, k, v; a sliding window
-    "gpt_neox": {},        # the erf GELU, LayerNorm, partial rotary
-    "gpt2": {},            # Conv1D layers, the tanh GELU built from torch ops
-    "gemma2": SLIDING,     # eager attention with soft-capping, the tanh GELU, a sliding window
-    "mistral": SLIDING,    # a sliding window counted in cache columns
+    "gpt_neox": {},  # the erf GELU, LayerNorm, partial rotary
+    "gpt2": {},  # Conv1D layers, the tanh GELU built from torch ops
+    "gemma2": SLIDING,  # eager attention with soft-capping, the tanh GELU, a sliding window
+    "mistral": SLIDING,  # a sliding window counted in cache columns
 }
 
 
@@ -58,14 +59,16 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("arch, dtype, threads", CASES, indirect=["threads"],
-                         ids=[f"{a}-{str(d)[6:]}-{t}t" for a, d, t in CASES])
+@pytest.mark.parametrize(
+    "arch, dtype, threads", CASES, indirect=["threads"], ids=[f"{a}-{str(d)[6:]}-{t}t" for a, d, t in CASES]
+)
 def test_every_schedule_gives_every_row_the_decoding_steps_bits(library, arch, dtype, threads):
     model = model_of(arch, dtype)
     report = fast.accelerate(model)
     assert report.attention and report.reason is None
-    assert invariance.report(model, IDS, other=OTHER) == {name: None for name in invariance.schedules(
-        model, IDS, other=OTHER) if name != "decode"}
+    assert invariance.report(model, IDS, other=OTHER) == {
+        name: None for name in invariance.schedules(model, IDS, other=OTHER) if name != "decode"
+    }
 
 
 def differing(report: dict) -> set[str]:

@@ -1,4 +1,5 @@
 """The acceptance math alone, on hand-made distributions."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,17 +14,21 @@ V, GAMMA, N = 6, 3, 200_000
 
 def fixed_pq():
     """Target and draft distributions per position that differ a lot (so bugs show)."""
-    p = torch.tensor([
-        [0.40, 0.25, 0.15, 0.10, 0.06, 0.04],
-        [0.05, 0.05, 0.30, 0.30, 0.20, 0.10],
-        [0.50, 0.00, 0.20, 0.10, 0.10, 0.10],
-        [0.10, 0.20, 0.30, 0.20, 0.10, 0.10],
-    ])
-    q = torch.tensor([
-        [0.10, 0.40, 0.30, 0.05, 0.05, 0.10],
-        [0.30, 0.05, 0.05, 0.40, 0.10, 0.10],
-        [0.20, 0.30, 0.20, 0.10, 0.10, 0.10],
-    ])
+    p = torch.tensor(
+        [
+            [0.40, 0.25, 0.15, 0.10, 0.06, 0.04],
+            [0.05, 0.05, 0.30, 0.30, 0.20, 0.10],
+            [0.50, 0.00, 0.20, 0.10, 0.10, 0.10],
+            [0.10, 0.20, 0.30, 0.20, 0.10, 0.10],
+        ]
+    )
+    q = torch.tensor(
+        [
+            [0.10, 0.40, 0.30, 0.05, 0.05, 0.10],
+            [0.30, 0.05, 0.05, 0.40, 0.10, 0.10],
+            [0.20, 0.30, 0.20, 0.10, 0.10, 0.10],
+        ]
+    )
     return p, q
 
 
@@ -163,8 +168,12 @@ def test_processors_follow_transformers_order_and_skip_warpers_when_greedy():
 
     conf = GenerationConfig(do_sample=True, temperature=0.5, top_k=3, top_p=0.9, repetition_penalty=1.3)
     names = [type(x).__name__ for x in sampling.build_processors(conf)]
-    assert names == ["RepetitionPenaltyLogitsProcessor", "TemperatureLogitsWarper", "TopKLogitsWarper",
-                     "TopPLogitsWarper"]
+    assert names == [
+        "RepetitionPenaltyLogitsProcessor",
+        "TemperatureLogitsWarper",
+        "TopKLogitsWarper",
+        "TopPLogitsWarper",
+    ]
     conf.do_sample = False
     assert [type(x).__name__ for x in sampling.build_processors(conf)] == ["RepetitionPenaltyLogitsProcessor"]
 

@@ -1,4 +1,5 @@
 """Draft trees: the pure tree math, exactness at any temperature, greedy identity, caches and refusals."""
+
 from __future__ import annotations
 
 import itertools
@@ -103,15 +104,15 @@ def test_multi_draft_acceptance_is_exact_and_the_negative_control_fails():
 def test_expand_draws_children_without_replacement_and_marks_empty_slots():
     q = torch.zeros(2, 1, V)
     q[:, 0, :2] = 0.5  # two tokens possible: a third child is padding
-    frontier, tokens, cum, real = tree.expand(torch.ones(2, 1), torch.ones(2, 1, dtype=torch.bool), q, 3, True,
-                                              torch.Generator().manual_seed(0))
+    frontier, tokens, cum, real = tree.expand(
+        torch.ones(2, 1), torch.ones(2, 1, dtype=torch.bool), q, 3, True, torch.Generator().manual_seed(0)
+    )
     assert frontier.tolist() == [[0, 0, 0]] * 2 and real.tolist() == [[True, True, False]] * 2
     assert sorted(tokens[0, :2].tolist()) == [0, 1] and torch.allclose(cum[:, :2], torch.full((2, 2), 0.5))
     # greedy: the best slots across the frontier by cumulative probability
     q = torch.zeros(1, 2, V)
     q[0, 0, 3], q[0, 0, 4], q[0, 1, 5], q[0, 1, 6] = 0.6, 0.4, 0.9, 0.1
-    frontier, tokens, cum, _ = tree.expand(torch.tensor([[0.5, 0.4]]), torch.ones(1, 2, dtype=torch.bool), q, 3,
-                                           False)
+    frontier, tokens, cum, _ = tree.expand(torch.tensor([[0.5, 0.4]]), torch.ones(1, 2, dtype=torch.bool), q, 3, False)
     assert frontier.tolist() == [[0, 0, 1]] and tokens.tolist() == [[3, 4, 5]]
     assert torch.allclose(cum, torch.tensor([[0.3, 0.2, 0.36]]))
 
@@ -148,8 +149,9 @@ def pair(model_dir):
     return tree_pair(model_dir)
 
 
-def tree_pvalue(gen: SpeculativeGenerator, settings: dict, nodes: int, seed: int,
-                prompt: list[int] = PROMPT, samples: int = SAMPLES) -> tuple[float, list[int]]:
+def tree_pvalue(
+    gen: SpeculativeGenerator, settings: dict, nodes: int, seed: int, prompt: list[int] = PROMPT, samples: int = SAMPLES
+) -> tuple[float, list[int]]:
     """The chi-square p-value of ``samples`` rows' first NEW tokens drawn with trees of ``nodes`` against the
     target's exact joint, and the steps by accepted depth."""
     g = torch.Generator().manual_seed(seed)
@@ -188,16 +190,22 @@ def test_negative_control_tree_without_the_residual_update_is_detected(pair, mon
 
 # -- greedy: identical to the target's own generate() ----------------------------------------------
 
+
 def reference(model, ids: list[int], new: int) -> list[int]:
     x = torch.tensor([ids])
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
-@pytest.mark.parametrize("arch, extra", [
-    ("llama", {}), ("gpt2", {}), ("qwen2", {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 0}),
-    ("gemma2", {"sliding_window": 4}),
-])
+@pytest.mark.parametrize(
+    "arch, extra",
+    [
+        ("llama", {}),
+        ("gpt2", {}),
+        ("qwen2", {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 0}),
+        ("gemma2", {"sliding_window": 4}),
+    ],
+)
 def test_greedy_trees_equal_target_greedy_on_ragged_batches(arch, extra, model_dir):
     common = dict(vocab_size=64, eos=None, **extra)
     target, tok = tiny.load(model_dir(arch, seed=0, **common))
@@ -210,8 +218,9 @@ def test_greedy_trees_equal_target_greedy_on_ragged_batches(arch, extra, model_d
         got = [row[-24:] for row in out.sequences.tolist()]
         assert got == want, (arch, nodes)
         if nodes:
-            assert out.stats.tree_nodes > 0 and len(out.stats.depth_histogram) > min(nodes, 2), \
+            assert out.stats.tree_nodes > 0 and len(out.stats.depth_histogram) > min(nodes, 2), (
                 out.stats.depth_histogram
+            )
 
 
 def test_the_cache_check_catches_a_path_gathered_wrong(tiny_pair, monkeypatch):
@@ -245,7 +254,7 @@ def test_eos_on_an_accepted_path_ends_the_row(tiny_pair):
         assert torch.equal(got.sequences, want)
         if got.stats.rows[0].stop_reason == "eos":
             stopped += 1
-            new = got.sequences[0, ids.shape[1]:]
+            new = got.sequences[0, ids.shape[1] :]
             assert new[-1].item() == tiny.EOS and bool((new[:-1] != tiny.EOS).all())
     assert stopped > 0, "no prompt produced an EOS; the test would prove nothing"
 
@@ -260,6 +269,7 @@ def test_tree_of_one_node_per_level_is_the_chain(tiny_pair):
 
 
 # -- refusals ---------------------------------------------------------------------------------------
+
 
 def test_recurrent_target_refuses_trees_and_still_runs_chains(model_dir):
     target, tok = tiny.load(model_dir("falcon_h1", vocab_size=64))
@@ -277,8 +287,14 @@ def test_sliding_window_without_a_mask_per_layer_type_is_refused(model_dir):
         gen.generate([[5, 6, 7]], max_new_tokens=4, tree=8)
 
 
-@pytest.mark.parametrize("bad, message", [({"tree": -1}, "node budget"), ({"tree": 2.5}, "node budget"),
-                                          ({"tree": 4, "repetition_penalty": 1.3}, "reads the text so far")])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"tree": -1}, "node budget"),
+        ({"tree": 2.5}, "node budget"),
+        ({"tree": 4, "repetition_penalty": 1.3}, "reads the text so far"),
+    ],
+)
 def test_bad_tree_settings_are_refused(tiny_pair, bad, message):
     target, draft, tok = tiny_pair("llama")
     with pytest.raises(HfspecError, match=message):
@@ -317,8 +333,9 @@ def test_auto_trees_sample_with_the_invariants_kept(tiny_pair):
     target, draft, tok = tiny_pair("llama")
     gen = SpeculativeGenerator(target, target, tok)  # the target as its own draft: every guess is worth a tree
     gen.tuning.costs = flat_costs()
-    out = gen.generate([[5, 6, 7], [9, 8]], max_new_tokens=16, gamma="auto", tree="auto", do_sample=True,
-                       temperature=0.8, seed=0)  # the caches' invariants are checked after every step
+    out = gen.generate(
+        [[5, 6, 7], [9, 8]], max_new_tokens=16, gamma="auto", tree="auto", do_sample=True, temperature=0.8, seed=0
+    )  # the caches' invariants are checked after every step
     assert out.stats.tree_nodes > 0
     assert all(r.committed == 16 or r.stop_reason == "eos" for r in out.stats.rows), out.stats.rows
     assert sum(out.stats.depth_histogram[2:]) > 0, "a perfect drafter's trees are kept two deep and more"
@@ -344,6 +361,7 @@ def test_every_tree_shape_fits_its_budget():
 
 
 # -- n-gram trees -----------------------------------------------------------------------------------
+
 
 def test_trie_keeps_the_most_frequent_prefixes_parents_first():
     nodes = ngram.trie([[3, 4], [3, 4], [3, 5], [6]], 4, 0.0)
@@ -395,8 +413,11 @@ def test_lookup_tree_samples_match_the_target(pair, kind, residual, monkeypatch)
     if residual == "control":
         monkeypatch.setattr(sampling, "residual", lambda p, q: p)
     settings = {"temperature": 0.7, "top_k": 5}
-    gen = SpeculativeGenerator(target, "ngram", tok) if kind == "ngram" else \
-        SpeculativeGenerator(target, draft, tok, ngram=True)
+    gen = (
+        SpeculativeGenerator(target, "ngram", tok)
+        if kind == "ngram"
+        else SpeculativeGenerator(target, draft, tok, ngram=True)
+    )
     pv, depths = tree_pvalue(gen, settings, 6 if kind == "ngram" else 8, 4, NGRAM_PROMPT)
     assert depths[0] > 0 and len(depths) > 1, depths
     assert (pv > ALPHA) if residual == "exact" else (pv < ALPHA), pv
@@ -404,12 +425,26 @@ def test_lookup_tree_samples_match_the_target(pair, kind, residual, monkeypatch)
 
 # -- the surface ------------------------------------------------------------------------------------
 
+
 @pytest.mark.usefixtures("fresh_api_cache")
 def test_cli_tree_prints_the_api_text_and_the_tree_counts(capsys, model_dir):
     target, draft = str(model_dir("llama", seed=0)), str(model_dir("llama", seed=0, perturb=0.3))
     capsys.readouterr()
-    code = cli.main(["generate", "w10 w11 w12", "--target", target, "--draft", draft, "--max-new-tokens", "12",
-                     "--tree", "6", "--stats"])
+    code = cli.main(
+        [
+            "generate",
+            "w10 w11 w12",
+            "--target",
+            target,
+            "--draft",
+            draft,
+            "--max-new-tokens",
+            "12",
+            "--tree",
+            "6",
+            "--stats",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0 and out == api.generate("w10 w11 w12", target=target, draft=draft, max_new_tokens=12) + "\n"
     assert "tree nodes verified" in err and "steps by accepted depth" in err
@@ -419,6 +454,7 @@ def test_cli_tree_prints_the_api_text_and_the_tree_counts(capsys, model_dir):
 
 
 # -- EAGLE-3 trees ----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def eagle_target(model_dir):
@@ -451,6 +487,7 @@ def test_eagle3_tree_samples_match_the_target(model_dir, residual, monkeypatch):
 
 # -- hybrid trees -----------------------------------------------------------------------------------
 
+
 def test_graft_adds_lookup_paths_under_the_matching_nodes_once():
     main = TreeProposal(TOKENS, PARENTS, real=torch.tensor([[True, True, True, True, False]]))
     # lookup paths: 4 6 (already there), 4 8 (new, under node 0), 5 6 (node 4 is padding: new), 3 (new root child)
@@ -463,8 +500,11 @@ def test_graft_adds_lookup_paths_under_the_matching_nodes_once():
 @pytest.mark.parametrize("head", [False, True])
 def test_hybrid_trees_equal_target_greedy(eagle_target, head, model_dir):
     target, tok = eagle_target
-    main = Eagle3Drafter(eh.random_head(target, list(range(3, 43)), seed=3), target) if head else \
-        tiny.load(model_dir("llama", vocab_size=64, layers=8, hidden=32, seed=0, sharpness=8.0, perturb=0.5))[0]
+    main = (
+        Eagle3Drafter(eh.random_head(target, list(range(3, 43)), seed=3), target)
+        if head
+        else tiny.load(model_dir("llama", vocab_size=64, layers=8, hidden=32, seed=0, sharpness=8.0, perturb=0.5))[0]
+    )
     gen = SpeculativeGenerator(target, main, tok, ngram=True)
     prompts = [[5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6], list(range(5, 17)), [9, 30, 31]]
     want = [reference(target, p, 24) for p in prompts]
@@ -473,12 +513,18 @@ def test_hybrid_trees_equal_target_greedy(eagle_target, head, model_dir):
     assert out.stats.tree_nodes > 0 and out.stats.accepted > 0
 
 
-
 # -- the probe: a target whose attention misreads the tree never verifies one ---------------------------------
 
-@pytest.mark.parametrize("arch, extra", [
-    ("llama", {}), ("gpt2", {}), ("qwen2", {}), ("gemma2", {"sliding_window": 4}),
-])
+
+@pytest.mark.parametrize(
+    "arch, extra",
+    [
+        ("llama", {}),
+        ("gpt2", {}),
+        ("qwen2", {}),
+        ("gemma2", {"sliding_window": 4}),
+    ],
+)
 def test_the_tree_probe_passes_targets_that_read_trees(arch, extra, model_dir):
     target, _ = tiny.load(model_dir(arch, seed=0, vocab_size=64, eos=None, **extra))
     assert tree_probe.reads_trees(target)
@@ -486,8 +532,9 @@ def test_the_tree_probe_passes_targets_that_read_trees(arch, extra, model_dir):
 
 def test_the_tree_probe_catches_a_mask_that_lets_siblings_see_each_other(model_dir, monkeypatch):
     target, _ = tiny.load(model_dir("llama", seed=0, vocab_size=64, eos=None))
-    monkeypatch.setattr(cache, "tree_attention", lambda model, full, sliding=None: models.tree_attention(
-        model, torch.ones_like(full)))  # every node sees every node: the attention a careless model would use
+    monkeypatch.setattr(
+        cache, "tree_attention", lambda model, full, sliding=None: models.tree_attention(model, torch.ones_like(full))
+    )  # every node sees every node: the attention a careless model would use
     assert not tree_probe.reads_trees(target)
 
 

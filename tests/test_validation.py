@@ -1,4 +1,5 @@
 """Bad input gets a clear error naming the problem and the fix; faults in the loop are caught."""
+
 from __future__ import annotations
 
 import math
@@ -21,24 +22,27 @@ def gen(model_dir):
 PROMPT = [[7, 8, 9]]
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    ({"gamma": 0}, ValueError, "gamma"),
-    ({"gamma": -2}, ValueError, "gamma"),
-    ({"gamma": 1.5}, TypeError, "gamma"),
-    ({"gamma": True}, TypeError, "gamma"),
-    ({"max_new_tokens": -1}, ValueError, "max_new_tokens"),
-    ({"max_new_tokens": 2.0}, TypeError, "max_new_tokens"),
-    ({"max_new_tokens": "5"}, TypeError, "max_new_tokens"),
-    ({"temperature": -0.5}, ValueError, "temperature"),
-    ({"temperature": math.nan}, ValueError, "temperature"),
-    ({"top_p": 0.0}, ValueError, "top_p"),
-    ({"top_p": 1.5}, ValueError, "top_p"),
-    ({"top_k": -1}, ValueError, "top_k"),
-    ({"repetition_penalty": 0.0}, ValueError, "repetition_penalty"),
-    ({"generation_config": GenerationConfig(num_beams=4)}, ValueError, "num_beams"),
-    ({"generation_config": {"top_k": 3}}, TypeError, "GenerationConfig"),
-    ({"on_context_limit": "wrap"}, ValueError, "on_context_limit"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"gamma": 0}, ValueError, "gamma"),
+        ({"gamma": -2}, ValueError, "gamma"),
+        ({"gamma": 1.5}, TypeError, "gamma"),
+        ({"gamma": True}, TypeError, "gamma"),
+        ({"max_new_tokens": -1}, ValueError, "max_new_tokens"),
+        ({"max_new_tokens": 2.0}, TypeError, "max_new_tokens"),
+        ({"max_new_tokens": "5"}, TypeError, "max_new_tokens"),
+        ({"temperature": -0.5}, ValueError, "temperature"),
+        ({"temperature": math.nan}, ValueError, "temperature"),
+        ({"top_p": 0.0}, ValueError, "top_p"),
+        ({"top_p": 1.5}, ValueError, "top_p"),
+        ({"top_k": -1}, ValueError, "top_k"),
+        ({"repetition_penalty": 0.0}, ValueError, "repetition_penalty"),
+        ({"generation_config": GenerationConfig(num_beams=4)}, ValueError, "num_beams"),
+        ({"generation_config": {"top_k": 3}}, TypeError, "GenerationConfig"),
+        ({"on_context_limit": "wrap"}, ValueError, "on_context_limit"),
+    ],
+)
 def test_bad_settings_raise_clear_errors(gen, kwargs, error, words):
     settings = {"max_new_tokens": 4, **kwargs}
     with pytest.raises(error, match=words):
@@ -50,17 +54,20 @@ def test_max_new_tokens_is_required(gen):
         gen.generate(PROMPT)
 
 
-@pytest.mark.parametrize("input_ids, mask, error, words", [
-    (None, None, ValueError, "input_ids is required"),
-    ("w7 w8", None, TypeError, "hfspec.generate"),
-    ([torch.tensor([7, 8]), [9]], None, TypeError, "mixes tensors and lists"),
-    ([[7, 8], [9]], torch.ones(2, 2), ValueError, "drop attention_mask"),
-    (torch.tensor([[7, 8, 99]]), None, ValueError, "outside the vocabulary"),
-    (torch.tensor([[7, -1]]), None, ValueError, "outside the vocabulary"),
-    (torch.tensor([[7, 8, 9]]), torch.ones(1, 2), ValueError, "attention_mask has shape"),
-    (torch.tensor([[7.0, 8.0]]), None, TypeError, "integer token ids"),
-    ([], None, ValueError, "no prompts"),
-])
+@pytest.mark.parametrize(
+    "input_ids, mask, error, words",
+    [
+        (None, None, ValueError, "input_ids is required"),
+        ("w7 w8", None, TypeError, "hfspec.generate"),
+        ([torch.tensor([7, 8]), [9]], None, TypeError, "mixes tensors and lists"),
+        ([[7, 8], [9]], torch.ones(2, 2), ValueError, "drop attention_mask"),
+        (torch.tensor([[7, 8, 99]]), None, ValueError, "outside the vocabulary"),
+        (torch.tensor([[7, -1]]), None, ValueError, "outside the vocabulary"),
+        (torch.tensor([[7, 8, 9]]), torch.ones(1, 2), ValueError, "attention_mask has shape"),
+        (torch.tensor([[7.0, 8.0]]), None, TypeError, "integer token ids"),
+        ([], None, ValueError, "no prompts"),
+    ],
+)
 def test_bad_prompts_raise_clear_errors(gen, input_ids, mask, error, words):
     with pytest.raises(error, match=words):
         gen.generate(input_ids, mask, max_new_tokens=4)
@@ -98,8 +105,9 @@ def test_models_that_are_not_causal_lms(gen):
         SpeculativeGenerator(gen.target, torch.nn.Linear(2, 2))
     from transformers import BertConfig, BertModel
 
-    bert = BertModel(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                intermediate_size=16))
+    bert = BertModel(
+        BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    )
     with pytest.raises(TypeError, match="not a causal language model"):
         SpeculativeGenerator(gen.target, bert)
 
@@ -184,8 +192,7 @@ def test_streamer_sees_every_committed_token_before_an_interrupt(gen):
 
 
 def test_stats_are_consistent(gen):
-    out = gen.generate([[7, 8], [9, 10, 11]], max_new_tokens=25, gamma=3, do_sample=True, seed=0,
-                       eos_token_id=[])
+    out = gen.generate([[7, 8], [9, 10, 11]], max_new_tokens=25, gamma=3, do_sample=True, seed=0, eos_token_id=[])
     s = out.stats
     assert s.committed == 50
     assert all(r.committed == r.accepted + r.target_passes for r in s.rows)

@@ -4,6 +4,7 @@
 warpers followed by a float32 softmax, in ``build_processors``' order; ``sample`` must draw
 from the given distribution (chi-square, with a negative control) and repeat per seed.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -68,8 +69,10 @@ def processors_for(**settings) -> LogitsProcessorList:
 
 def assert_same(processors: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:
     want, got = reference(processors, logits), fast(processors, logits)
-    assert torch.equal(got, want), (f"support differs in {int(((got > 0) != (want > 0)).sum())} tokens, "
-                                    f"largest difference {float((got - want).abs().max()):.3g}")
+    assert torch.equal(got, want), (
+        f"support differs in {int(((got > 0) != (want > 0)).sum())} tokens, "
+        f"largest difference {float((got - want).abs().max()):.3g}"
+    )
     return want
 
 
@@ -78,8 +81,9 @@ def fallbacks(monkeypatch):
     """Counts the rows that go through transformers' TopPLogitsWarper."""
     rows = []
     call = TopPLogitsWarper.__call__
-    monkeypatch.setattr(TopPLogitsWarper, "__call__", lambda self, ids, scores: rows.append(len(scores))
-                        or call(self, ids, scores))
+    monkeypatch.setattr(
+        TopPLogitsWarper, "__call__", lambda self, ids, scores: rows.append(len(scores)) or call(self, ids, scores)
+    )
     return rows
 
 
@@ -189,8 +193,9 @@ def test_batched_rows_equal_rows_one_at_a_time():
 
 
 def test_split_keeps_context_processors_in_the_head():
-    processors = sampling.build_processors(GenerationConfig(do_sample=True, repetition_penalty=1.3, temperature=0.7,
-                                                            top_k=20, top_p=0.9, min_p=0.01))
+    processors = sampling.build_processors(
+        GenerationConfig(do_sample=True, repetition_penalty=1.3, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)
+    )
     head, warpers = sampling.split_processors(processors)
     assert [type(p) for p in head] == [RepetitionPenaltyLogitsProcessor]
     assert warpers == sampling.Warpers(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)
@@ -203,12 +208,15 @@ class ShiftedTemperature(TemperatureLogitsWarper):
         return super().__call__(input_ids, scores) + 1.0
 
 
-@pytest.mark.parametrize("odd", [
-    [TopPLogitsWarper(0.9), TemperatureLogitsWarper(0.7)],  # out of transformers' order
-    [TopKLogitsWarper(5, filter_value=-1e4)],  # another filter value
-    [MinPLogitsWarper(0.1, min_tokens_to_keep=3)],
-    [ShiftedTemperature(0.7)],  # a subclass may compute something else
-])
+@pytest.mark.parametrize(
+    "odd",
+    [
+        [TopPLogitsWarper(0.9), TemperatureLogitsWarper(0.7)],  # out of transformers' order
+        [TopKLogitsWarper(5, filter_value=-1e4)],  # another filter value
+        [MinPLogitsWarper(0.1, min_tokens_to_keep=3)],
+        [ShiftedTemperature(0.7)],  # a subclass may compute something else
+    ],
+)
 def test_split_leaves_what_it_does_not_reproduce_to_transformers(odd):
     processors = LogitsProcessorList(odd)
     head, warpers = sampling.split_processors(processors)
@@ -220,8 +228,9 @@ def test_split_leaves_what_it_does_not_reproduce_to_transformers(odd):
 
 
 def test_user_warper_before_the_sampling_warpers():
-    processors = sampling.build_processors(GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9),
-                                           extra=[TopKLogitsWarper(3)])
+    processors = sampling.build_processors(
+        GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9), extra=[TopKLogitsWarper(3)]
+    )
     head, warpers = sampling.split_processors(processors)
     assert len(head) == 1 and warpers == sampling.Warpers(temperature=0.7, top_p=0.9)
 
@@ -236,8 +245,9 @@ def test_checked_equals_per_position_reference(penalty, lengths):
     g = torch.Generator().manual_seed(10)
     tokens = torch.randint(0, vocab, (3, 12), generator=g)
     logits = torch.randn(3, k, vocab, generator=g) * 3
-    processors = sampling.build_processors(GenerationConfig(do_sample=True, repetition_penalty=penalty,
-                                                            temperature=0.7, top_p=0.9))
+    processors = sampling.build_processors(
+        GenerationConfig(do_sample=True, repetition_penalty=penalty, temperature=0.7, top_p=0.9)
+    )
     probs = Scoring(processors, sample=True).checked(logits, tokens, torch.tensor(lengths), 0, "target", 1)
     for b, length in enumerate(lengths):
         for i in range(k):
@@ -295,8 +305,9 @@ def test_sample_refuses_rows_without_mass(row):
         sampling.sample(torch.tensor([row]))
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=0.0), dict(top_k=0), dict(top_p=1.5), dict(min_p=-0.1),
-                                 dict(top_p_keep=0)])
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=0.0), dict(top_k=0), dict(top_p=1.5), dict(min_p=-0.1), dict(top_p_keep=0)]
+)
 def test_warpers_refuse_settings_transformers_refuses(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         sampling.Warpers(**bad)

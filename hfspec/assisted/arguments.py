@@ -5,6 +5,7 @@ Both hooks read one ``GenerationConfig`` merged as transformers merges it (the c
 ``generation_config=`` over the model's own over transformers' defaults): the ``custom_generate`` folder merges it
 here with the model's own ``_prepare_generation_config``, the callable form receives it merged.
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,23 +22,31 @@ from hfspec.loading import NGRAM
 from hfspec.policy import GammaPolicy, HeuristicGamma
 
 ELSEWHERE = "remove it, or drop custom_generate= to run it with transformers' own generate()"
-NO_STEP_OUTPUTS = ("hfspec scores drafts and the target in blocks and keeps nothing per step; remove it "
-                   "(with return_dict_in_generate=True the output's .stats holds the call's statistics)")
+NO_STEP_OUTPUTS = (
+    "hfspec scores drafts and the target in blocks and keeps nothing per step; remove it "
+    "(with return_dict_in_generate=True the output's .stats holds the call's statistics)"
+)
 OWN_GAMMA = "remove it: hfspec chooses how many tokens to draft itself (gamma='auto'), or takes gamma=N"
-DRAFTS = ("remove it and pass a draft model as assistant_model=, or prompt_lookup_num_tokens=N for lookup "
-          "(or drop custom_generate= to run it with transformers)")
+DRAFTS = (
+    "remove it and pass a draft model as assistant_model=, or prompt_lookup_num_tokens=N for lookup "
+    "(or drop custom_generate= to run it with transformers)"
+)
 
 WARPER = "a sampling warper hfspec does not run"
 PROCESSOR = "a logits processor hfspec does not build"
 STOPS = "hfspec stops rows only at EOS and max_new_tokens"
-RETOKENIZES = ("it tunes transformers' re-encoding for drafts with another tokenizer; hfspec re-tokenizes a window "
-               "of its own")
+RETOKENIZES = (
+    "it tunes transformers' re-encoding for drafts with another tokenizer; hfspec re-tokenizes a window of its own"
+)
 
 # Settings hfspec cannot honour: name -> (values that leave it off, what it is, what to do). transformers' own
 # default for the name also leaves it off (``explicit``).
 REFUSED: dict[str, tuple[tuple[Any, ...], str, str]] = {
-    "num_beams": ((None, 1), "beam search keeps several hypotheses per prompt; hfspec decodes one, greedily or sampled",
-                  "set num_beams=1, or drop custom_generate= to run transformers' beam search"),
+    "num_beams": (
+        (None, 1),
+        "beam search keeps several hypotheses per prompt; hfspec decodes one, greedily or sampled",
+        "set num_beams=1, or drop custom_generate= to run transformers' beam search",
+    ),
     "num_beam_groups": ((None, 1), "group beam search", ELSEWHERE),
     "diversity_penalty": ((None, 0.0), "group beam search", ELSEWHERE),
     "constraints": ((None,), "constrained beam search", ELSEWHERE),
@@ -54,8 +63,11 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str, str]] = {
     "forced_eos_token_id": ((None,), PROCESSOR, ELSEWHERE),
     "begin_suppress_tokens": ((None,), PROCESSOR, ELSEWHERE),
     "exponential_decay_length_penalty": ((None,), PROCESSOR, ELSEWHERE),
-    "remove_invalid_values": ((None, False), f"{PROCESSOR} (hfspec raises NumericalFault on NaN or infinite logits)",
-                              ELSEWHERE),
+    "remove_invalid_values": (
+        (None, False),
+        f"{PROCESSOR} (hfspec raises NumericalFault on NaN or infinite logits)",
+        ELSEWHERE,
+    ),
     "watermarking_config": ((None,), "a watermarking processor hfspec does not build", ELSEWHERE),
     "encoder_repetition_penalty": ((None, 1.0), "a setting of encoder-decoder models", ELSEWHERE),
     "encoder_no_repeat_ngram_size": ((None, 0), "a setting of encoder-decoder models", ELSEWHERE),
@@ -71,10 +83,19 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str, str]] = {
     "use_mtp": ((None, False), "multi-token prediction is not a draft hfspec runs", DRAFTS),
     "assistant_early_exit": ((None,), "early-exit self-speculation is not a draft hfspec runs", DRAFTS),
     "speculation_type": ((None,), "this kind of speculation is not a draft hfspec runs", DRAFTS),
-    "assistant_confidence_threshold": ((None,), ("it tunes transformers' own drafting; with gamma='auto' hfspec stops "
-                                                 "drafting early by its own calibrated rule"), OWN_GAMMA),
-    "max_matching_ngram_size": ((None,), ("it tunes transformers' prompt lookup; hfspec's lookup matches the longest "
-                                          "suffix it finds"), "remove it"),
+    "assistant_confidence_threshold": (
+        (None,),
+        (
+            "it tunes transformers' own drafting; with gamma='auto' hfspec stops "
+            "drafting early by its own calibrated rule"
+        ),
+        OWN_GAMMA,
+    ),
+    "max_matching_ngram_size": (
+        (None,),
+        ("it tunes transformers' prompt lookup; hfspec's lookup matches the longest suffix it finds"),
+        "remove it",
+    ),
     "assistant_lookbehind": ((None,), RETOKENIZES, "remove it"),
     "target_lookbehind": ((None,), RETOKENIZES, "remove it"),
 }
@@ -121,18 +142,25 @@ def refuse_settings(config: GenerationConfig) -> None:
             raise HfspecError(f"{name}={value!r} cannot run under hfspec's speculative decoding ({what}); {fix}")
 
 
-def refuse_call(*, stopping_criteria: Sequence[Any] | None, prefix_allowed_tokens_fn: Any, synced_gpus: bool | None,
-                negative_prompt_ids: Any, negative_prompt_attention_mask: Any) -> None:
+def refuse_call(
+    *,
+    stopping_criteria: Sequence[Any] | None,
+    prefix_allowed_tokens_fn: Any,
+    synced_gpus: bool | None,
+    negative_prompt_ids: Any,
+    negative_prompt_attention_mask: Any,
+) -> None:
     """Raise ``HfspecError`` for the arguments of ``generate()`` itself that hfspec cannot honour."""
     if stopping_criteria:
         names = ", ".join(type(c).__name__ for c in stopping_criteria)
-        raise HfspecError(f"stopping_criteria ({names}) cannot run under hfspec, which stops rows only at EOS and "
-                          f"max_new_tokens; {ELSEWHERE}")
+        raise HfspecError(
+            f"stopping_criteria ({names}) cannot run under hfspec, which stops rows only at EOS and "
+            f"max_new_tokens; {ELSEWHERE}"
+        )
     if prefix_allowed_tokens_fn is not None:
         raise HfspecError(f"prefix_allowed_tokens_fn (constrained generation) cannot run under hfspec; {ELSEWHERE}")
     if synced_gpus:
-        raise HfspecError("synced_gpus=True cannot run under hfspec, whose rows finish at their own pace; "
-                          f"{ELSEWHERE}")
+        raise HfspecError(f"synced_gpus=True cannot run under hfspec, whose rows finish at their own pace; {ELSEWHERE}")
     if negative_prompt_ids is not None or negative_prompt_attention_mask is not None:
         raise HfspecError(f"negative_prompt_ids (classifier-free guidance) cannot run under hfspec; {ELSEWHERE}")
 
@@ -144,13 +172,18 @@ def refuse_model_kwargs(model_kwargs: dict[str, Any], ignore: Sequence[str] = ()
         if value is None or name in ignore:
             continue
         if name == "inputs_embeds":
-            raise HfspecError("inputs_embeds cannot run under hfspec, which drafts and verifies token ids; "
-                              "pass input_ids")
+            raise HfspecError(
+                "inputs_embeds cannot run under hfspec, which drafts and verifies token ids; pass input_ids"
+            )
         if name in ("past_key_values", "cache"):
-            raise HfspecError(f"{name} cannot run under hfspec, which prefills its own caches from the prompt; "
-                              "remove it and pass the whole prompt as input_ids")
-        raise HfspecError(f"{name}= is neither a generation setting nor an argument hfspec takes; it would go to the "
-                          f"model's forward, which hfspec drives itself: {ELSEWHERE}")
+            raise HfspecError(
+                f"{name} cannot run under hfspec, which prefills its own caches from the prompt; "
+                "remove it and pass the whole prompt as input_ids"
+            )
+        raise HfspecError(
+            f"{name}= is neither a generation setting nor an argument hfspec takes; it would go to the "
+            f"model's forward, which hfspec drives itself: {ELSEWHERE}"
+        )
 
 
 def check_prepared(model_kwargs: dict[str, Any]) -> None:
@@ -159,8 +192,10 @@ def check_prepared(model_kwargs: dict[str, Any]) -> None:
     for name in ("cache", "past_key_values"):
         cache = model_kwargs.get(name)
         if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-            raise HfspecError(f"{name} holds {cache.get_seq_length()} cached tokens; hfspec prefills its own caches "
-                              "from the prompt: remove it and pass the whole prompt as input_ids")
+            raise HfspecError(
+                f"{name} holds {cache.get_seq_length()} cached tokens; hfspec prefills its own caches "
+                "from the prompt: remove it and pass the whole prompt as input_ids"
+            )
     refuse_model_kwargs(model_kwargs, ignore=PREPARED + ("attention_mask",))
 
 
@@ -172,8 +207,9 @@ def prompts(input_ids: Any, attention_mask: Any, config: GenerationConfig) -> tu
             raise ValueError("no input_ids and no bos_token_id to start from: pass input_ids")
         input_ids = torch.tensor([[int(config.bos_token_id)]])
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-        raise TypeError("input_ids must be a (batch, length) tensor of token ids, as tokenizer(..., "
-                        "return_tensors='pt') returns it")
+        raise TypeError(
+            "input_ids must be a (batch, length) tensor of token ids, as tokenizer(..., return_tensors='pt') returns it"
+        )
     if attention_mask is None:
         attention_mask = inferred_mask(input_ids, config)
     return input_ids, attention_mask
@@ -198,21 +234,40 @@ def new_tokens(config: GenerationConfig, width: int, default_length: bool, model
         total = config.max_length + width
         return (min(total, limit) if limit is not None else total) - width
     if config.max_length <= width:
-        raise ValueError(f"max_length={config.max_length} leaves no room after the prompt ({width} columns); "
-                         "pass max_new_tokens=N instead")
+        raise ValueError(
+            f"max_length={config.max_length} leaves no room after the prompt ({width} columns); "
+            "pass max_new_tokens=N instead"
+        )
     return config.max_length - width
 
 
 # A merged setting of None means "none" (the call cleared it), where hfspec reads None as "the target's own": these
 # go to hfspec as the value that means none.
-NONE = {"eos_token_id": [], "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0,
-        "no_repeat_ngram_size": 0}
+NONE = {
+    "eos_token_id": [],
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+}
 
 
 def sampling_options(config: GenerationConfig) -> dict[str, Any]:
     """The merged sampling settings as ``SpeculativeGenerator.generate`` keywords."""
-    names = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size",
-             "bad_words_ids", "suppress_tokens", "eos_token_id", "pad_token_id")
+    names = (
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "no_repeat_ngram_size",
+        "bad_words_ids",
+        "suppress_tokens",
+        "eos_token_id",
+        "pad_token_id",
+    )
     values = {name: getattr(config, name, None) for name in names}
     return {name: NONE.get(name) if value is None else value for name, value in values.items()}
 
@@ -220,25 +275,38 @@ def sampling_options(config: GenerationConfig) -> dict[str, Any]:
 def overrides(config: GenerationConfig, base: GenerationConfig) -> GenerationConfig | None:
     """The settings of the merged ``config`` that differ from the target's own ``base``, which hfspec starts from:
     a setting the call turned off (num_beams=1 where the model's config has 4) must reach hfspec too."""
-    changed = {name: value for name, value in config.to_dict().items()
-               if not name.startswith("_") and name != "transformers_version"
-               and getattr(base, name, None) is not None and value != getattr(base, name)}
+    changed = {
+        name: value
+        for name, value in config.to_dict().items()
+        if not name.startswith("_")
+        and name != "transformers_version"
+        and getattr(base, name, None) is not None
+        and value != getattr(base, name)
+    }
     return GenerationConfig(**changed) if changed else None
 
 
-def draft_for(assistant_model: Any, config: GenerationConfig, tokenizer: PreTrainedTokenizerBase | None,
-              assistant_tokenizer: PreTrainedTokenizerBase | None) -> Draft:
+def draft_for(
+    assistant_model: Any,
+    config: GenerationConfig,
+    tokenizer: PreTrainedTokenizerBase | None,
+    assistant_tokenizer: PreTrainedTokenizerBase | None,
+) -> Draft:
     """``assistant_model`` drafts (with lookup added under ``prompt_lookup_num_tokens``); without one, n-gram
     lookup in the prompt and earlier outputs does, the one draft the target alone allows; with
     ``gamma="auto"`` it decodes plainly wherever lookup does not pay, so it never costs much more than plain
     decoding and is exact either way. ``assistant_tokenizer`` means a draft with another tokenizer."""
     if assistant_tokenizer is not None:
         if assistant_model is None:
-            raise HfspecError("assistant_tokenizer is the tokenizer of assistant_model: pass the draft model as "
-                              "assistant_model=, or drop assistant_tokenizer")
+            raise HfspecError(
+                "assistant_tokenizer is the tokenizer of assistant_model: pass the draft model as "
+                "assistant_model=, or drop assistant_tokenizer"
+            )
         if tokenizer is None:
-            raise HfspecError("a draft with another tokenizer needs both: pass the target's tokenizer as tokenizer= "
-                              "beside assistant_tokenizer=")
+            raise HfspecError(
+                "a draft with another tokenizer needs both: pass the target's tokenizer as tokenizer= "
+                "beside assistant_tokenizer="
+            )
     lookup = lookup_tokens(config)
     if assistant_model is None:
         return Draft(NGRAM, False, tokenizer, None)
@@ -266,8 +334,10 @@ def gamma_for(gamma: int | str | GammaPolicy | None, config: GenerationConfig) -
     count = explicit(config, "num_assistant_tokens")
     schedule = explicit(config, "num_assistant_tokens_schedule")
     if schedule is not None and schedule not in HEURISTIC:
-        raise HfspecError(f"num_assistant_tokens_schedule={schedule!r} is not one hfspec knows; use 'constant' "
-                          f"or 'heuristic', or remove it ({OWN_GAMMA})")
+        raise HfspecError(
+            f"num_assistant_tokens_schedule={schedule!r} is not one hfspec knows; use 'constant' "
+            f"or 'heuristic', or remove it ({OWN_GAMMA})"
+        )
     if schedule is not None:
         start = count if count is not None else DEFAULTS.get("num_assistant_tokens") or 5
         return HeuristicGamma(value=min(start, HeuristicGamma.maximum))
@@ -280,16 +350,21 @@ def custom_processors(prepared: Sequence[LogitsProcessor], config: GenerationCon
     caller's, or raises naming what hfspec would not run the same way."""
     prepared = [p for p in prepared if type(p).__name__ != "LogitNormalization"]  # log-softmax: same tokens
     built, head = list(sampling.build_processors(config)), _head(config)
-    tail = built[len(head):]
-    ends_match = len(prepared) >= len(built) and all(map(_same, prepared[: len(head)], head)) \
-        and all(map(_same, prepared[len(prepared) - len(tail):], tail))
+    tail = built[len(head) :]
+    ends_match = (
+        len(prepared) >= len(built)
+        and all(map(_same, prepared[: len(head)], head))
+        and all(map(_same, prepared[len(prepared) - len(tail) :], tail))
+    )
     if not ends_match:
         names = ", ".join(type(p).__name__ for p in prepared)
-        raise HfspecError(f"the logits processors transformers prepared ({names}) are not the ones hfspec builds "
-                          "from the generation config, with yours between the penalties and the warpers (a custom "
-                          "processor replacing one of them, or a processor hfspec does not build); use "
-                          "custom_generate=hfspec.CUSTOM_GENERATE, which takes logits_processor= as it is")
-    return prepared[len(head): len(prepared) - len(tail)]
+        raise HfspecError(
+            f"the logits processors transformers prepared ({names}) are not the ones hfspec builds "
+            "from the generation config, with yours between the penalties and the warpers (a custom "
+            "processor replacing one of them, or a processor hfspec does not build); use "
+            "custom_generate=hfspec.CUSTOM_GENERATE, which takes logits_processor= as it is"
+        )
+    return prepared[len(head) : len(prepared) - len(tail)]
 
 
 def _head(config: GenerationConfig) -> list[LogitsProcessor]:
@@ -323,8 +398,10 @@ def check_stopping(criteria: Sequence[Any]) -> None:
     (max_new_tokens, EOS)."""
     other = [type(c).__name__ for c in criteria if type(c).__name__ not in ("MaxLengthCriteria", "EosTokenCriteria")]
     if other:
-        raise HfspecError(f"stopping criteria {', '.join(other)} cannot run under hfspec, which stops rows only at "
-                          f"EOS and max_new_tokens; {ELSEWHERE}")
+        raise HfspecError(
+            f"stopping criteria {', '.join(other)} cannot run under hfspec, which stops rows only at "
+            f"EOS and max_new_tokens; {ELSEWHERE}"
+        )
 
 
 def check_custom_processors(custom: Sequence[LogitsProcessor] | None, config: GenerationConfig) -> list:
@@ -334,7 +411,9 @@ def check_custom_processors(custom: Sequence[LogitsProcessor] | None, config: Ge
     built = {type(p) for p in _head(config)}
     clash = [type(p).__name__ for p in custom if type(p) in built]
     if clash:
-        raise HfspecError(f"logits_processor holds {', '.join(clash)}, which the generation settings build too "
-                          "(transformers would use yours instead, hfspec would apply both); remove the setting or "
-                          "the processor")
+        raise HfspecError(
+            f"logits_processor holds {', '.join(clash)}, which the generation settings build too "
+            "(transformers would use yours instead, hfspec would apply both); remove the setting or "
+            "the processor"
+        )
     return custom

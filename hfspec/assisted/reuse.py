@@ -7,6 +7,7 @@ here keeps a model alive after its user lets it go, and no entry outlives its mo
 object at the same address, as an ``id()`` key would be. The other parts of a key are weak references, which
 never equal a new object once their own is gone. A copied or pickled model starts with none.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -60,8 +61,13 @@ def generators(target: PreTrainedModel) -> Generators:
     return held
 
 
-def generator_for(target: PreTrainedModel, draft: Any, tokenizer: PreTrainedTokenizerBase | None,
-                  draft_tokenizer: PreTrainedTokenizerBase | None, ngram: bool) -> SpeculativeGenerator:
+def generator_for(
+    target: PreTrainedModel,
+    draft: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
+    draft_tokenizer: PreTrainedTokenizerBase | None,
+    ngram: bool,
+) -> SpeculativeGenerator:
     """The generator for this target, draft (as ``SpeculativeGenerator`` takes it) and tokenizers; built once.
     The models are used as they are: nothing here switches hfspec's CPU kernel on (``hfspec.fast.accelerate``)."""
     held = generators(target)

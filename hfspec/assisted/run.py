@@ -9,6 +9,7 @@ arguments of its decoding loops (``GenerationMixin._sample``); transformers keep
 Both return what transformers returns: the sequences (B, prompt columns + new tokens), finished rows padded with
 pad_token_id, or with ``return_dict_in_generate=True`` an output with ``.sequences`` and hfspec's ``.stats``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -58,8 +59,9 @@ def generate(
     """What ``custom_generate/generate.py`` runs: every argument of ``model.generate``, mapped onto
     ``SpeculativeGenerator.generate`` (``hfspec.assisted.arguments``); what hfspec cannot honour is refused."""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise TypeError(f"generation_config must be a transformers.GenerationConfig, got "
-                        f"{type(generation_config).__name__}")
+        raise TypeError(
+            f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}"
+        )
     given = kwargs.pop("input_ids", None)
     if inputs is not None and given is not None:
         raise ValueError("pass the prompt once: as the first argument or as input_ids=, not both")
@@ -67,11 +69,18 @@ def generate(
     mask = kwargs.pop("attention_mask", None)
     tokenizer, assistant_tokenizer = kwargs.pop("tokenizer", None), kwargs.pop("assistant_tokenizer", None)
     own = {name: kwargs.pop(name, None) for name in OWN}
-    arguments.refuse_call(stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-                          synced_gpus=synced_gpus, negative_prompt_ids=negative_prompt_ids,
-                          negative_prompt_attention_mask=negative_prompt_attention_mask)
-    default_length = kwargs.get("max_length") is None and model.generation_config.max_length is None \
+    arguments.refuse_call(
+        stopping_criteria=stopping_criteria,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        synced_gpus=synced_gpus,
+        negative_prompt_ids=negative_prompt_ids,
+        negative_prompt_attention_mask=negative_prompt_attention_mask,
+    )
+    default_length = (
+        kwargs.get("max_length") is None
+        and model.generation_config.max_length is None
         and (generation_config is None or generation_config.max_length is None)
+    )
     # transformers' own merge, so that every setting means what it means in transformers' generate()
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     arguments.refuse_settings(config)
@@ -81,8 +90,17 @@ def generate(
     ids, mask = ids.repeat_interleave(repeats, dim=0), mask.repeat_interleave(repeats, dim=0)
     draft = arguments.draft_for(assistant_model, config, tokenizer, assistant_tokenizer)
     custom = arguments.check_custom_processors(logits_processor, config)
-    return _run(model, draft, ids, mask, config, arguments.new_tokens(config, ids.shape[1], default_length, model),
-                custom, streamer, own)
+    return _run(
+        model,
+        draft,
+        ids,
+        mask,
+        config,
+        arguments.new_tokens(config, ids.shape[1], default_length, model),
+        custom,
+        streamer,
+        own,
+    )
 
 
 class SpeculativeDecoding:
@@ -92,20 +110,42 @@ class SpeculativeDecoding:
     same ones and decodes. ``draft`` is what ``SpeculativeGenerator`` takes (None: n-gram lookup), ``draft_tokenizer``
     its tokenizer where it has another (with ``tokenizer=`` in the call or here)."""
 
-    def __init__(self, draft: Any = None, *, draft_tokenizer: PreTrainedTokenizerBase | None = None,
-                 tokenizer: PreTrainedTokenizerBase | None = None, gamma: int | str | GammaPolicy | None = None,
-                 tree: int | str | None = None):
+    def __init__(
+        self,
+        draft: Any = None,
+        *,
+        draft_tokenizer: PreTrainedTokenizerBase | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        gamma: int | str | GammaPolicy | None = None,
+        tree: int | str | None = None,
+    ):
         self.draft, self.draft_tokenizer, self.tokenizer = draft, draft_tokenizer, tokenizer
         self.gamma, self.tree = gamma, tree
 
     # transformers hands this the keywords of ``_sample`` and, from the call's own, those this signature adds.
-    def __call__(self, model: PreTrainedModel, input_ids: torch.Tensor, logits_processor: list[LogitsProcessor],
-                 stopping_criteria: list, generation_config: GenerationConfig, synced_gpus: bool = False,
-                 streamer: Any = None, tokenizer: PreTrainedTokenizerBase | None = None,
-                 gamma: int | str | GammaPolicy | None = None, tree: int | str | None = None, seed: int | None = None,
-                 generator: torch.Generator | None = None, **model_kwargs: Any) -> torch.Tensor | SpeculativeOutput:
-        arguments.refuse_call(stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=synced_gpus,
-                              negative_prompt_ids=None, negative_prompt_attention_mask=None)
+    def __call__(
+        self,
+        model: PreTrainedModel,
+        input_ids: torch.Tensor,
+        logits_processor: list[LogitsProcessor],
+        stopping_criteria: list,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        streamer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        gamma: int | str | GammaPolicy | None = None,
+        tree: int | str | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        **model_kwargs: Any,
+    ) -> torch.Tensor | SpeculativeOutput:
+        arguments.refuse_call(
+            stopping_criteria=None,
+            prefix_allowed_tokens_fn=None,
+            synced_gpus=synced_gpus,
+            negative_prompt_ids=None,
+            negative_prompt_attention_mask=None,
+        )
         config = copy.copy(generation_config)
         config.num_return_sequences = 1  # transformers has repeated the prompts already
         arguments.refuse_settings(config)
@@ -115,28 +155,54 @@ class SpeculativeDecoding:
         mask = model_kwargs.get("attention_mask")  # None: transformers saw no padding
         mask = torch.ones_like(input_ids) if mask is None else mask
         draft = arguments.draft_for(self.draft, config, tokenizer or self.tokenizer, self.draft_tokenizer)
-        own = {"gamma": gamma if gamma is not None else self.gamma, "tree": tree if tree is not None else self.tree,
-               "seed": seed, "generator": generator}
-        return _run(model, draft, input_ids, mask, config, config.max_length - input_ids.shape[1], custom, streamer,
-                    own)
+        own = {
+            "gamma": gamma if gamma is not None else self.gamma,
+            "tree": tree if tree is not None else self.tree,
+            "seed": seed,
+            "generator": generator,
+        }
+        return _run(
+            model, draft, input_ids, mask, config, config.max_length - input_ids.shape[1], custom, streamer, own
+        )
 
 
-def custom_generate(draft: Any = None, *, draft_tokenizer: PreTrainedTokenizerBase | None = None,
-                    tokenizer: PreTrainedTokenizerBase | None = None, gamma: int | str | GammaPolicy | None = None,
-                    tree: int | str | None = None) -> SpeculativeDecoding:
+def custom_generate(
+    draft: Any = None,
+    *,
+    draft_tokenizer: PreTrainedTokenizerBase | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    gamma: int | str | GammaPolicy | None = None,
+    tree: int | str | None = None,
+) -> SpeculativeDecoding:
     """The callable to pass as ``model.generate(..., custom_generate=...)``; see ``SpeculativeDecoding``."""
     return SpeculativeDecoding(draft, draft_tokenizer=draft_tokenizer, tokenizer=tokenizer, gamma=gamma, tree=tree)
 
 
-def _run(model: PreTrainedModel, draft: Draft, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig,
-         max_new_tokens: int, custom: list[LogitsProcessor], streamer: Any,
-         own: dict[str, Any]) -> torch.Tensor | SpeculativeOutput:
+def _run(
+    model: PreTrainedModel,
+    draft: Draft,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    config: GenerationConfig,
+    max_new_tokens: int,
+    custom: list[LogitsProcessor],
+    streamer: Any,
+    own: dict[str, Any],
+) -> torch.Tensor | SpeculativeOutput:
     """Decode with the target's generator for this draft; the new tokens follow the prompt columns as given."""
     gen = reuse.generator_for(model, draft.draft, draft.tokenizer, draft.draft_tokenizer, draft.ngram)
-    out = gen.generate(ids, mask, max_new_tokens=max_new_tokens, gamma=arguments.gamma_for(own["gamma"], config),
-                       tree=own["tree"] if own["tree"] is not None else "auto", logits_processor=custom,
-                       streamer=streamer, seed=own["seed"], generator=own["generator"],
-                       generation_config=arguments.overrides(config, model.generation_config),
-                       **arguments.sampling_options(config))
-    sequences = torch.cat([ids, out.sequences[:, out.prompt_length:].to(ids.device, ids.dtype)], dim=1)
+    out = gen.generate(
+        ids,
+        mask,
+        max_new_tokens=max_new_tokens,
+        gamma=arguments.gamma_for(own["gamma"], config),
+        tree=own["tree"] if own["tree"] is not None else "auto",
+        logits_processor=custom,
+        streamer=streamer,
+        seed=own["seed"],
+        generator=own["generator"],
+        generation_config=arguments.overrides(config, model.generation_config),
+        **arguments.sampling_options(config),
+    )
+    sequences = torch.cat([ids, out.sequences[:, out.prompt_length :].to(ids.device, ids.dtype)], dim=1)
     return SpeculativeOutput(sequences=sequences, stats=out.stats) if config.return_dict_in_generate else sequences

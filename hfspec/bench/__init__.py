@@ -21,6 +21,7 @@ One job per module, top to bottom: ``field`` (modes, contenders, settings, promp
 and predictions), ``runner`` (the whole benchmark), ``report`` (table and plot) and
 ``command`` (``hfspec bench``). This face re-exports what callers use.
 """
+
 from __future__ import annotations
 
 from hfspec.bench.command import (
@@ -56,9 +57,44 @@ from hfspec.bench.runner import rollback_report, run_batch, run_bench
 from hfspec.bench.summary import acceptance, median_ratio, mismatches, prediction, spread, summarize
 
 __all__ = [
-    "DEFAULT_PROMPTS", "DESCRIPTION", "GAMMA0", "HYBRID", "MAIN", "USELESS", "Bench", "CallCounter", "Contender",
-    "Mode", "Run", "Settings", "acceptance", "add_parser", "apply_preset", "assistant_settings", "configure", "contenders",
-    "counting", "encode", "environment", "format_table", "load", "load_drafters", "load_prompts", "main",
-    "median_ratio", "mismatches", "plot", "prediction", "rollback_report", "run", "run_batch", "run_bench",
-    "settings_from", "spread", "summarize", "trim", "useless_copy", "write_outputs",
+    "DEFAULT_PROMPTS",
+    "DESCRIPTION",
+    "GAMMA0",
+    "HYBRID",
+    "MAIN",
+    "USELESS",
+    "Bench",
+    "CallCounter",
+    "Contender",
+    "Mode",
+    "Run",
+    "Settings",
+    "acceptance",
+    "add_parser",
+    "apply_preset",
+    "assistant_settings",
+    "configure",
+    "contenders",
+    "counting",
+    "encode",
+    "environment",
+    "format_table",
+    "load",
+    "load_drafters",
+    "load_prompts",
+    "main",
+    "median_ratio",
+    "mismatches",
+    "plot",
+    "prediction",
+    "rollback_report",
+    "run",
+    "run_batch",
+    "run_bench",
+    "settings_from",
+    "spread",
+    "summarize",
+    "trim",
+    "useless_copy",
+    "write_outputs",
 ]

@@ -1,4 +1,5 @@
 """``python -m hfspec.bench``: the same as ``hfspec bench``."""
+
 from __future__ import annotations
 
 import logging

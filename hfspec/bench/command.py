@@ -1,4 +1,5 @@
 """``hfspec bench`` on the command line: its options, loading the pair and the drafters, and the outputs."""
+
 from __future__ import annotations
 
 import argparse
@@ -104,91 +105,172 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _pair_options(pair: argparse._ArgumentGroup) -> None:
-    pair.add_argument("--target", default="offline",
-                      help="target model: a directory, a hub name, or 'offline' for the SmolLM2-135M-Instruct "
-                           "built by hfspec.assets (default: offline)")
-    pair.add_argument("--draft", default="shipped",
-                      help="draft model: a directory, a hub name, or 'shipped' for the draft committed in the "
-                           "package (default: shipped; 'shipped-eagle3' is the EAGLE-3 head committed beside it, "
-                           "which --drafters takes too)")
-    pair.add_argument("--drafters", type=_name_list, default=(), metavar="LIST",
-                      help="more drafters as contenders, each with hfspec's default settings, comma-separated: "
-                           "'useless' (random weights of the draft's own shape: the control), 'ngram' (model-free "
-                           "lookup; adds transformers' prompt lookup as a baseline), 'hybrid' (the draft plus n-gram "
-                           "lookup; for what their store of earlier outputs holds, see 'Lookup stores' above), or a "
-                           "directory (an EAGLE-3 head or another draft model)")
-    pair.add_argument("--config", metavar="NAME",
-                      help="a pair preset (a name from hfspec/configs or a JSON path): sets the target and the "
-                           "draft, and the dtype and γ unless --dtype/--gamma are given")
-    pair.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                      help="weights dtype for both models (default: the preset's with --config, else float32)")
+    pair.add_argument(
+        "--target",
+        default="offline",
+        help="target model: a directory, a hub name, or 'offline' for the SmolLM2-135M-Instruct "
+        "built by hfspec.assets (default: offline)",
+    )
+    pair.add_argument(
+        "--draft",
+        default="shipped",
+        help="draft model: a directory, a hub name, or 'shipped' for the draft committed in the "
+        "package (default: shipped; 'shipped-eagle3' is the EAGLE-3 head committed beside it, "
+        "which --drafters takes too)",
+    )
+    pair.add_argument(
+        "--drafters",
+        type=_name_list,
+        default=(),
+        metavar="LIST",
+        help="more drafters as contenders, each with hfspec's default settings, comma-separated: "
+        "'useless' (random weights of the draft's own shape: the control), 'ngram' (model-free "
+        "lookup; adds transformers' prompt lookup as a baseline), 'hybrid' (the draft plus n-gram "
+        "lookup; for what their store of earlier outputs holds, see 'Lookup stores' above), or a "
+        "directory (an EAGLE-3 head or another draft model)",
+    )
+    pair.add_argument(
+        "--config",
+        metavar="NAME",
+        help="a pair preset (a name from hfspec/configs or a JSON path): sets the target and the "
+        "draft, and the dtype and γ unless --dtype/--gamma are given",
+    )
+    pair.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="weights dtype for both models (default: the preset's with --config, else float32)",
+    )
     pair.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    pair.add_argument("--fast-kernels", action=argparse.BooleanOptionalAction, default=None,
-                      help="run hfspec's contenders on hfspec's CPU linear kernel where the models sit on CPU in "
-                           "float32 or bfloat16 (default: on, or the preset's); transformers' contenders always "
-                           "run torch's own linears, and the costs are measured both ways")
+    pair.add_argument(
+        "--fast-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run hfspec's contenders on hfspec's CPU linear kernel where the models sit on CPU in "
+        "float32 or bfloat16 (default: on, or the preset's); transformers' contenders always "
+        "run torch's own linears, and the costs are measured both ways",
+    )
     pair.add_argument("--gguf-file", default=None, metavar="FILE", help="the target's GGUF file in --target")
     pair.add_argument("--draft-gguf-file", default=None, metavar="FILE", help="the draft's GGUF file in --draft")
-    pair.add_argument("--gguf-native", action=argparse.BooleanOptionalAction, default=True,
-                      help="keep GGUF models' blocks on CPU (default: on; --no-gguf-native dequantizes them to "
-                           "--dtype as transformers does)")
-    pair.add_argument("--formats", choices=("on", "only"), default=None,
-                      help="time each GGUF block format the models hold on the quantized kernel against the same "
-                           "layers dequantized on the fp32 and bf16 kernels (step and v(k)); 'only' skips the rest")
+    pair.add_argument(
+        "--gguf-native",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep GGUF models' blocks on CPU (default: on; --no-gguf-native dequantizes them to "
+        "--dtype as transformers does)",
+    )
+    pair.add_argument(
+        "--formats",
+        choices=("on", "only"),
+        default=None,
+        help="time each GGUF block format the models hold on the quantized kernel against the same "
+        "layers dequantized on the fp32 and bf16 kernels (step and v(k)); 'only' skips the rest",
+    )
 
 
 def _workload_options(work: argparse._ArgumentGroup) -> None:
-    work.add_argument("--prompts-file", type=Path, default=None,
-                      help="prompts: JSONL with a \"prompt\" field, or plain text with one prompt per line "
-                           "(default: the package's prompts/bench.jsonl); prompts go through the target's "
-                           "chat template when it has one")
+    work.add_argument(
+        "--prompts-file",
+        type=Path,
+        default=None,
+        help='prompts: JSONL with a "prompt" field, or plain text with one prompt per line '
+        "(default: the package's prompts/bench.jsonl); prompts go through the target's "
+        "chat template when it has one",
+    )
     work.add_argument("--num-prompts", type=int, default=12, help="use the first N prompts (default: 12)")
     work.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default: 64)")
-    work.add_argument("--gamma", type=int, default=None,
-                      help="γ, drafts per step, for hfspec fixed and transformers assisted "
-                           "(default: the preset's with --config, else 4)")
-    work.add_argument("--gammas", type=_int_list, default=(1, 2, 3, 4, 6, 8),
-                      help="γ values of the hfspec fixed-γ sweep, comma-separated (default: 1,2,3,4,6,8)")
-    work.add_argument("--trees", type=_tree_list, default=(8, 16, 32), metavar="LIST",
-                      help="node budgets of the hfspec tree sweep, comma-separated; 'none' skips it; pairs that "
-                           "cannot draft exact trees skip it too (default: 8,16,32)")
-    work.add_argument("--modes", default="greedy,sample",
-                      help="which of 'greedy' and 'sample' to run, comma-separated (default: both)")
+    work.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="γ, drafts per step, for hfspec fixed and transformers assisted "
+        "(default: the preset's with --config, else 4)",
+    )
+    work.add_argument(
+        "--gammas",
+        type=_int_list,
+        default=(1, 2, 3, 4, 6, 8),
+        help="γ values of the hfspec fixed-γ sweep, comma-separated (default: 1,2,3,4,6,8)",
+    )
+    work.add_argument(
+        "--trees",
+        type=_tree_list,
+        default=(8, 16, 32),
+        metavar="LIST",
+        help="node budgets of the hfspec tree sweep, comma-separated; 'none' skips it; pairs that "
+        "cannot draft exact trees skip it too (default: 8,16,32)",
+    )
+    work.add_argument(
+        "--modes",
+        default="greedy,sample",
+        help="which of 'greedy' and 'sample' to run, comma-separated (default: both)",
+    )
     work.add_argument("--temperature", type=float, default=0.7, help="temperature of the sample mode (default: 0.7)")
     work.add_argument("--top-p", type=float, default=0.95, help="top-p of the sample mode (default: 0.95)")
-    work.add_argument("--top-k", type=int, default=0,
-                      help="top-k of the sample mode; 0 turns it off for every contender (default: 0)")
+    work.add_argument(
+        "--top-k", type=int, default=0, help="top-k of the sample mode; 0 turns it off for every contender (default: 0)"
+    )
     work.add_argument("--seed", type=int, default=0, help="base seed of the sample mode (default: 0)")
-    work.add_argument("--skip", type=_name_list, default=(), metavar="LIST",
-                      help="contenders of the main field to leave out, comma-separated (e.g. "
-                           "hfspec-heuristic,hfspec-cost); plain always runs")
-    work.add_argument("--lookup-tokens", type=int, default=10,
-                      help="prompt_lookup_num_tokens of transformers' prompt-lookup contender (default: 10)")
-    work.add_argument("--batch-size", type=int, default=8,
-                      help="prompts in the batch row (hfspec batched vs one at a time vs plain batched); "
-                           "0 skips it (default: 8)")
+    work.add_argument(
+        "--skip",
+        type=_name_list,
+        default=(),
+        metavar="LIST",
+        help="contenders of the main field to leave out, comma-separated (e.g. "
+        "hfspec-heuristic,hfspec-cost); plain always runs",
+    )
+    work.add_argument(
+        "--lookup-tokens",
+        type=int,
+        default=10,
+        help="prompt_lookup_num_tokens of transformers' prompt-lookup contender (default: 10)",
+    )
+    work.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="prompts in the batch row (hfspec batched vs one at a time vs plain batched); 0 skips it (default: 8)",
+    )
     work.add_argument("--batch-repeats", type=int, default=2, help="measured repeats of the batch row (default: 2)")
 
 
 def _output_options(timing: argparse._ArgumentGroup, out: argparse._ArgumentGroup) -> None:
-    timing.add_argument("--warmup", type=int, default=2,
-                        help="warm-up passes over every contender before measuring, per mode (default: 2)")
-    timing.add_argument("--cost-repeats", type=int, default=20,
-                        help="timed forwards per measurement of c and v(γ) (default: 20)")
+    timing.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="warm-up passes over every contender before measuring, per mode (default: 2)",
+    )
+    timing.add_argument(
+        "--cost-repeats", type=int, default=20, help="timed forwards per measurement of c and v(γ) (default: 20)"
+    )
     timing.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    out.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                     help="write the results as JSON to PATH, or to stdout with a bare --json "
-                          "(the table then goes to stderr)")
-    out.add_argument("--plot", type=Path, default=None, metavar="PATH",
-                     help="write a PNG: speed-up vs γ and acceptance by draft position")
+    out.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="write the results as JSON to PATH, or to stdout with a bare --json (the table then goes to stderr)",
+    )
+    out.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write a PNG: speed-up vs γ and acceptance by draft position",
+    )
     out.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``hfspec bench`` on the CLI's subparsers."""
     parser = subparsers.add_parser(
-        "bench", help="measure hfspec against generate() and transformers assisted generation",
-        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "bench",
+        help="measure hfspec against generate() and transformers assisted generation",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     configure(parser)
     parser.set_defaults(func=run)
     return parser
@@ -212,10 +294,14 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(target, draft, tokenizer) through hfspec.loading, which also resolves 'offline' and 'shipped'."""
     dtype = getattr(torch, args.dtype or "float32")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    gguf = {"gguf_file": getattr(args, "gguf_file", None), "draft_gguf_file": getattr(args, "draft_gguf_file", None),
-            "gguf_native": getattr(args, "gguf_native", True)}
-    return load_pair(args.target, args.draft, dtype=dtype, device=device, fast_kernels=_fast_kernels(args),
-                     draft_bits=None, **gguf)
+    gguf = {
+        "gguf_file": getattr(args, "gguf_file", None),
+        "draft_gguf_file": getattr(args, "draft_gguf_file", None),
+        "gguf_native": getattr(args, "gguf_native", True),
+    }
+    return load_pair(
+        args.target, args.draft, dtype=dtype, device=device, fast_kernels=_fast_kernels(args), draft_bits=None, **gguf
+    )
 
 
 def integer_draft(draft: Any, fast_kernels: bool) -> Any:
@@ -231,8 +317,9 @@ def _fast_kernels(args: argparse.Namespace) -> bool:
     return getattr(args, "fast_kernels", None) is not False  # on unless --no-fast-kernels or the preset says so
 
 
-def load_drafters(names: Sequence[str], target: Any, draft: Any, seed: int = 0,
-                  fast_kernels: bool = True) -> dict[str, Any]:
+def load_drafters(
+    names: Sequence[str], target: Any, draft: Any, seed: int = 0, fast_kernels: bool = True
+) -> dict[str, Any]:
     """The --drafters, by name: the useless control and the hybrid are built from the main ``draft`` (as hfspec
     runs it); models loaded here run the CPU kernel as the main pair does (``fast_kernels``)."""
     out: dict[str, Any] = {}
@@ -255,8 +342,10 @@ def load_drafters(names: Sequence[str], target: Any, draft: Any, seed: int = 0,
 def useless_copy(draft: Any, seed: int) -> PreTrainedModel:
     """A draft of ``draft``'s own architecture and size with random weights: it costs the same and helps nothing."""
     if not isinstance(draft, PreTrainedModel):
-        raise HfspecError(f"the {USELESS!r} control needs a draft model (it copies the draft's shape); "
-                          f"--draft is a {type(draft).__name__}: leave {USELESS!r} out of --drafters")
+        raise HfspecError(
+            f"the {USELESS!r} control needs a draft model (it copies the draft's shape); "
+            f"--draft is a {type(draft).__name__}: leave {USELESS!r} out of --drafters"
+        )
     torch.manual_seed(seed + 12345)
     model = AutoModelForCausalLM.from_config(draft.config).to(dtype=draft.dtype, device=draft.device)
     model.generation_config = copy.deepcopy(draft.generation_config)
@@ -274,21 +363,39 @@ def settings_from(args: argparse.Namespace) -> Settings:
             raise SystemExit(f"unknown mode {name!r}; use greedy, sample or greedy,sample")
     if args.gamma < 1 or args.max_new_tokens < 2 or args.num_prompts < 1:
         raise SystemExit("--gamma must be >= 1, --max-new-tokens >= 2 and --num-prompts >= 1")
-    return Settings(gamma=args.gamma, gammas=tuple(args.gammas), trees=tuple(args.trees), modes=tuple(modes),
-                    warmup=args.warmup,
-                    batch_size=args.batch_size, batch_repeats=max(1, args.batch_repeats),
-                    cost_repeats=max(1, args.cost_repeats), progress=not args.no_progress,
-                    lookup_tokens=args.lookup_tokens, skip=tuple(args.skip))
+    return Settings(
+        gamma=args.gamma,
+        gammas=tuple(args.gammas),
+        trees=tuple(args.trees),
+        modes=tuple(modes),
+        warmup=args.warmup,
+        batch_size=args.batch_size,
+        batch_repeats=max(1, args.batch_repeats),
+        cost_repeats=max(1, args.cost_repeats),
+        progress=not args.no_progress,
+        lookup_tokens=args.lookup_tokens,
+        skip=tuple(args.skip),
+    )
 
 
 def environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     """The machine and the software, saved with every result: only ratios measured side by side compare."""
-    return {"command": " ".join(sys.argv), "cpu": cpu_model(), "threads": torch.get_num_threads(),
-            "device": str(bench.device), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "dtype": str(bench.target.dtype).replace("torch.", ""),
-            "target": str(args.target), "draft": str(args.draft), "drafters": list(getattr(args, "drafters", ())),
-            "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
-            "fast_kernels": bench.spec.describe()["fast_kernels"]}
+    return {
+        "command": " ".join(sys.argv),
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "device": str(bench.device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "dtype": str(bench.target.dtype).replace("torch.", ""),
+        "target": str(args.target),
+        "draft": str(args.draft),
+        "drafters": list(getattr(args, "drafters", ())),
+        "max_new_tokens": args.max_new_tokens,
+        "gamma": args.gamma,
+        "fast_kernels": bench.spec.describe()["fast_kernels"],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -309,15 +416,27 @@ def run(args: argparse.Namespace) -> int:
             print(formats_table(costs, title), file=sys.stderr)
             formats[role] = [dataclasses.asdict(c) for c in costs]
         if args.formats == "only":
-            write_json({"environment": {"cpu": cpu_model(), "threads": torch.get_num_threads()}, "formats": formats},
-                       args.json)
+            write_json(
+                {"environment": {"cpu": cpu_model(), "threads": torch.get_num_threads()}, "formats": formats}, args.json
+            )
             return 0
     hfspec_draft = integer_draft(draft, _fast_kernels(args))
-    bench = Bench(target, hfspec_draft, tokenizer, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
-                  seed=args.seed, assistant=draft if hfspec_draft is not draft else None,
-                  drafters=load_drafters(args.drafters, target, hfspec_draft, args.seed, _fast_kernels(args)))
-    result = {"environment": environment(args, bench), **run_bench(bench, prompts, settings),
-              "prompts": [p["id"] for p in prompts], **({"formats": formats} if formats else {})}
+    bench = Bench(
+        target,
+        hfspec_draft,
+        tokenizer,
+        max_new_tokens=args.max_new_tokens,
+        gamma=args.gamma,
+        seed=args.seed,
+        assistant=draft if hfspec_draft is not draft else None,
+        drafters=load_drafters(args.drafters, target, hfspec_draft, args.seed, _fast_kernels(args)),
+    )
+    result = {
+        "environment": environment(args, bench),
+        **run_bench(bench, prompts, settings),
+        "prompts": [p["id"] for p in prompts],
+        **({"formats": formats} if formats else {}),
+    }
     write_outputs(result, args.json, args.plot)
     return 0
 
@@ -345,7 +464,9 @@ def write_outputs(result: dict[str, Any], json_path: str | None, plot_path: Path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = configure(argparse.ArgumentParser(prog="hfspec bench", description=DESCRIPTION,
-                                               formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser = configure(
+        argparse.ArgumentParser(
+            prog="hfspec bench", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+    )
     return run(parser.parse_args(argv))
-

@@ -3,6 +3,7 @@
 Every contender of one mode gets the same sampling settings and the same prompts, so that
 the only difference between two rows of the report is the way the tokens were produced.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,14 @@ class Contender:
     kernels: bool = False  # a transformers contender run on hfspec's CPU kernels, as the loaded models are
 
 
-def contenders(gamma: int, gammas: Sequence[int], drafters: Sequence[str] = (), assisted: bool = True,
-               lookup_tokens: int | None = 10, kernels: bool = False) -> tuple[list[Contender], list[Contender]]:
+def contenders(
+    gamma: int,
+    gammas: Sequence[int],
+    drafters: Sequence[str] = (),
+    assisted: bool = True,
+    lookup_tokens: int | None = 10,
+    kernels: bool = False,
+) -> tuple[list[Contender], list[Contender]]:
     """The main field and the extra fixed-γ points of the sweep (γ itself is the main ``hfspec``).
 
     ``assisted`` is False when transformers cannot assist with the main draft (not a model, or a
@@ -70,8 +77,10 @@ def contenders(gamma: int, gammas: Sequence[int], drafters: Sequence[str] = (), 
     if kernels:
         main.insert(1, Contender(PLAIN_KERNEL, "plain", None, "-", kernels=True))
     if assisted:
-        main += [Contender("assisted", "assisted", gamma, "constant"),
-                 Contender("assisted-default", "assisted", None, "transformers-default")]
+        main += [
+            Contender("assisted", "assisted", gamma, "constant"),
+            Contender("assisted-default", "assisted", None, "transformers-default"),
+        ]
     if "ngram" in drafters and lookup_tokens is not None:
         main.append(Contender("prompt-lookup", "lookup", lookup_tokens, "transformers-default"))
     main += [
@@ -122,9 +131,10 @@ def load_prompts(path: Path | None = None) -> list[dict[str, str]]:
         if line.startswith("{"):
             obj = json.loads(line)
             if "prompt" not in obj:
-                raise HfspecError(f"{path}:{n}: a JSONL prompt needs a \"prompt\" field")
-            prompts.append({"id": str(obj.get("id", f"line{n}")), "kind": str(obj.get("kind", "-")),
-                            "prompt": str(obj["prompt"])})
+                raise HfspecError(f'{path}:{n}: a JSONL prompt needs a "prompt" field')
+            prompts.append(
+                {"id": str(obj.get("id", f"line{n}")), "kind": str(obj.get("kind", "-")), "prompt": str(obj["prompt"])}
+            )
         else:
             prompts.append({"id": f"line{n}", "kind": "-", "prompt": line.replace("\\n", "\n")})
     if not prompts:
@@ -135,8 +145,9 @@ def load_prompts(path: Path | None = None) -> list[dict[str, str]]:
 def encode(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids of ``prompt`` as a user turn of the chat template, or plain text without one."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return [int(i) for i in ids]

@@ -6,6 +6,7 @@ quantized kernel and, dequantized one sampled layer at a time, on the fp32 and b
 :func:`hfspec.cpu.plan.sample_layers` as the shape plan is) and v(k) (k rows ÷ one row), measured in interleaved
 rounds (medians). A format that is cheap to stream but dear to dequantize shows a low step and a high v(k).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -39,13 +40,16 @@ class FormatCost:
         return self.ms[path][rows] / self.ms[path][1]
 
 
-def _calls(library: kernels.KernelLibrary, layer: quant.QuantLinear, w: torch.Tensor,
-           bias: torch.Tensor | None) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def _calls(
+    library: kernels.KernelLibrary, layer: quant.QuantLinear, w: torch.Tensor, bias: torch.Tensor | None
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     dense = quant.dequantize(w, layer.fmt, layer.in_features)
     half = dense.bfloat16()
-    return {"quantized": lambda x: layer.kernel_call(x, w, bias, layer.plan or quant.default_plan(quant.kernel())),
-            "fp32": lambda x: kernels.linear(library, x, dense, bias),
-            "bf16": lambda x: kernels.linear(library, x, half, bias)}
+    return {
+        "quantized": lambda x: layer.kernel_call(x, w, bias, layer.plan or quant.default_plan(quant.kernel())),
+        "fp32": lambda x: kernels.linear(library, x, dense, bias),
+        "bf16": lambda x: kernels.linear(library, x, half, bias),
+    }
 
 
 def format_costs(model: nn.Module, rows: Sequence[int] = ROWS, rounds: int = 5) -> list[FormatCost]:
@@ -58,8 +62,10 @@ def format_costs(model: nn.Module, rows: Sequence[int] = ROWS, rounds: int = 5) 
         groups.setdefault(layer.fmt.name, []).append(layer)
     out = []
     for name, layers in sorted(groups.items()):
-        sampled = [(count, _calls(library, layer, w, bias), layer.in_features)
-                   for layer, w, bias, count in kernel_plan.sample_layers(layers)]
+        sampled = [
+            (count, _calls(library, layer, w, bias), layer.in_features)
+            for layer, w, bias, count in kernel_plan.sample_layers(layers)
+        ]
         inputs = {k: torch.randn(max(rows), k) for _, _, k in sampled}
         seconds: dict[str, dict[int, list[float]]] = {p: {m: [] for m in rows} for p in PATHS}
         for r in range(rounds + 1):  # the first round warms caches and page faults, and is dropped
@@ -75,8 +81,15 @@ def format_costs(model: nn.Module, rows: Sequence[int] = ROWS, rounds: int = 5) 
                         seconds[path][m].append(total)
         weights = sum(layer.out_features * layer.in_features for layer in layers)
         held = sum(layer.weight.numel() for layer in layers)
-        out.append(FormatCost(name, len(layers), weights, held,
-                              {p: {m: statistics.median(s) * 1e3 for m, s in by.items()} for p, by in seconds.items()}))
+        out.append(
+            FormatCost(
+                name,
+                len(layers),
+                weights,
+                held,
+                {p: {m: statistics.median(s) * 1e3 for m, s in by.items()} for p, by in seconds.items()},
+            )
+        )
     return out
 
 
@@ -85,8 +98,11 @@ def formats_table(costs: Sequence[FormatCost], title: str = "") -> str:
     if not costs:
         return f"{title}: no quantized layers" if title else "no quantized layers"
     rows = sorted(costs[0].ms[PATHS[0]])
-    head = ["format", "layers", "bits/w"] + [f"{p} ms" for p in PATHS] + \
-        [f"{p} v({m})" for p in PATHS for m in rows if m > 1]
+    head = (
+        ["format", "layers", "bits/w"]
+        + [f"{p} ms" for p in PATHS]
+        + [f"{p} v({m})" for p in PATHS for m in rows if m > 1]
+    )
     lines = [" ".join(f"{h:>12}" for h in head)]
     for c in costs:
         cells = [c.format, str(c.layers), f"{8 * c.nbytes / c.weights:.2f}"]

@@ -6,6 +6,7 @@ hooks on the models: hfspec counts its own steps, but transformers does not, and
 are the one count that means the same for both. transformers' contenders run torch's own
 linears (``hfspec.fast.suspended``), hfspec's whatever the pair was loaded with.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -115,8 +116,18 @@ class Bench:
     gamma="auto" measures and learns for it as a user's generator would.
     """
 
-    def __init__(self, target: Any, draft: Any, tokenizer: Any, *, max_new_tokens: int, gamma: int = 4,
-                 seed: int = 0, drafters: dict[str, Any] | None = None, assistant: Any = None):
+    def __init__(
+        self,
+        target: Any,
+        draft: Any,
+        tokenizer: Any,
+        *,
+        max_new_tokens: int,
+        gamma: int = 4,
+        seed: int = 0,
+        drafters: dict[str, Any] | None = None,
+        assistant: Any = None,
+    ):
         self.target, self.tokenizer = target.eval(), tokenizer
         self.plain_draft = assistant  # the draft as loaded, for transformers' contenders (None: ``draft`` itself)
         self.specs = {MAIN: SpeculativeGenerator(target, draft, tokenizer)}
@@ -155,8 +166,7 @@ class Bench:
 
     def batch(self, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ids and mask, as transformers expects for decoder-only batches."""
-        ids, mask = prepare_inputs([list(r) for r in rows], None, None, self.spec.vocab_size, None,
-                                   self.max_new_tokens)
+        ids, mask = prepare_inputs([list(r) for r in rows], None, None, self.spec.vocab_size, None, self.max_new_tokens)
         ids = torch.where(mask.bool(), ids, torch.full_like(ids, self.pad))
         return ids.to(self.device), mask.to(self.device)
 
@@ -172,8 +182,9 @@ class Bench:
             return FixedGamma(1)
         return FixedGamma(int(contender.gamma))
 
-    def run(self, contender: Contender, rows: Sequence[Sequence[int]], mode: Mode, seed: int,
-            serial: bool = False) -> Run:
+    def run(
+        self, contender: Contender, rows: Sequence[Sequence[int]], mode: Mode, seed: int, serial: bool = False
+    ) -> Run:
         """Generate for ``rows`` (one batch, or one at a time with ``serial``) and time it.
 
         Only the ``generate`` calls are timed, each through ``hfspec.timing.timed``; forwards of the
@@ -199,17 +210,25 @@ class Bench:
             self.stores.record(contender.drafter, rows, tokens)
         return Run(tokens, seconds, on_target.calls, on_draft.calls, None if serial else stats)
 
-    def _generate(self, contender: Contender, rows: Sequence[Sequence[int]], mode: Mode,
-                  seed: int) -> tuple[list[list[int]], Stats | None]:
+    def _generate(
+        self, contender: Contender, rows: Sequence[Sequence[int]], mode: Mode, seed: int
+    ) -> tuple[list[list[int]], Stats | None]:
         """New tokens per row (trimmed after EOS) and hfspec's counts (None for transformers)."""
         ids, mask = self.batch(rows)
         n = self.max_new_tokens
         if contender.kind == "hfspec":
             generator = torch.Generator(device=self.device).manual_seed(seed) if mode.do_sample else None
-            out = self.specs[contender.drafter].generate(ids, mask, max_new_tokens=n, gamma=self.policy(contender),
-                                                         generator=generator, pad_token_id=self.pad,
-                                                         tree=contender.tree or "auto", **mode.kwargs())
-            new = out.sequences[:, out.prompt_length:].tolist()
+            out = self.specs[contender.drafter].generate(
+                ids,
+                mask,
+                max_new_tokens=n,
+                gamma=self.policy(contender),
+                generator=generator,
+                pad_token_id=self.pad,
+                tree=contender.tree or "auto",
+                **mode.kwargs(),
+            )
+            new = out.sequences[:, out.prompt_length :].tolist()
             return [trim(t, self.eos, r.committed) for t, r in zip(new, out.stats.rows)], out.stats
         # transformers samples from torch's global generator.
         torch.manual_seed(seed)
@@ -223,9 +242,10 @@ class Bench:
         elif contender.kind == "lookup":
             extra["prompt_lookup_num_tokens"] = contender.gamma
         with assistant_settings(assistant, contender.gamma):
-            out = self.target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                                       pad_token_id=self.pad, **mode.kwargs(), **extra)
-        return [trim(t, self.eos) for t in out[:, ids.shape[1]:].tolist()], None
+            out = self.target.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, pad_token_id=self.pad, **mode.kwargs(), **extra
+            )
+        return [trim(t, self.eos) for t in out[:, ids.shape[1] :].tolist()], None
 
     def models(self) -> list[torch.nn.Module | None]:
         """The target and every drafter's module (model or head): what the CPU kernel may run."""
@@ -246,16 +266,25 @@ class Bench:
             with fast.suspended(*self.models()):
                 eager = self._costs(context, gammas, repeats)
         described = self.spec.describe()["fast_kernels"]
-        return {**measured, "context_tokens": len(context), "repeats": repeats, "eager": eager,
-                "fast_kernels": described,
-                "step_speedup": eager["target_step_ms"] / measured["target_step_ms"] if eager else None}
+        return {
+            **measured,
+            "context_tokens": len(context),
+            "repeats": repeats,
+            "eager": eager,
+            "fast_kernels": described,
+            "step_speedup": eager["target_step_ms"] / measured["target_step_ms"] if eager else None,
+        }
 
     def _costs(self, context: Sequence[int], gammas: Sequence[int], repeats: int) -> dict[str, Any]:
         """c, v(γ) and the step times of the main drafter's pair, as the models run now."""
         measured = costs.measure(self.target, self.spec.drafter, context, max(gammas), self.device, repeats)
-        return {"c": measured.c, "v": {str(g): measured.v(g) for g in sorted(set(gammas))},
-                "target_step_ms": 1e3 * measured.verify[1], "draft_step_ms": 1e3 * measured.draft,
-                "target_ms": {str(k): 1e3 * t for k, t in measured.verify.items()}}
+        return {
+            "c": measured.c,
+            "v": {str(g): measured.v(g) for g in sorted(set(gammas))},
+            "target_step_ms": 1e3 * measured.verify[1],
+            "draft_step_ms": 1e3 * measured.draft,
+            "target_ms": {str(k): 1e3 * t for k, t in measured.verify.items()},
+        }
 
     def auto_costs(self, context: Sequence[int]) -> dict[str, Any]:
         """Each drafter's generator measures its costs as gamma="auto" does at a first call; returns them."""

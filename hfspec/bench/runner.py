@@ -3,6 +3,7 @@
 Contenders run interleaved per prompt (A B C A B C …) after warm-up runs, so slow drifts
 of the machine hit all of them alike.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -30,8 +31,18 @@ from hfspec.cpu import fast
 from hfspec.policy import predicted_speedup
 from hfspec.recurrent import is_recurrent
 
-SWEEP_KEYS = ("speedup_vs_plain", "speedup_vs_hfspec_g0", "speedup_vs_assisted", "acceptance_rate", "alpha",
-              "mean_accepted_length", "predicted_speedup", "predicted_speedup_v", "efficiency", "acceptance_by_position")
+SWEEP_KEYS = (
+    "speedup_vs_plain",
+    "speedup_vs_hfspec_g0",
+    "speedup_vs_assisted",
+    "acceptance_rate",
+    "alpha",
+    "mean_accepted_length",
+    "predicted_speedup",
+    "predicted_speedup_v",
+    "efficiency",
+    "acceptance_by_position",
+)
 
 
 def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Settings) -> dict[str, Any]:
@@ -49,22 +60,51 @@ def run_bench(bench: Bench, prompts: Sequence[dict[str, str]], settings: Setting
         seed = bench.seed + 1000 * m
         runs = run_field(bench, main + sweep + trees, encoded, mode, settings, seed)
         greedy = not mode.do_sample
-        table = {c.name: summarize(c, runs[c.name], runs["plain"], runs.get("assisted"), bench.cost,
-                                   bench.verify_cost, greedy, runs.get("assisted-default"), runs.get(GAMMA0),
-                                   runs.get(PLAIN_KERNEL))
-                 for c in main + sweep}
+        table = {
+            c.name: summarize(
+                c,
+                runs[c.name],
+                runs["plain"],
+                runs.get("assisted"),
+                bench.cost,
+                bench.verify_cost,
+                greedy,
+                runs.get("assisted-default"),
+                runs.get(GAMMA0),
+                runs.get(PLAIN_KERNEL),
+            )
+            for c in main + sweep
+        }
         by_gamma = {settings.gamma: "hfspec", **{c.gamma: c.name for c in sweep}}
         result["modes"][mode.name] = out = {
-            "label": mode.label(), **mode.kwargs(),
+            "label": mode.label(),
+            **mode.kwargs(),
             "contenders": {c.name: table[c.name] for c in main},
-            "sweep": [{"gamma": g, **{k: table[by_gamma[g]][k] for k in SWEEP_KEYS},
-                       "tokens_per_second": table[by_gamma[g]]["tokens_per_second"]["median"]} for g in gammas],
-            "per_prompt": [{"id": p["id"], "kind": p["kind"], "prompt_tokens": len(e),
-                            **{c.name: round(runs[c.name][i].tokens_per_second, 3) for c in main}}
-                           for i, (p, e) in enumerate(zip(prompts, encoded))],
+            "sweep": [
+                {
+                    "gamma": g,
+                    **{k: table[by_gamma[g]][k] for k in SWEEP_KEYS},
+                    "tokens_per_second": table[by_gamma[g]]["tokens_per_second"]["median"],
+                }
+                for g in gammas
+            ],
+            "per_prompt": [
+                {
+                    "id": p["id"],
+                    "kind": p["kind"],
+                    "prompt_tokens": len(e),
+                    **{c.name: round(runs[c.name][i].tokens_per_second, 3) for c in main},
+                }
+                for i, (p, e) in enumerate(zip(prompts, encoded))
+            ],
         }
-        out["tree_sweep"] = [{"nodes": c.tree, **tree_summary(runs[c.name], runs["plain"], runs.get(GAMMA0), greedy,
-                                                              runs.get(PLAIN_KERNEL))} for c in trees]
+        out["tree_sweep"] = [
+            {
+                "nodes": c.tree,
+                **tree_summary(runs[c.name], runs["plain"], runs.get(GAMMA0), greedy, runs.get(PLAIN_KERNEL)),
+            }
+            for c in trees
+        ]
         if greedy:
             for key, suffix in (("greedy_mismatches", ""), ("greedy_mismatches_vs_kernel", "_vs_kernel")):
                 if PLAIN_KERNEL in runs or not suffix:
@@ -84,14 +124,25 @@ def field_of(bench: Bench, settings: Settings, gammas: Sequence[int]) -> tuple[l
     extra = [name for name in bench.specs if name != MAIN]
     # transformers assists only a model draft, and refuses stateful (recurrent) targets.
     assists = not is_recurrent(bench.target)
-    main, sweep = contenders(settings.gamma, gammas, extra, assisted=assists and bench.draft is not None,
-                             lookup_tokens=settings.lookup_tokens if assists else None,
-                             kernels=fast.is_accelerated(bench.target))
+    main, sweep = contenders(
+        settings.gamma,
+        gammas,
+        extra,
+        assisted=assists and bench.draft is not None,
+        lookup_tokens=settings.lookup_tokens if assists else None,
+        kernels=fast.is_accelerated(bench.target),
+    )
     return [c for c in main if c.kind == "plain" or c.name not in settings.skip], sweep
 
 
-def run_field(bench: Bench, field: Sequence[Contender], encoded: Sequence[Sequence[int]], mode: Mode,
-              settings: Settings, seed: int) -> dict[str, list[Run]]:
+def run_field(
+    bench: Bench,
+    field: Sequence[Contender],
+    encoded: Sequence[Sequence[int]],
+    mode: Mode,
+    settings: Settings,
+    seed: int,
+) -> dict[str, list[Run]]:
     """Warm-up passes, then every prompt with every contender in turn (A B C A B C …); the runs by contender.
 
     The lookup stores start the mode empty and only ever hold outputs of other prompts (``hfspec.bench.stores``).
@@ -108,8 +159,9 @@ def run_field(bench: Bench, field: Sequence[Contender], encoded: Sequence[Sequen
     return runs
 
 
-def rollback_report(bench: Bench, context: Sequence[int], gammas: Sequence[int], result: dict[str, Any],
-                    repeats: int) -> dict[str, Any]:
+def rollback_report(
+    bench: Bench, context: Sequence[int], gammas: Sequence[int], result: dict[str, Any], repeats: int
+) -> dict[str, Any]:
     """What rolling a recurrent target back costs: v(γ) without and with the rollback (snapshot, and the replay
     of a rejection at the acceptance each mode measured), and the predicted speed-up either way."""
     out: dict[str, Any] = {}
@@ -120,7 +172,8 @@ def rollback_report(bench: Bench, context: Sequence[int], gammas: Sequence[int],
             alpha = measured_alpha(mode["contenders"])
             if alpha is not None:
                 row["modes"][name] = {
-                    "alpha": alpha, "v_with_rollback": rc.expected(alpha),
+                    "alpha": alpha,
+                    "v_with_rollback": rc.expected(alpha),
                     "predicted_speedup": predicted_speedup(alpha, g, bench.cost, rc.verify),
                     "predicted_speedup_with_rollback": predicted_speedup(alpha, g, bench.cost, rc.expected(alpha)),
                 }
@@ -137,8 +190,7 @@ def measured_alpha(rows: dict[str, dict[str, Any]]) -> float | None:
     return None
 
 
-def run_batch(bench: Bench, rows: Sequence[Sequence[int]], mode: Mode, settings: Settings,
-              seed: int) -> dict[str, Any]:
+def run_batch(bench: Bench, rows: Sequence[Sequence[int]], mode: Mode, settings: Settings, seed: int) -> dict[str, Any]:
     """hfspec on a whole batch vs hfspec one prompt at a time vs the target's batched ``generate()``.
 
     Rows repeat when the batch is larger than the prompts. Every call starts with a lookup store
@@ -159,7 +211,9 @@ def run_batch(bench: Bench, rows: Sequence[Sequence[int]], mode: Mode, settings:
             runs[name].append(bench.run(c, rows, mode, seed + r, serial=serial))
     tps = {name: statistics.median(x.tokens_per_second for x in rs) for name, rs in runs.items()}
     out: dict[str, Any] = {
-        "batch_size": len(rows), "repeats": settings.batch_repeats, "gamma": "auto",
+        "batch_size": len(rows),
+        "repeats": settings.batch_repeats,
+        "gamma": "auto",
         "tokens_per_second": tps,
         "batched_vs_serial": tps["hfspec_batched"] / tps["hfspec_serial"],
         "batched_vs_plain_batched": tps["hfspec_batched"] / tps["plain_batched"],
@@ -168,4 +222,3 @@ def run_batch(bench: Bench, rows: Sequence[Sequence[int]], mode: Mode, settings:
     if not mode.do_sample:
         out["greedy_mismatches"] = mismatches(runs["plain_batched"][0].tokens, runs["hfspec_batched"][0].tokens)
     return out
-

@@ -13,6 +13,7 @@ earlier calls in this mode (warm-up calls included), oldest first, of every prom
 than those being generated. A prompt thus never meets its own answer, from whatever run,
 and meets those of the prompts before it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence

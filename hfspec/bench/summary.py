@@ -5,6 +5,7 @@ are interleaved, so a ratio cancels most of the machine's drift and a slow promp
 not dominate. α is fitted to the measured tokens per target pass (Leviathan et al.,
 arXiv 2211.17192, Thm 3.8), not read off the share of drafts accepted.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -43,8 +44,15 @@ def acceptance(contender: Contender, runs: Sequence[Run]) -> dict[str, Any]:
     Prompt lookup drafts without forwards, so only its tokens per pass are known.
     """
     if contender.kind == "plain":
-        return {"acceptance_rate": None, "mean_accepted_length": 1.0, "mean_gamma": 0.0,
-                "acceptance_by_position": [], "gamma_histogram": [], "tree_steps": None, "tree_nodes": None}
+        return {
+            "acceptance_rate": None,
+            "mean_accepted_length": 1.0,
+            "mean_gamma": 0.0,
+            "acceptance_by_position": [],
+            "gamma_histogram": [],
+            "tree_steps": None,
+            "tree_nodes": None,
+        }
     histogram: list[int] = []
     # hfspec's tree steps (counted in the histogram at their depth); transformers drafts no trees.
     trees: dict[str, int | None] = {"tree_steps": None, "tree_nodes": None}
@@ -61,14 +69,19 @@ def acceptance(contender: Contender, runs: Sequence[Run]) -> dict[str, Any]:
         accepted = max(0, committed - passes)
         drafted = sum(r.draft_calls for r in runs) if contender.kind == "assisted" else None
         by_position = []
-    return {"acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_length": committed / passes if passes else None,
-            "mean_gamma": drafted / passes if passes and drafted is not None else None,
-            "acceptance_by_position": by_position, "gamma_histogram": histogram, **trees}
+    return {
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_accepted_length": committed / passes if passes else None,
+        "mean_gamma": drafted / passes if passes and drafted is not None else None,
+        "acceptance_by_position": by_position,
+        "gamma_histogram": histogram,
+        **trees,
+    }
 
 
-def prediction(alpha: float | None, gamma: float | None, cost: float,
-               verify_cost: dict[int, float]) -> tuple[float | None, float | None, int | None]:
+def prediction(
+    alpha: float | None, gamma: float | None, cost: float, verify_cost: dict[int, float]
+) -> tuple[float | None, float | None, int | None]:
     """Predicted speed-up with v = 1 and with the measured v(γ); adaptive runs use their mean γ, rounded."""
     if alpha is None or not gamma:
         return None, None, None
@@ -84,13 +97,19 @@ def greedy_checks(runs: Sequence[Run], plain: Sequence[Run], plain_kernel: Seque
     target runs hfspec's, on those (``greedy_mismatches_vs_kernel``: the reference that holds bit for bit)."""
     out = {"greedy_mismatches": mismatches([r.tokens[0] for r in plain], [r.tokens[0] for r in runs])}
     if plain_kernel is not None:
-        out["greedy_mismatches_vs_kernel"] = mismatches([r.tokens[0] for r in plain_kernel],
-                                                        [r.tokens[0] for r in runs])
+        out["greedy_mismatches_vs_kernel"] = mismatches(
+            [r.tokens[0] for r in plain_kernel], [r.tokens[0] for r in runs]
+        )
     return out
 
 
-def tree_summary(runs: Sequence[Run], plain: Sequence[Run], gamma0: Sequence[Run] | None,
-                 greedy: bool, plain_kernel: Sequence[Run] | None = None) -> dict[str, Any]:
+def tree_summary(
+    runs: Sequence[Run],
+    plain: Sequence[Run],
+    gamma0: Sequence[Run] | None,
+    greedy: bool,
+    plain_kernel: Sequence[Run] | None = None,
+) -> dict[str, Any]:
     """One point of the tree sweep: speed, tokens per target pass, nodes verified per pass and the acceptance of
     tree steps by depth (of the steps whose path reached depth d - 1, the share that kept a node at depth d)."""
     stats = Stats.combine([r.stats for r in runs])
@@ -123,10 +142,18 @@ def mismatches(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[in
     return found
 
 
-def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], assisted: Sequence[Run] | None,
-              cost: float, verify_cost: dict[int, float], greedy: bool,
-              assisted_default: Sequence[Run] | None = None, gamma0: Sequence[Run] | None = None,
-              plain_kernel: Sequence[Run] | None = None) -> dict[str, Any]:
+def summarize(
+    contender: Contender,
+    runs: Sequence[Run],
+    plain: Sequence[Run],
+    assisted: Sequence[Run] | None,
+    cost: float,
+    verify_cost: dict[int, float],
+    greedy: bool,
+    assisted_default: Sequence[Run] | None = None,
+    gamma0: Sequence[Run] | None = None,
+    plain_kernel: Sequence[Run] | None = None,
+) -> dict[str, Any]:
     """Everything reported for one contender in one mode (``assisted*`` are None without a draft model;
     ``gamma0``, hfspec at γ = 0 on the same kernels, is None when skipped; ``plain_kernel``, the target's own
     generate() on hfspec's kernels, is None where the target runs torch's)."""
@@ -135,18 +162,24 @@ def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], a
     vs_plain = median_ratio(tps, [r.tokens_per_second for r in plain])
     gamma = contender.gamma or acc["mean_gamma"]
     # α for the cost model, fitted at the same (rounded) γ that the prediction uses.
-    alpha = (alpha_from_tokens_per_pass(acc["mean_accepted_length"], max(1, round(gamma)))
-             if gamma and acc["mean_accepted_length"] else None)
+    alpha = (
+        alpha_from_tokens_per_pass(acc["mean_accepted_length"], max(1, round(gamma)))
+        if gamma and acc["mean_accepted_length"]
+        else None
+    )
     pred, pred_v, g = prediction(alpha, gamma, cost, verify_cost)
     row = {
-        "kind": contender.kind, "schedule": contender.schedule, "gamma": contender.gamma,
+        "kind": contender.kind,
+        "schedule": contender.schedule,
+        "gamma": contender.gamma,
         "drafter": contender.drafter,
         "tokens_per_second": spread(tps),
         "speedup_vs_plain": vs_plain,
         "speedup_vs_hfspec_g0": median_ratio(tps, [r.tokens_per_second for r in gamma0]) if gamma0 else None,
         "speedup_vs_assisted": median_ratio(tps, [r.tokens_per_second for r in assisted]) if assisted else None,
-        "speedup_vs_assisted_default": (median_ratio(tps, [r.tokens_per_second for r in assisted_default])
-                                        if assisted_default else None),
+        "speedup_vs_assisted_default": (
+            median_ratio(tps, [r.tokens_per_second for r in assisted_default]) if assisted_default else None
+        ),
         **acc,
         "alpha": alpha,
         "prediction_gamma": g,
@@ -159,4 +192,3 @@ def summarize(contender: Contender, runs: Sequence[Run], plain: Sequence[Run], a
     if greedy:
         row.update(greedy_checks(runs, plain, plain_kernel))
     return row
-

@@ -11,6 +11,7 @@ Activations built only from operations that are the same bits on both paths (``g
 powers, products; ReLU) are invariant as they are and left alone; others (and activations a model calls as
 functions inside its forward rather than as modules) keep torch's kernels.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -52,8 +53,12 @@ class InvariantActivation(nn.Module):
     hfspec_original: type
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if (_ENTRY is None or not input.is_cpu or input.dtype not in _DTYPES
-                or (torch.is_grad_enabled() and input.requires_grad)):
+        if (
+            _ENTRY is None
+            or not input.is_cpu
+            or input.dtype not in _DTYPES
+            or (torch.is_grad_enabled() and input.requires_grad)
+        ):
             return self.hfspec_original.forward(self, input)
         x = input.contiguous()
         out = torch.empty_like(x)
@@ -64,8 +69,10 @@ class InvariantActivation(nn.Module):
 def _bind(library: kernels.KernelLibrary) -> None:
     global _ENTRY
     if _ENTRY is None:
-        _ENTRY = library.function("hfspec_activation", [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                                        ctypes.c_int64, ctypes.c_int])
+        _ENTRY = library.function(
+            "hfspec_activation",
+            [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int],
+        )
 
 
 def use(model: nn.Module, library: kernels.KernelLibrary) -> int:
@@ -92,4 +99,3 @@ def unuse(model: nn.Module) -> int:
             module.__dict__.pop("hfspec_kind", None)
             count += 1
     return count
-

@@ -21,6 +21,7 @@ it back. What the kernel does not serve keeps the model's own attention, and the
 invariance: tensors off the CPU or in other dtypes, dropout (training), ``output_attentions``, attention sinks
 (``s_aux``), gradients.
 """
+
 from __future__ import annotations
 
 import array
@@ -35,8 +36,17 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from hfspec.cpu import kernels
 
-__all__ = ["EAGER", "IMPLEMENTATION", "attention", "bind", "eager_attention", "sdpa_attention", "serves", "unuse",
-           "use"]
+__all__ = [
+    "EAGER",
+    "IMPLEMENTATION",
+    "attention",
+    "bind",
+    "eager_attention",
+    "sdpa_attention",
+    "serves",
+    "unuse",
+    "use",
+]
 
 IMPLEMENTATION = "hfspec_sdpa"
 EAGER = "hfspec_eager"
@@ -44,8 +54,20 @@ _ORIGINAL = {IMPLEMENTATION: "sdpa", EAGER: "eager"}
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _MASKS = {torch.bool: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
-_ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-             ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+_ARGTYPES = [
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_float,
+    ctypes.c_float,
+    ctypes.c_int,
+    ctypes.c_int,
+]
 # The kernel's entry, bound by bind() (use() binds it): looked up once, not on every layer of every forward.
 _ENTRY = None
 
@@ -60,17 +82,36 @@ def bind(library: kernels.KernelLibrary) -> None:
 def serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether the kernel computes this attention (else the model's own function does)."""
     dtype = query.dtype
-    return (_ENTRY is not None and dtype in _DTYPES and key.dtype == dtype and value.dtype == dtype
-            and query.is_cpu and key.is_cpu and value.is_cpu and query.dim() == 4 and key.dim() == 4
-            and value.dim() == 4 and query.shape[0] == key.shape[0] == value.shape[0]
-            and key.shape[1:3] == value.shape[1:3] and query.shape[1] % key.shape[1] == 0
-            and query.shape[-1] == key.shape[-1]
-            and (mask is None or (mask.is_cpu and mask.dtype in _MASKS and mask.dim() <= 4))
-            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)))
+    return (
+        _ENTRY is not None
+        and dtype in _DTYPES
+        and key.dtype == dtype
+        and value.dtype == dtype
+        and query.is_cpu
+        and key.is_cpu
+        and value.is_cpu
+        and query.dim() == 4
+        and key.dim() == 4
+        and value.dim() == 4
+        and query.shape[0] == key.shape[0] == value.shape[0]
+        and key.shape[1:3] == value.shape[1:3]
+        and query.shape[1] % key.shape[1] == 0
+        and query.shape[-1] == key.shape[-1]
+        and (mask is None or (mask.is_cpu and mask.dtype in _MASKS and mask.dim() <= 4))
+        and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+    )
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None, *,
-              scale: float | None = None, softcap: float | None = None, is_causal: bool = False) -> torch.Tensor:
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
     """Attention of query (B, H, Q, D) over key (B, Hkv, L, D) and value (B, Hkv, L, Dv) on the kernel: (B, Q, H, Dv),
     contiguous, in the query's dtype. ``mask`` is boolean (True: seen) or additive, broadcastable to (B, H, Q, L);
     ``is_causal``: query i sees keys 0..i (torch's upper-left alignment). The caller checks :func:`serves`."""
@@ -85,56 +126,119 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
         mask_strides = mask.stride()
     else:
         mask_strides = (0, 0, 0, 0)
-    sizes = array.array("q", (*query.stride()[:3], *key.stride()[:3], *value.stride()[:3], rows * heads * dv, dv,
-                              heads * dv, *mask_strides, batch, heads, kv_heads, rows, length, dim, dv))
-    _ENTRY(_DTYPES[query.dtype], query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(),
-           None if mask is None else mask.data_ptr(), 0 if mask is None else _MASKS[mask.dtype], sizes.buffer_info()[0],
-           dim ** -0.5 if scale is None else scale, softcap or 0.0, int(is_causal), torch.get_num_threads())
+    sizes = array.array(
+        "q",
+        (
+            *query.stride()[:3],
+            *key.stride()[:3],
+            *value.stride()[:3],
+            rows * heads * dv,
+            dv,
+            heads * dv,
+            *mask_strides,
+            batch,
+            heads,
+            kv_heads,
+            rows,
+            length,
+            dim,
+            dv,
+        ),
+    )
+    _ENTRY(
+        _DTYPES[query.dtype],
+        query.data_ptr(),
+        key.data_ptr(),
+        value.data_ptr(),
+        out.data_ptr(),
+        None if mask is None else mask.data_ptr(),
+        0 if mask is None else _MASKS[mask.dtype],
+        sizes.buffer_info()[0],
+        dim**-0.5 if scale is None else scale,
+        softcap or 0.0,
+        int(is_causal),
+        torch.get_num_threads(),
+    )
     return out
 
 
-def _served(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            attention_mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
-    return (not dropout and not kwargs.get("output_attentions") and kwargs.get("s_aux") is None
-            and serves(query, key, value, attention_mask))
+def _served(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    kwargs: dict,
+) -> bool:
+    return (
+        not dropout
+        and not kwargs.get("output_attentions")
+        and kwargs.get("s_aux") is None
+        and serves(query, key, value, attention_mask)
+    )
 
 
-def sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                   is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' sdpa attention (its ``is_causal`` rule and position biases) computed by :func:`attention`."""
     if not _served(module, query, key, value, attention_mask, dropout, kwargs):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:
         if is_causal:
-            key, value, position_bias = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]], \
-                position_bias[..., :query.shape[2]]
+            key, value, position_bias = (
+                key[:, :, : query.shape[2]],
+                value[:, :, : query.shape[2]],
+                position_bias[..., : query.shape[2]],
+            )
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
         is_causal = False
-    return attention(query, key, value, attention_mask, scale=scaling, softcap=kwargs.get("softcap"),
-                     is_causal=is_causal), None
+    return attention(
+        query, key, value, attention_mask, scale=scaling, softcap=kwargs.get("softcap"), is_causal=is_causal
+    ), None
 
 
 def _eager_of(module: nn.Module):
     """The eager attention function of ``module``'s own modeling file (the fallback of :func:`eager_attention`)."""
     found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if found is None:
-        raise NotImplementedError(f"{type(module).__name__} has no eager_attention_forward to fall back to; "
-                                  "run it with hfspec.fast.restore(model)")
+        raise NotImplementedError(
+            f"{type(module).__name__} has no eager_attention_forward to fall back to; "
+            "run it with hfspec.fast.restore(model)"
+        )
     return found
 
 
-def eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                    softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+def eager_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A model's eager attention (additive mask, soft-capping) computed by :func:`attention`."""
     if not _served(module, query, key, value, attention_mask, dropout, kwargs):
-        return _eager_of(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                 softcap=softcap, **kwargs)
+        return _eager_of(module)(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
+        )
     scale = scaling if scaling is not None else getattr(module, "head_dim", query.shape[-1]) ** -0.5
     return attention(query, key, value, attention_mask, scale=scale, softcap=softcap), None
 

@@ -6,6 +6,7 @@ than in a verification or a prefill. :class:`FastConv1D` runs ``hfspec/cpu/csrc/
 it is (nothing copied), where each output is one chain of multiply-adds in input order; other devices and dtypes,
 and autograd, keep ``addmm``. :func:`use` switches a model's ``Conv1D`` layers, :func:`unuse` switches them back.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -20,8 +21,20 @@ __all__ = ["FastConv1D", "unuse", "use"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ENTRY = None  # the kernel's entry, bound by use()
-_ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+_ARGTYPES = [
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int,
+]
 
 
 class FastConv1D(Conv1D):
@@ -29,16 +42,33 @@ class FastConv1D(Conv1D):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
-        if (_ENTRY is None or not (x.is_cpu and w.is_cpu) or x.dtype != w.dtype or w.dtype not in _DTYPES
-                or w.stride(1) != 1 or (b is not None and b.dtype != w.dtype)
-                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+        if (
+            _ENTRY is None
+            or not (x.is_cpu and w.is_cpu)
+            or x.dtype != w.dtype
+            or w.dtype not in _DTYPES
+            or w.stride(1) != 1
+            or (b is not None and b.dtype != w.dtype)
+            or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+        ):
             return super().forward(x)
         rows = x.reshape(-1, self.nx).float().contiguous()  # bf16 activations are summed in fp32
         bias = None if b is None else b.float().contiguous()
         out = torch.empty(rows.shape[0], self.nf, dtype=torch.float32)
-        _ENTRY(_DTYPES[w.dtype], rows.data_ptr(), self.nx, w.data_ptr(), w.stride(0),
-               None if bias is None else bias.data_ptr(), out.data_ptr(), self.nf, rows.shape[0], self.nf, self.nx,
-               torch.get_num_threads())
+        _ENTRY(
+            _DTYPES[w.dtype],
+            rows.data_ptr(),
+            self.nx,
+            w.data_ptr(),
+            w.stride(0),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            self.nf,
+            rows.shape[0],
+            self.nf,
+            self.nx,
+            torch.get_num_threads(),
+        )
         return out.to(x.dtype).reshape(*x.shape[:-1], self.nf)
 
 

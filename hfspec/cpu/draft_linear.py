@@ -18,6 +18,7 @@ AVX2 with FMA and F16C) it converts nothing; a :class:`DraftLinear` that meets t
 or autograd computes ``F.linear`` on its dequantized weight in the input's precision: another approximation,
 equally lossless.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -34,10 +35,24 @@ from hfspec.cpu import kernels, quant
 from hfspec.cpu.fast import FastLinear
 from hfspec.errors import HfspecError, HfspecTypeError
 
-__all__ = ["BITS", "LANES", "QK", "DraftKernel", "DraftLinear", "DraftingReport", "dequantize", "describe", "kernel",
-           "pack", "quantize_for_drafting", "unavailable", "unpack", "weights"]
+__all__ = [
+    "BITS",
+    "LANES",
+    "QK",
+    "DraftKernel",
+    "DraftLinear",
+    "DraftingReport",
+    "dequantize",
+    "describe",
+    "kernel",
+    "pack",
+    "quantize_for_drafting",
+    "unavailable",
+    "unpack",
+    "weights",
+]
 
-QK = 32     # weights per block along in_features, each with its own scale and offset
+QK = 32  # weights per block along in_features, each with its own scale and offset
 LANES = 16  # weight rows packed side by side: one 16-lane vector of sums
 BITS = (4, 8)
 # Rows quantized at a time while packing: bounds the fp32 copies of a large head.
@@ -69,8 +84,9 @@ _KERNEL: DraftKernel | None = None  # what kernel() bound, read on every forward
 @functools.cache
 def _bind(library: kernels.KernelLibrary) -> DraftKernel:
     isa = library.function("hfspec_draft_isa", [], ctypes.c_char_p)().decode()
-    linear_fn = library.function("hfspec_draft_linear", [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
-                                                         _INT], _INT)
+    linear_fn = library.function(
+        "hfspec_draft_linear", [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], _INT
+    )
     pack_fn = library.function("hfspec_draft_pack", [_INT, _PTR, _I64, _I64, _I64, _PTR, _INT], _INT)
     return DraftKernel(library, isa, linear_fn, pack_fn)
 
@@ -97,6 +113,7 @@ def kernel() -> DraftKernel | None:
 
 # -- packing ------------------------------------------------------------------------------------------------------
 
+
 def pack(weight: torch.Tensor, bits: int = 4, dk: DraftKernel | None = None) -> torch.Tensor:
     """``weight`` (N, K), any float dtype, in the kernel's layout (``csrc/draft.cpp``): uint8 (ceil(N / 16), K / 32,
     bytes per block), each block of 32 weights of a row as codes in 0..2^bits - 1 with the fp16 scale ``d`` and
@@ -107,8 +124,9 @@ def pack(weight: torch.Tensor, bits: int = 4, dk: DraftKernel | None = None) -> 
         raise HfspecError(f"packing draft weights needs hfspec's CPU kernel, which is off here: {unavailable()}")
     n, k = weight.shape
     if k % QK or bits not in BITS:
-        raise HfspecError(f"the draft kernel packs {BITS} bits for in_features a multiple of {QK}; got {bits} bits "
-                          f"and {k}")
+        raise HfspecError(
+            f"the draft kernel packs {BITS} bits for in_features a multiple of {QK}; got {bits} bits and {k}"
+        )
     w = weight.detach().to(device="cpu", dtype=torch.float32)
     if w.stride(-1) != 1 or (n > 1 and w.stride(0) < k):
         w = w.contiguous()
@@ -128,8 +146,14 @@ def unpack(packed: torch.Tensor, bits: int, out_features: int) -> tuple[torch.Te
     else:  # (G, kb, chunk, lane, byte) -> (G, lane, kb, chunk, byte)
         q = chunks.reshape(groups, kb, 8, LANES, 4).permute(0, 3, 1, 2, 4)
     codes = q.reshape(groups * LANES, kb * QK)[:out_features]
-    d, m = (packed[..., size + i * 2 * LANES:size + (i + 1) * 2 * LANES].contiguous().view(torch.float16)
-            .transpose(1, 2).reshape(groups * LANES, kb)[:out_features] for i in (0, 1))
+    d, m = (
+        packed[..., size + i * 2 * LANES : size + (i + 1) * 2 * LANES]
+        .contiguous()
+        .view(torch.float16)
+        .transpose(1, 2)
+        .reshape(groups * LANES, kb)[:out_features]
+        for i in (0, 1)
+    )
     return codes, d, m
 
 
@@ -147,19 +171,26 @@ def _rows(module: quant.QuantLinear, start: int, stop: int) -> torch.Tensor:
 
 # -- the layer ----------------------------------------------------------------------------------------------------
 
+
 class DraftLinear(nn.Module):
     """A linear whose weight is packed in blocks of 4-bit (or 8-bit) codes (``packed``: uint8 (groups, blocks,
     bytes)), run by the draft kernel on CPU for fp32 or bf16 inputs of any leading shape; the output has the
     input's dtype. Elsewhere (kernel off, another device, autograd) ``F.linear`` on the dequantized weight."""
 
-    def __init__(self, packed: torch.Tensor, bits: int, in_features: int, out_features: int,
-                 bias: torch.Tensor | None = None):
+    def __init__(
+        self, packed: torch.Tensor, bits: int, in_features: int, out_features: int, bias: torch.Tensor | None = None
+    ):
         super().__init__()
-        if bits not in BITS or packed.dtype != torch.uint8 or packed.shape != (-(-out_features // LANES),
-                                                                             in_features // QK, _block_bytes(bits)):
-            raise HfspecError(f"packed weights for {out_features} x {in_features} at {bits} bits are uint8 "
-                             f"({-(-out_features // LANES)}, {in_features // QK}, {_block_bytes(bits)}) (pack() makes "
-                             f"them); got {packed.dtype} {tuple(packed.shape)}")
+        if (
+            bits not in BITS
+            or packed.dtype != torch.uint8
+            or packed.shape != (-(-out_features // LANES), in_features // QK, _block_bytes(bits))
+        ):
+            raise HfspecError(
+                f"packed weights for {out_features} x {in_features} at {bits} bits are uint8 "
+                f"({-(-out_features // LANES)}, {in_features // QK}, {_block_bytes(bits)}) (pack() makes "
+                f"them); got {packed.dtype} {tuple(packed.shape)}"
+            )
         self.bits, self.in_features, self.out_features = bits, in_features, out_features
         self.register_buffer("packed", packed.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
@@ -169,12 +200,14 @@ class DraftLinear(nn.Module):
         """A :class:`DraftLinear` for an ``nn.Linear`` (fp32, bf16, a :class:`~hfspec.cpu.fast.FastLinear`) or a
         :class:`~hfspec.cpu.quant.QuantLinear` (its weight dequantized exactly, then packed), with its bias."""
         if not isinstance(module, (nn.Linear, quant.QuantLinear)):
-            raise HfspecTypeError(f"DraftLinear.from_module takes an nn.Linear or a QuantLinear, got "
-                                  f"{type(module).__name__}")
+            raise HfspecTypeError(
+                f"DraftLinear.from_module takes an nn.Linear or a QuantLinear, got {type(module).__name__}"
+            )
         n, k = module.out_features, module.in_features
         if isinstance(module, quant.QuantLinear):  # dequantized a slice of rows at a time
-            packed = torch.cat([pack(_rows(module, start, min(n, start + _CHUNK_ROWS)), bits)
-                                for start in range(0, n, _CHUNK_ROWS)])  # whole groups: _CHUNK_ROWS % LANES == 0
+            packed = torch.cat(
+                [pack(_rows(module, start, min(n, start + _CHUNK_ROWS)), bits) for start in range(0, n, _CHUNK_ROWS)]
+            )  # whole groups: _CHUNK_ROWS % LANES == 0
         else:
             packed = pack(module.weight, bits)
         return cls(packed, bits, k, n, module.bias)
@@ -186,16 +219,33 @@ class DraftLinear(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         dk, k, n = _KERNEL, self.in_features, self.out_features
         packed, b = self.packed, self.bias
-        if (dk is None or not input.is_cpu or not packed.is_cpu or input.shape[-1] != k or input.dtype not in _INPUTS
-                or (input.requires_grad and torch.is_grad_enabled())):
+        if (
+            dk is None
+            or not input.is_cpu
+            or not packed.is_cpu
+            or input.shape[-1] != k
+            or input.dtype not in _INPUTS
+            or (input.requires_grad and torch.is_grad_enabled())
+        ):
             return self._torch(input)
         x = input if input.dtype is torch.float32 and input.is_contiguous() else input.float().contiguous()
         if b is not None and b.dtype is not torch.float32:
             b = b.float()
         out = torch.empty((*input.shape[:-1], n), dtype=torch.float32)
         m = x.numel() // k
-        dk.linear(self.bits, x.data_ptr(), k, packed.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(), n,
-                  m, n, k, torch.get_num_threads())
+        dk.linear(
+            self.bits,
+            x.data_ptr(),
+            k,
+            packed.data_ptr(),
+            None if b is None else b.data_ptr(),
+            out.data_ptr(),
+            n,
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
         return out if input.dtype is torch.float32 else out.to(input.dtype)
 
     def _torch(self, input: torch.Tensor) -> torch.Tensor:
@@ -205,11 +255,14 @@ class DraftLinear(nn.Module):
         return F.linear(input, self.dequantized().to(device=input.device, dtype=input.dtype), bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 # -- a whole draft ------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class DraftingReport:
@@ -266,11 +319,15 @@ def describe(model: nn.Module | None) -> dict[str, object]:
     """What of ``model`` runs in integer arithmetic: ``layers`` (DraftLinears), ``bits`` (their widths) and
     ``bytes`` of packed weights."""
     layers = [] if model is None else [m for m in model.modules() if isinstance(m, DraftLinear)]
-    return {"layers": len(layers), "bits": sorted({m.bits for m in layers}),
-            "bytes": sum(m.packed.numel() for m in layers)}
+    return {
+        "layers": len(layers),
+        "bits": sorted({m.bits for m in layers}),
+        "bytes": sum(m.packed.numel() for m in layers),
+    }
 
 
 def weights(model: nn.Module) -> int:
     """The weights ``model`` computes with: its parameters, and those its DraftLinears hold packed."""
-    return sum(p.numel() for p in model.parameters()) + sum(m.in_features * m.out_features for m in model.modules()
-                                                            if isinstance(m, DraftLinear))
+    return sum(p.numel() for p in model.parameters()) + sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, DraftLinear)
+    )

@@ -23,6 +23,7 @@ The kernels sum in another order than torch, so logits differ from torch's in th
 (see ``scripts/kernel_speed.py``); an accelerated model is consistent with itself, e.g. its own
 ``generate()``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,18 @@ from hfspec.cpu import kernels, quant
 from hfspec.cpu import plan as kernel_plan
 from hfspec.errors import HfspecError
 
-__all__ = ["ALL_ROWS", "AccelerationReport", "FastLinear", "accelerate", "accelerate_loaded", "accelerated", "describe",
-           "is_accelerated", "restore", "suspended"]
+__all__ = [
+    "ALL_ROWS",
+    "AccelerationReport",
+    "FastLinear",
+    "accelerate",
+    "accelerate_loaded",
+    "accelerated",
+    "describe",
+    "is_accelerated",
+    "restore",
+    "suspended",
+]
 
 # Rows per call that run on the kernel by default: all of them. A row's bits then do not depend on how many rows
 # share the call, prompts included (hfspec prefills all prompt tokens but the last, generate() all of them). The price
@@ -72,12 +83,22 @@ class FastLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w, b, k = self.weight, self.bias, self.in_features
         library = _KERNEL
-        if (library is None or not (input.is_cpu and w.is_cpu) or input.dtype != w.dtype or w.dtype not in _DTYPES
-                or input.shape[-1] != k or input.numel() > self.max_rows * k or not w.is_contiguous()
-                or (torch.is_grad_enabled() and (w.requires_grad or input.requires_grad))):
+        if (
+            library is None
+            or not (input.is_cpu and w.is_cpu)
+            or input.dtype != w.dtype
+            or w.dtype not in _DTYPES
+            or input.shape[-1] != k
+            or input.numel() > self.max_rows * k
+            or not w.is_contiguous()
+            or (torch.is_grad_enabled() and (w.requires_grad or input.requires_grad))
+        ):
             return F.linear(input, w, b)
-        if (input.dtype is torch.float32 and input.is_contiguous()
-                and (b is None or b.is_contiguous() and b.dtype is torch.float32)):
+        if (
+            input.dtype is torch.float32
+            and input.is_contiguous()
+            and (b is None or b.is_contiguous() and b.dtype is torch.float32)
+        ):
             return kernels.linear_unchecked(library, input, w, b, self.plan)  # the decoding path: no copy, no reshape
         x = input.reshape(-1, k)
         if x.dtype != torch.float32 or x.stride(-1) != 1:  # bf16 activations are summed in fp32
@@ -93,14 +114,14 @@ class AccelerationReport:
 
     layers: tuple[str, ...]
     skipped: tuple[tuple[str, str], ...]
-    bytes_added: int                 # always 0: weights keep their tensors and layout
-    isa: str | None                  # the kernel's vector ISA, None when it is not in use
+    bytes_added: int  # always 0: weights keep their tensors and layout
+    isa: str | None  # the kernel's vector ISA, None when it is not in use
     library: Path | None
-    build_seconds: float             # compile time paid by this call (0.0 from the cache)
-    reason: str | None = None        # why nothing was converted, if so
-    attention: bool = False          # whether the model's attention switched to hfspec.cpu.attention
-    quantized: int = 0               # layers holding GGUF blocks on the quantized kernel (hfspec.cpu.quant)
-    activations: int = 0             # activation modules switched to hfspec.cpu.activations
+    build_seconds: float  # compile time paid by this call (0.0 from the cache)
+    reason: str | None = None  # why nothing was converted, if so
+    attention: bool = False  # whether the model's attention switched to hfspec.cpu.attention
+    quantized: int = 0  # layers holding GGUF blocks on the quantized kernel (hfspec.cpu.quant)
+    activations: int = 0  # activation modules switched to hfspec.cpu.activations
 
 
 def _skip_reason(module: nn.Linear) -> str | None:
@@ -153,8 +174,17 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None, plan: bool = Tr
     layers += cpu_conv1d.use(model, library) if converted else []
     attention = bool(converted or quantized) and cpu_attention.use(model, library)
     acts = cpu_activations.use(model, library) if converted or quantized else 0
-    return AccelerationReport(tuple(layers), tuple(skipped), 0, library.isa, library.path, library.build_seconds,
-                              attention=attention, quantized=quantized, activations=acts)
+    return AccelerationReport(
+        tuple(layers),
+        tuple(skipped),
+        0,
+        library.isa,
+        library.path,
+        library.build_seconds,
+        attention=attention,
+        quantized=quantized,
+        activations=acts,
+    )
 
 
 def restore(model: nn.Module) -> int:
@@ -213,8 +243,15 @@ def accelerate_loaded(model: nn.Module, *, plan: bool = True) -> AccelerationRep
     report = accelerate(model, plan=plan)
     if report.isa == "scalar":
         restore(model)
-        return AccelerationReport((), (), 0, report.isa, report.library, report.build_seconds,
-                                  reason="off: the kernel has no vector instructions on this CPU")
+        return AccelerationReport(
+            (),
+            (),
+            0,
+            report.isa,
+            report.library,
+            report.build_seconds,
+            reason="off: the kernel has no vector instructions on this CPU",
+        )
     return report
 
 
@@ -237,8 +274,14 @@ def describe(model: nn.Module | None) -> dict[str, object]:
         why = "off: HFSPEC_KERNELS=0"
     if why is None and kernels.build_failure() is not None:
         why = f"off: {kernels.build_failure()}"
-    return {"on": False, "isa": None, "layers": 0, "bytes_added": 0,
-            "reason": why or "off: not accelerated (hfspec.fast.accelerate(model) turns it on)", **extra}
+    return {
+        "on": False,
+        "isa": None,
+        "layers": 0,
+        "bytes_added": 0,
+        "reason": why or "off: not accelerated (hfspec.fast.accelerate(model) turns it on)",
+        **extra,
+    }
 
 
 @contextlib.contextmanager

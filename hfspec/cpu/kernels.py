@@ -19,6 +19,7 @@ The library offers a few block shapes (rows by weight rows, :attr:`KernelLibrary
 the same bits. A *plan* says which to use for M rows (``plan[min(M, len(plan) - 1)]``): :func:`default_plan`
 before anything is measured, :mod:`hfspec.cpu.plan` once the shapes were timed on a model's own layers.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,20 @@ try:  # POSIX file locks; elsewhere concurrent first builds are not serialised
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-__all__ = ["PLAN_ROWS", "KernelLibrary", "build", "build_failure", "compiler", "default_plan", "library_path",
-           "linear", "linear_unchecked", "load", "locked", "unsafe"]
+__all__ = [
+    "PLAN_ROWS",
+    "KernelLibrary",
+    "build",
+    "build_failure",
+    "compiler",
+    "default_plan",
+    "library_path",
+    "linear",
+    "linear_unchecked",
+    "load",
+    "locked",
+    "unsafe",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +75,20 @@ BUILD_TIMEOUT_S = 120
 
 # Weight dtypes the kernel reads; inputs, bias and output are fp32 (bf16 activations are widened).
 _ENTRY = {torch.float32: "hfspec_linear_f32", torch.bfloat16: "hfspec_linear_bf16w"}
-_ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+_ARGTYPES = [
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int,
+]
 
 
 @dataclass(frozen=True)
@@ -71,8 +96,8 @@ class KernelLibrary:
     """The loaded kernel: where it lives, the vector ISA it was compiled for, and what building it cost."""
 
     path: Path
-    isa: str                     # "avx512", "avx2" or "scalar"
-    build_seconds: float         # 0.0 when it came from the cache
+    isa: str  # "avx512", "avx2" or "scalar"
+    build_seconds: float  # 0.0 when it came from the cache
     shapes: tuple[tuple[int, int], ...]  # (rows, weight rows) per block, by shape index
     entries: dict = field(repr=False, compare=False)  # weight dtype -> ctypes function
     handle: ctypes.CDLL | None = field(default=None, repr=False, compare=False)  # the loaded library itself
@@ -110,8 +135,16 @@ def _cpu_flags() -> str:
 def library_path(cxx: str | None = None) -> Path:
     """Where the library for this source, compiler, flags and CPU is cached."""
     cxx = cxx or compiler()
-    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS), cxx.encode(),
-                                     " ".join(FLAGS).encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                *(s.read_bytes() for s in SOURCES + HEADERS),
+                cxx.encode(),
+                " ".join(FLAGS).encode(),
+                _cpu_flags().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"linear-{key}.so"
 
 
@@ -132,8 +165,10 @@ def unsafe(path: Path) -> str | None:
     if st.st_uid != os.geteuid():
         return f"{path} belongs to another user (uid {st.st_uid})"
     if st.st_mode & 0o022:
-        return f"{path} is writable by {'group and others' if st.st_mode & 0o002 else 'its group'} " \
-               f"(mode {oct(st.st_mode & 0o777)}); chmod go-w it, or set HFSPEC_CACHE to a directory of your own"
+        return (
+            f"{path} is writable by {'group and others' if st.st_mode & 0o002 else 'its group'} "
+            f"(mode {oct(st.st_mode & 0o777)}); chmod go-w it, or set HFSPEC_CACHE to a directory of your own"
+        )
     return None
 
 
@@ -176,15 +211,21 @@ def _compile(cxx: str, out: Path) -> None:
         for job in jobs:
             if len(running) >= max(1, os.cpu_count() or 1):
                 _finish(running.pop(0), cxx, deadline, running)
-            running.append(subprocess.Popen(job, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                            start_new_session=True))
+            running.append(
+                subprocess.Popen(job, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            )
         while running:
             _finish(running.pop(0), cxx, deadline, running)
         missing = [obj.name for obj in objects if not obj.is_file()]
         if missing:
             raise BuildError(f"{cxx} exited with 0 but wrote no object file ({', '.join(missing)})")
-        link = subprocess.Popen([cxx, *FLAGS, "-o", str(out), *map(str, objects)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        link = subprocess.Popen(
+            [cxx, *FLAGS, "-o", str(out), *map(str, objects)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         _finish(link, cxx, deadline, [])
     finally:
         for obj in objects:
@@ -293,8 +334,9 @@ def _unusable(cxx: str) -> str | None:
         except (OSError, subprocess.SubprocessError):
             version = ""
         if "Apple clang" in version or "Apple LLVM" in version:
-            return f"{cxx!r} is Apple clang, which has no OpenMP (-fopenmp); set HFSPEC_CXX to a GCC " \
-                   "(Homebrew's g++-14)"
+            return (
+                f"{cxx!r} is Apple clang, which has no OpenMP (-fopenmp); set HFSPEC_CXX to a GCC (Homebrew's g++-14)"
+            )
     return None
 
 
@@ -311,8 +353,14 @@ def _open(path: Path, seconds: float) -> KernelLibrary:
         mb, nb = ctypes.c_int(), ctypes.c_int()
         lib.hfspec_shape(i, ctypes.byref(mb), ctypes.byref(nb))
         shapes.append((mb.value, nb.value))
-    return KernelLibrary(path=path, isa=lib.hfspec_isa().decode(), build_seconds=seconds, shapes=tuple(shapes),
-                         entries=entries, handle=lib)
+    return KernelLibrary(
+        path=path,
+        isa=lib.hfspec_isa().decode(),
+        build_seconds=seconds,
+        shapes=tuple(shapes),
+        entries=entries,
+        handle=lib,
+    )
 
 
 # Plans cover 0..PLAN_ROWS rows one by one; the last entry serves every larger call (prompts).
@@ -345,8 +393,10 @@ def _load(path: Path, cxx: str) -> KernelLibrary | str:
         return why
     why = _remembered(path, cxx)
     if why is not None:
-        return f"{why} (an earlier build; tried again when the source or the compiler changes, or when " \
-               f"{path.with_suffix('.failed')} is deleted)"
+        return (
+            f"{why} (an earlier build; tried again when the source or the compiler changes, or when "
+            f"{path.with_suffix('.failed')} is deleted)"
+        )
     try:
         seconds = build(path, cxx)
     except BuildError as err:
@@ -385,8 +435,13 @@ def build_failure() -> str | None:
     return found if isinstance(found, str) else None
 
 
-def linear(library: KernelLibrary, x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None, plan: tuple[int, ...] | None = None) -> torch.Tensor:
+def linear(
+    library: KernelLibrary,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    plan: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for fp32 ``x`` (M, K) or (..., K) on CPU, with an fp32 or bf16 ``weight`` (N, K),
     in the block shape ``plan`` names for M rows (by default :func:`default_plan`'s); a new contiguous fp32 tensor
     (..., N).
@@ -398,32 +453,61 @@ def linear(library: KernelLibrary, x: torch.Tensor, weight: torch.Tensor,
     checks its own layers, calls :func:`linear_unchecked`.
     """
     if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)):
-        raise ValueError(f"linear runs on CPU tensors; got x on {x.device}, weight on {weight.device}"
-                         + ("" if bias is None else f", bias on {bias.device}"))
+        raise ValueError(
+            f"linear runs on CPU tensors; got x on {x.device}, weight on {weight.device}"
+            + ("" if bias is None else f", bias on {bias.device}")
+        )
     if x.dtype != torch.float32 or weight.dtype not in _ENTRY or (bias is not None and bias.dtype != torch.float32):
-        raise TypeError(f"linear takes float32 x and bias and a float32 or bfloat16 weight; got x {x.dtype}, weight "
-                        f"{weight.dtype}" + ("" if bias is None else f", bias {bias.dtype}"))
+        raise TypeError(
+            f"linear takes float32 x and bias and a float32 or bfloat16 weight; got x {x.dtype}, weight "
+            f"{weight.dtype}" + ("" if bias is None else f", bias {bias.dtype}")
+        )
     k = x.shape[-1] if x.dim() else 0
     if weight.dim() != 2 or weight.shape[1] != k or k == 0 or x.dim() == 0:
-        raise ValueError(f"linear needs x (..., K) and weight (N, K) with K > 0; got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if (x.stride(-1) != 1 or weight.stride(1) != 1 or weight.stride(0) < k and weight.shape[0] > 1
-            or (x.dim() > 2 and not x.is_contiguous()) or (x.dim() == 2 and x.stride(0) < k and x.shape[0] > 1)):
-        raise ValueError(f"linear needs x and weight with unit stride along K and rows that do not overlap; got "
-                         f"strides {x.stride()} and {weight.stride()}: pass .contiguous() tensors")
+        raise ValueError(
+            f"linear needs x (..., K) and weight (N, K) with K > 0; got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if (
+        x.stride(-1) != 1
+        or weight.stride(1) != 1
+        or weight.stride(0) < k
+        and weight.shape[0] > 1
+        or (x.dim() > 2 and not x.is_contiguous())
+        or (x.dim() == 2 and x.stride(0) < k and x.shape[0] > 1)
+    ):
+        raise ValueError(
+            f"linear needs x and weight with unit stride along K and rows that do not overlap; got "
+            f"strides {x.stride()} and {weight.stride()}: pass .contiguous() tensors"
+        )
     if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
         raise ValueError(f"linear needs a contiguous bias of {weight.shape[0]} values, got {tuple(bias.shape)}")
     return linear_unchecked(library, x, weight, bias, plan)
 
 
-def linear_unchecked(library: KernelLibrary, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     plan: tuple[int, ...] | None = None) -> torch.Tensor:
+def linear_unchecked(
+    library: KernelLibrary,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    plan: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """:func:`linear` without its checks, for callers that made them (it runs a few hundred times per step)."""
     k, n = x.shape[-1], weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
     m = x.numel() // k
     plan = plan or default_plan(library)
-    library.entries[weight.dtype](plan[min(m, len(plan) - 1)], x.data_ptr(), x.stride(0) if x.dim() == 2 else k,
-                                  weight.data_ptr(), weight.stride(0), None if bias is None else bias.data_ptr(),
-                                  out.data_ptr(), n, m, n, k, torch.get_num_threads())
+    library.entries[weight.dtype](
+        plan[min(m, len(plan) - 1)],
+        x.data_ptr(),
+        x.stride(0) if x.dim() == 2 else k,
+        weight.data_ptr(),
+        weight.stride(0),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
     return out

@@ -17,6 +17,7 @@ Layers of another kernel (the quantized one, :mod:`hfspec.cpu.quant`) are planne
 kind (``kernel_kind``, e.g. ``"Q4_K"``) and run a call on their first weight rows (``kernel_call``), and the caller
 passes that kernel's shapes and default plan.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,20 @@ from tqdm.auto import tqdm
 
 from hfspec.cpu import kernels
 
-__all__ = ["MARGIN", "ROUNDS", "SAMPLE_LAYERS", "SAMPLE_ROWS", "SLOWER", "TUNED_ROWS", "choose", "plan_for",
-           "plan_path", "sample", "sample_layers", "time_shapes"]
+__all__ = [
+    "MARGIN",
+    "ROUNDS",
+    "SAMPLE_LAYERS",
+    "SAMPLE_ROWS",
+    "SLOWER",
+    "TUNED_ROWS",
+    "choose",
+    "plan_for",
+    "plan_path",
+    "sample",
+    "sample_layers",
+    "time_shapes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +72,12 @@ def _signature(layers: Sequence[nn.Module]) -> str:
     return ";".join(f"{m.out_features}x{m.in_features}:{_kind(m)}" for m in layers)
 
 
-def plan_path(library: kernels.KernelLibrary, layers: Sequence[nn.Module], threads: int,
-              shapes: Sequence[tuple[int, int]] | None = None) -> Path:
+def plan_path(
+    library: kernels.KernelLibrary,
+    layers: Sequence[nn.Module],
+    threads: int,
+    shapes: Sequence[tuple[int, int]] | None = None,
+) -> Path:
     """Where the plan for these layers, this library (and these shapes, if not the library's) and this many
     threads is cached."""
     extra = "" if shapes is None else f"\0{tuple(map(tuple, shapes))}"
@@ -115,10 +132,16 @@ def sample(layers: Sequence[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor
     return [(w, bias, count) for _, w, bias, count in sample_layers(layers)]
 
 
-def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Module], rows: Sequence[int] = TUNED_ROWS,
-                rounds: int = ROUNDS, *, clock: Callable[[], float] = time.perf_counter,
-                progress: bool | None = None,
-                shapes: Sequence[tuple[int, int]] | None = None) -> dict[int, list[float]]:
+def time_shapes(
+    library: kernels.KernelLibrary,
+    layers: Sequence[nn.Module],
+    rows: Sequence[int] = TUNED_ROWS,
+    rounds: int = ROUNDS,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: bool | None = None,
+    shapes: Sequence[tuple[int, int]] | None = None,
+) -> dict[int, list[float]]:
     """The fewest seconds a pass over ``layers`` took in each shape (the library's, or ``shapes`` for layers of another
     kernel), at each row count in ``rows`` (estimated from :func:`sample`'s layers, weighted back to all of them).
     A shape ``SLOWER`` times slower than the fastest in the first round keeps that round's time."""
@@ -140,8 +163,13 @@ def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Module], row
 
     shapes = range(len(library.shapes if shapes is None else shapes))
     seconds = {m: [[] for _ in shapes] for m in rows}
-    with tqdm(total=len(rows) * rounds, desc="hfspec: timing kernel shapes", unit="round", leave=False,
-              disable=None if progress is None else not progress) as bar:
+    with tqdm(
+        total=len(rows) * rounds,
+        desc="hfspec: timing kernel shapes",
+        unit="round",
+        leave=False,
+        disable=None if progress is None else not progress,
+    ) as bar:
         for shape in shapes:
             run(shape, rows[0])  # warm-up: caches, page faults
         for m in rows:
@@ -159,9 +187,14 @@ def time_shapes(library: kernels.KernelLibrary, layers: Sequence[nn.Module], row
     return {m: [min(s) for s in by_shape] for m, by_shape in seconds.items()}
 
 
-def plan_for(library: kernels.KernelLibrary, layers: Sequence[nn.Module], *, progress: bool | None = None,
-             shapes: Sequence[tuple[int, int]] | None = None,
-             default: tuple[int, ...] | None = None) -> tuple[int, ...]:
+def plan_for(
+    library: kernels.KernelLibrary,
+    layers: Sequence[nn.Module],
+    *,
+    progress: bool | None = None,
+    shapes: Sequence[tuple[int, int]] | None = None,
+    default: tuple[int, ...] | None = None,
+) -> tuple[int, ...]:
     """The plan for ``layers`` (a model's linears, in forward order): cached, or timed now and cached.
 
     ``shapes`` and ``default`` are another kernel's block shapes and default plan (quantized layers); by default
@@ -193,20 +226,35 @@ def _cached(path: Path, default: Sequence[int], shapes: int) -> tuple[int, ...] 
     return None
 
 
-def _time_and_keep(library: kernels.KernelLibrary, layers: Sequence[nn.Module], default: Sequence[int], path: Path,
-                   progress: bool | None, shapes: Sequence[tuple[int, int]] | None) -> tuple[int, ...]:
+def _time_and_keep(
+    library: kernels.KernelLibrary,
+    layers: Sequence[nn.Module],
+    default: Sequence[int],
+    path: Path,
+    progress: bool | None,
+    shapes: Sequence[tuple[int, int]] | None,
+) -> tuple[int, ...]:
     """Time the shapes on ``layers`` and keep the plan at ``path``."""
     t0 = time.perf_counter()
     offered = library.shapes if shapes is None else shapes
     distinct = len({(m.out_features, m.in_features, _kind(m)) for m in layers})
-    log.info("hfspec: timing the CPU kernel's %d block shapes on %d distinct layer shapes of this model (once per "
-             "machine, threads and model; cached in %s): which one streams each row count fastest depends on "
-             "the CPU", len(offered), distinct, path)
+    log.info(
+        "hfspec: timing the CPU kernel's %d block shapes on %d distinct layer shapes of this model (once per "
+        "machine, threads and model; cached in %s): which one streams each row count fastest depends on "
+        "the CPU",
+        len(offered),
+        distinct,
+        path,
+    )
     best = time_shapes(library, layers, progress=progress, shapes=shapes)
     plan = choose(default, best)
-    record = {"plan": plan, "shapes": offered, "threads": torch.get_num_threads(),
-              "seconds": round(time.perf_counter() - t0, 2),
-              "ms": {m: [round(s * 1e3, 3) for s in times] for m, times in best.items()}}
+    record = {
+        "plan": plan,
+        "shapes": offered,
+        "threads": torch.get_num_threads(),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "ms": {m: [round(s * 1e3, 3) for s in times] for m, times in best.items()},
+    }
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(record))

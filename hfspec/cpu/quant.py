@@ -18,6 +18,7 @@ The block shape per row count is timed on the model's own layers as the fp32 ker
 :func:`plan_layers`). :func:`quantize_linear` builds a quantized layer from an fp32 or bf16 ``nn.Linear`` (the
 ``gguf`` package's quantizers: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -35,8 +36,22 @@ from torch import nn
 from hfspec.cpu import kernels
 from hfspec.cpu import plan as kernel_plan
 
-__all__ = ["FORMATS", "Format", "QuantEmbedding", "QuantKernel", "QuantLinear", "default_plan", "dequantize",
-           "describe", "format_of", "kernel", "linear", "plan_layers", "quantize_linear", "quantized_layers"]
+__all__ = [
+    "FORMATS",
+    "Format",
+    "QuantEmbedding",
+    "QuantKernel",
+    "QuantLinear",
+    "default_plan",
+    "dequantize",
+    "describe",
+    "format_of",
+    "kernel",
+    "linear",
+    "plan_layers",
+    "quantize_linear",
+    "quantized_layers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +71,19 @@ class Format:
 
 
 # The formats quant.cpp reads (ggml's type ids and block sizes, ggml-common.h).
-FORMATS: dict[str, Format] = {f.name: f for f in (
-    Format("Q4_0", 2, 32, 18), Format("Q4_1", 3, 32, 20), Format("Q5_0", 6, 32, 22), Format("Q5_1", 7, 32, 24),
-    Format("Q8_0", 8, 32, 34), Format("Q4_K", 12, 256, 144), Format("Q5_K", 13, 256, 176),
-    Format("Q6_K", 14, 256, 210),
-)}
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("Q4_0", 2, 32, 18),
+        Format("Q4_1", 3, 32, 20),
+        Format("Q5_0", 6, 32, 22),
+        Format("Q5_1", 7, 32, 24),
+        Format("Q8_0", 8, 32, 34),
+        Format("Q4_K", 12, 256, 144),
+        Format("Q5_K", 13, 256, 176),
+        Format("Q6_K", 14, 256, 210),
+    )
+}
 _BY_TYPE = {f.type: f for f in FORMATS.values()}
 
 
@@ -103,8 +126,9 @@ def _bind(library: kernels.KernelLibrary) -> QuantKernel | str:
     missing = [f.name for f in FORMATS.values() if not supports(f.type)]
     if missing:
         return f"the quantized kernel does not read {', '.join(missing)}"
-    linear_fn = library.function("hfspec_quant_linear", [_INT, _INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64,
-                                                         _I64, _I64, _INT], _INT)
+    linear_fn = library.function(
+        "hfspec_quant_linear", [_INT, _INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], _INT
+    )
     rows_fn = library.function("hfspec_quant_rows", [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT)
     return QuantKernel(library, tuple(shapes), linear_fn, rows_fn)
 
@@ -140,15 +164,23 @@ def default_plan(qk: QuantKernel) -> tuple[int, ...]:
     in its AVX-512 build and in an AVX2 build)."""
     index = {shape: i for i, shape in enumerate(qk.shapes)}
     if qk.library.isa == "avx512":
-        pick = [(1, 8, 0) if m <= 1 else (4, 4, 0) if m <= 4 else (8, 3, 6) if m <= 7 else (4, 6, 6)
-                for m in range(kernels.PLAN_ROWS + 1)]
+        pick = [
+            (1, 8, 0) if m <= 1 else (4, 4, 0) if m <= 4 else (8, 3, 6) if m <= 7 else (4, 6, 6)
+            for m in range(kernels.PLAN_ROWS + 1)
+        ]
     else:
         pick = [(4, 2, 0) if m <= 2 else (4, 3, 6) if m <= 5 else (6, 2, 6) for m in range(kernels.PLAN_ROWS + 1)]
     return tuple(index.get(shape, 0) for shape in pick)
 
 
-def linear(qk: QuantKernel, x: torch.Tensor, blocks: torch.Tensor, fmt: Format, bias: torch.Tensor | None = None,
-           plan: tuple[int, ...] | None = None) -> torch.Tensor:
+def linear(
+    qk: QuantKernel,
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    fmt: Format,
+    bias: torch.Tensor | None = None,
+    plan: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """``F.linear(x, dequantize(blocks), bias)`` for fp32 ``x`` (M, K) or (..., K) on CPU, in the block shape ``plan``
     names for M rows, with every output bit that the fp32 kernel gives on the dequantized weights.
 
@@ -156,17 +188,36 @@ def linear(qk: QuantKernel, x: torch.Tensor, blocks: torch.Tensor, fmt: Format, 
     :func:`hfspec.cpu.kernels.linear`; ``bias`` fp32 and contiguous.
     """
     k, n = x.shape[-1], blocks.shape[0]
-    if (k % fmt.elements or blocks.shape[1] != fmt.row_bytes(k) or x.stride(-1) != 1 or blocks.stride(1) != 1
-            or (x.dim() != 2 and not x.is_contiguous())):
-        raise ValueError(f"a {fmt.name} linear needs x (M, K) with K a multiple of {fmt.elements} and blocks "
-                         f"(N, {fmt.nbytes} * K / {fmt.elements}) with unit stride; got {tuple(x.shape)} and "
-                         f"{tuple(blocks.shape)}")
+    if (
+        k % fmt.elements
+        or blocks.shape[1] != fmt.row_bytes(k)
+        or x.stride(-1) != 1
+        or blocks.stride(1) != 1
+        or (x.dim() != 2 and not x.is_contiguous())
+    ):
+        raise ValueError(
+            f"a {fmt.name} linear needs x (M, K) with K a multiple of {fmt.elements} and blocks "
+            f"(N, {fmt.nbytes} * K / {fmt.elements}) with unit stride; got {tuple(x.shape)} and "
+            f"{tuple(blocks.shape)}"
+        )
     out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
     m = x.numel() // k
     plan = plan or default_plan(qk)
-    qk.linear(fmt.type, plan[min(m, len(plan) - 1)], x.data_ptr(), x.stride(0) if x.dim() == 2 else k,
-              blocks.data_ptr(), blocks.stride(0), None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n,
-              k, torch.get_num_threads())
+    qk.linear(
+        fmt.type,
+        plan[min(m, len(plan) - 1)],
+        x.data_ptr(),
+        x.stride(0) if x.dim() == 2 else k,
+        blocks.data_ptr(),
+        blocks.stride(0),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -180,8 +231,17 @@ def dequantize(blocks: torch.Tensor, fmt: Format, in_features: int, rows: torch.
         out = torch.empty((n, in_features), dtype=torch.float32)
         if index is not None and n and (int(index.min()) < 0 or int(index.max()) >= blocks.shape[0]):
             raise IndexError(f"row index out of range for {blocks.shape[0]} rows")
-        qk.rows(fmt.type, blocks.data_ptr(), blocks.stride(0), None if index is None else index.data_ptr(), n,
-                in_features, out.data_ptr(), in_features, torch.get_num_threads())
+        qk.rows(
+            fmt.type,
+            blocks.data_ptr(),
+            blocks.stride(0),
+            None if index is None else index.data_ptr(),
+            n,
+            in_features,
+            out.data_ptr(),
+            in_features,
+            torch.get_num_threads(),
+        )
         return out
     from gguf import GGMLQuantizationType, quants
 
@@ -192,8 +252,9 @@ def dequantize(blocks: torch.Tensor, fmt: Format, in_features: int, rows: torch.
 
 def _blocks_parameter(blocks: torch.Tensor) -> nn.Parameter:
     if blocks.dtype != torch.uint8 or blocks.dim() != 2:
-        raise ValueError(f"quantized blocks are a 2-D uint8 tensor (rows, bytes per row), got {blocks.dtype} "
-                         f"{tuple(blocks.shape)}")
+        raise ValueError(
+            f"quantized blocks are a 2-D uint8 tensor (rows, bytes per row), got {blocks.dtype} {tuple(blocks.shape)}"
+        )
     return blocks if isinstance(blocks, nn.Parameter) else nn.Parameter(blocks, requires_grad=False)
 
 
@@ -210,8 +271,10 @@ class QuantLinear(nn.Module):
         if fmt is None:
             raise ValueError(f"no quantized kernel for this format; use one of {', '.join(FORMATS)}")
         if in_features % fmt.elements or blocks.shape[-1] != fmt.row_bytes(in_features):
-            raise ValueError(f"{fmt.name} rows of {in_features} weights are {fmt.row_bytes(in_features)} bytes "
-                             f"(in_features a multiple of {fmt.elements}); got blocks {tuple(blocks.shape)}")
+            raise ValueError(
+                f"{fmt.name} rows of {in_features} weights are {fmt.row_bytes(in_features)} bytes "
+                f"(in_features a multiple of {fmt.elements}); got blocks {tuple(blocks.shape)}"
+            )
         self.fmt = fmt
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.weight = _blocks_parameter(blocks)
@@ -222,8 +285,9 @@ class QuantLinear(nn.Module):
     def kernel_kind(self) -> str:
         return self.fmt.name
 
-    def kernel_call(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None,
-                    plan: tuple[int, ...]) -> torch.Tensor:
+    def kernel_call(
+        self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, plan: tuple[int, ...]
+    ) -> torch.Tensor:
         """The kernel on ``blocks`` (some of this layer's rows): what :mod:`hfspec.cpu.plan` times."""
         return linear(_KERNEL, x, blocks, self.fmt, bias, plan)
 
@@ -233,8 +297,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         qk, b, k = _KERNEL, self.bias, self.in_features
-        if (qk is None or not input.is_cpu or not self.weight.is_cpu or input.shape[-1] != k
-                or (torch.is_grad_enabled() and input.requires_grad)):
+        if (
+            qk is None
+            or not input.is_cpu
+            or not self.weight.is_cpu
+            or input.shape[-1] != k
+            or (torch.is_grad_enabled() and input.requires_grad)
+        ):
             bias = None if b is None else b.to(input.dtype)
             return F.linear(input, self.dequantized().to(device=input.device, dtype=input.dtype), bias)
         if input.dtype is torch.float32 and input.is_contiguous():
@@ -246,20 +315,22 @@ class QuantLinear(nn.Module):
         return out.to(input.dtype).reshape(*input.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 class QuantEmbedding(nn.Module):
     """``nn.Embedding`` whose table stays in GGUF blocks; a lookup dequantizes only the rows it returns (exactly)."""
 
-    def __init__(self, blocks: torch.Tensor, fmt: Format | str, embedding_dim: int,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, blocks: torch.Tensor, fmt: Format | str, embedding_dim: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         fmt = fmt if isinstance(fmt, Format) else format_of(fmt)
         if fmt is None or embedding_dim % fmt.elements or blocks.shape[-1] != fmt.row_bytes(embedding_dim):
-            raise ValueError(f"blocks {tuple(blocks.shape)} are not {embedding_dim}-wide rows of a format in "
-                             f"{', '.join(FORMATS)}")
+            raise ValueError(
+                f"blocks {tuple(blocks.shape)} are not {embedding_dim}-wide rows of a format in {', '.join(FORMATS)}"
+            )
         self.fmt = fmt
         self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
         self.padding_idx = None

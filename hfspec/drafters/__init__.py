@@ -15,6 +15,7 @@ This module is the interface only: it imports no drafter. Turning what a user pa
 as the draft (a model, a head, a path, ``"ngram"``) into a drafter is
 ``hfspec.loading.make_drafter``'s job, which sits above every drafter and the loaders.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -178,7 +179,9 @@ class Drafter:
         return {"kind": self.kind}
 
 
-def kept_fed_drafts(ctx: Context, drafts: torch.Tensor, num_accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_fed_drafts(
+    ctx: Context, drafts: torch.Tensor, num_accepted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For a draft model that fed its own drafts (B, γ) to its cache, all but the last: ``(fed, kept)``, the fed
     drafts and how many of them per row to keep, those accepted that the committed text also begins with
     (under a hybrid, another drafter's proposal may have been the one verified). ``ctx.lengths`` still counts

@@ -31,6 +31,7 @@ Cache invariant (checked every step): a row's unmasked cached positions are exac
 draft tokens ``seq``. Drafts fed during a step are kept when the target accepted them and the
 committed text begins with them.
 """
+
 from __future__ import annotations
 
 import os
@@ -79,14 +80,21 @@ class CrossTokenizerDrafter(Drafter):
 
     kind = "cross-tokenizer"
 
-    def __init__(self, model: PreTrainedModel, draft_tokenizer: PreTrainedTokenizerBase,
-                 target_tokenizer: PreTrainedTokenizerBase, greedy: str = "tli"):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        draft_tokenizer: PreTrainedTokenizerBase,
+        target_tokenizer: PreTrainedTokenizerBase,
+        greedy: str = "tli",
+    ):
         if greedy not in GREEDY:
             raise HfspecError(f"greedy must be one of {', '.join(GREEDY)}, got {greedy!r}")
         check_causal_lm(model, "draft")
         if KVState.is_recurrent(model):
-            raise HfspecError("a draft with a recurrent state (Mamba, hybrids) cannot follow text re-tokenized "
-                              "each step; pick an attention-only draft for a target with another tokenizer")
+            raise HfspecError(
+                "a draft with a recurrent state (Mamba, hybrids) cannot follow text re-tokenized "
+                "each step; pick an attention-only draft for a target with another tokenizer"
+            )
         self.model = model.eval()
         self.draft_tokenizer, self.target_tokenizer = draft_tokenizer, target_tokenizer
         self.vocab_size = len(target_tokenizer)  # the rows handed to the loop are over target ids
@@ -182,12 +190,17 @@ class CrossTokenizerDrafter(Drafter):
             self._retokenize(probe)
 
         ids = row.seq or [self.start_id]
-        return (forward_seconds(self.model, ids, (1,), repeats, device, all_logits=False)[1]
-                + median_seconds(retokenize, repeats))
+        return forward_seconds(self.model, ids, (1,), repeats, device, all_logits=False)[1] + median_seconds(
+            retokenize, repeats
+        )
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "model": type(self.model).__name__,
-                "parameters": draft_linear.weights(self.model), "shared_tokens": self.map.shared}
+        return {
+            "kind": self.kind,
+            "model": type(self.model).__name__,
+            "parameters": draft_linear.weights(self.model),
+            "shared_tokens": self.map.shared,
+        }
 
     # -- greedy decoding by text (SLEM) --------------------------------------------------------
 
@@ -210,8 +223,9 @@ class CrossTokenizerDrafter(Drafter):
         own = torch.stack(drafted, dim=1).tolist()
         proposals = [self._spell(row, ids)[:gamma] for row, ids in zip(self.rows, own)]
         width = max(len(p) for p in proposals)
-        tokens = torch.tensor([p + [0] * (width - len(p)) for p in proposals], dtype=torch.long,
-                              device=ctx.tokens.device).view(len(proposals), width)
+        tokens = torch.tensor(
+            [p + [0] * (width - len(p)) for p in proposals], dtype=torch.long, device=ctx.tokens.device
+        ).view(len(proposals), width)
         counts = torch.tensor([len(p) for p in proposals], device=ctx.tokens.device)
         return Proposal(tokens, None, counts, forwards=len(drafted))
 
@@ -245,7 +259,7 @@ class CrossTokenizerDrafter(Drafter):
         lengths = ctx.lengths.tolist()
         for b, row in enumerate(self.rows):
             start = max(row.prefix, 0)
-            self._read(row, ctx.tokens[b, start: lengths[b]].tolist(), start)
+            self._read(row, ctx.tokens[b, start : lengths[b]].tolist(), start)
             seq, ends, known = self._retokenize(row)
             if self.window is not None and len(seq) + gamma + 1 > self.window:
                 seq, ends, known = self._shorten(row, seq, ends, gamma)
@@ -282,7 +296,7 @@ class CrossTokenizerDrafter(Drafter):
             while skip < len(ids) and ids[skip] in self.skip:
                 skip += 1
             row.prefix = row.read = start + skip
-        ids = ids[row.prefix - start:]
+        ids = ids[row.prefix - start :]
         done = row.read - row.prefix
         if len(ids) <= done:
             row.behind = False
@@ -294,7 +308,7 @@ class CrossTokenizerDrafter(Drafter):
         if row.behind:
             return
         # A decoder that rewrites earlier text (rare) gives its new text from where the two differ.
-        row.text += after[len(os.path.commonprefix([before, after])):].encode()
+        row.text += after[len(os.path.commonprefix([before, after])) :].encode()
         row.prefix, row.read = row.read, row.prefix + len(ids)
 
     def _retokenize(self, row: _Row) -> tuple[list[int], list[int], int]:
@@ -317,7 +331,7 @@ class CrossTokenizerDrafter(Drafter):
     def _full(self, row: _Row) -> tuple[list[int], list[int], int]:
         """The draft tokens of the whole text from ``origin``, their ends counted back from the text's end
         (where a tokenizer adds a space at the start, only the first token's end is off)."""
-        ids = self.encoder.encode(row.text[row.origin:].decode(), add_special_tokens=False).ids
+        ids = self.encoder.encode(row.text[row.origin :].decode(), add_special_tokens=False).ids
         lengths = [len(self.bytes[t] or b"") for t in ids]
         ends, end = [], len(row.text)
         for n in reversed(lengths):
@@ -334,8 +348,10 @@ class CrossTokenizerDrafter(Drafter):
         while i < len(ends) and not _char_start(row.text, ends[i - 1]):
             i += 1
         if i >= len(ends) or self.window // 2 <= gamma + 1:
-            raise HfspecError(f"the draft's context window ({self.window} tokens) is too small for γ={gamma}; "
-                              "lower gamma or pick a draft with a longer context")
+            raise HfspecError(
+                f"the draft's context window ({self.window} tokens) is too small for γ={gamma}; "
+                "lower gamma or pick a draft with a longer context"
+            )
         row.origin = ends[i - 1]
         return self._full(row)
 
@@ -352,19 +368,24 @@ class CrossTokenizerDrafter(Drafter):
         return row
 
 
-def adapt(draft: Any, draft_tokenizer: PreTrainedTokenizerBase,
-          target_tokenizer: PreTrainedTokenizerBase | None) -> Any:
+def adapt(
+    draft: Any, draft_tokenizer: PreTrainedTokenizerBase, target_tokenizer: PreTrainedTokenizerBase | None
+) -> Any:
     """``draft`` as it should draft for a target with ``target_tokenizer``: itself when ``draft_tokenizer``
     is the same tokenizer, else a ``CrossTokenizerDrafter`` (which needs a loaded causal LM)."""
     if target_tokenizer is None:
-        raise HfspecTypeError("draft_tokenizer= needs the target's tokenizer too: SpeculativeGenerator(target, draft, "
-                              "tokenizer, draft_tokenizer=...)")
+        raise HfspecTypeError(
+            "draft_tokenizer= needs the target's tokenizer too: SpeculativeGenerator(target, draft, "
+            "tokenizer, draft_tokenizer=...)"
+        )
     if same_tokenizer(draft_tokenizer, target_tokenizer):
         return draft
     if not isinstance(draft, PreTrainedModel):
-        raise HfspecTypeError(f"a draft with its own tokenizer must be a loaded causal LM (got "
-                              f"{type(draft).__name__}); load it with AutoModelForCausalLM.from_pretrained, or load "
-                              "the pair with SpeculativeGenerator.from_pretrained(target, draft)")
+        raise HfspecTypeError(
+            f"a draft with its own tokenizer must be a loaded causal LM (got "
+            f"{type(draft).__name__}); load it with AutoModelForCausalLM.from_pretrained, or load "
+            "the pair with SpeculativeGenerator.from_pretrained(target, draft)"
+        )
     return CrossTokenizerDrafter(draft, draft_tokenizer, target_tokenizer)
 
 
@@ -373,7 +394,7 @@ def _leading_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a")["input_ids"]
     for i in range(len(full) - len(plain) + 1):
-        if full[i: i + len(plain)] == plain:
+        if full[i : i + len(plain)] == plain:
             return list(full[:i])
     return []
 

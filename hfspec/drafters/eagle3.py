@@ -18,6 +18,7 @@ the next ``propose``, whose last output gives the first draft. Entries of later 
 steps (built from the head's own outputs) are rolled back at ``commit``; the accepted
 positions come back from target features. No position is fed twice.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -43,9 +44,15 @@ from hfspec.tree.proposal import TreeProposal
 __all__ = ["Eagle3Drafter", "cached_step"]
 
 
-
-def cached_step(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                kv: KVState, valid: torch.Tensor, tree_visible: torch.Tensor | None = None) -> torch.Tensor:
+def cached_step(
+    head: Eagle3Head,
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    kv: KVState,
+    valid: torch.Tensor,
+    tree_visible: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One head forward over k new columns (B, k) appended to ``kv``; returns their pre-norm outputs (B, k, H).
 
     ``valid`` (B, k): columns that are not holes. A column sees the cache's valid
@@ -81,32 +88,41 @@ class Eagle3Drafter(Drafter):
         blocks = decoder_layers(target)
         num_layers = len(blocks) if blocks is not None else int(text.num_hidden_layers)
         if c.layer_ids is None and num_layers < 3:
-            raise HfspecError(f"the target has {num_layers} decoder layers; EAGLE-3's default features need 3 or "
-                              "more (or a head with eagle_aux_hidden_state_layer_ids)")
+            raise HfspecError(
+                f"the target has {num_layers} decoder layers; EAGLE-3's default features need 3 or "
+                "more (or a head with eagle_aux_hidden_state_layer_ids)"
+            )
         layers = c.layer_ids or default_layer_ids(num_layers)
         if not all(0 <= i < num_layers for i in layers):
-            raise HfspecError(f"the head reads target layers {list(layers)} but the target has {num_layers} "
-                              "decoder layers (ids count from 0, the input of each layer); pick the head trained "
-                              "for this target")
+            raise HfspecError(
+                f"the head reads target layers {list(layers)} but the target has {num_layers} "
+                "decoder layers (ids count from 0, the input of each layer); pick the head trained "
+                "for this target"
+            )
         self.feature_layers = tuple(layers)
         width = len(layers) * int(text.hidden_size)
         if width != c.feature_width:
             raise HfspecError(
                 f"the head's fc reads {c.feature_width} features but {len(layers)} target layers of width "
-                f"{text.hidden_size} give {width} (layers {list(layers)}); pick the head trained for this target")
+                f"{text.hidden_size} give {width} (layers {list(layers)}); pick the head trained for this target"
+            )
         source = head.embed_tokens if head.embed_tokens is not None else target.get_input_embeddings()
         # A GGUF target's embedding holds blocks, not rows (hfspec.cpu.quant): it is looked up through its module.
         embedding = source if isinstance(source, QuantEmbedding) else source.weight
         count, width = (source.num_embeddings, source.embedding_dim) if embedding is source else embedding.shape
         if width != c.hidden_size:
-            raise HfspecError(f"the head has hidden size {c.hidden_size} but uses the target's embedding of width "
-                              f"{width}; such a head must carry its own embed_tokens.weight")
+            raise HfspecError(
+                f"the head has hidden size {c.hidden_size} but uses the target's embedding of width "
+                f"{width}; such a head must carry its own embed_tokens.weight"
+            )
         self.embedding = embedding
         rows = model_vocab_size(target)
         ids = head.target_ids()
         if int(ids.min()) < 0 or int(ids.max()) >= rows or ids.unique().numel() != ids.numel():
-            raise HfspecError(f"the head's d2t maps draft ids outside the target's {rows} ids or two draft ids "
-                              "to one target id; pick the head trained for this target")
+            raise HfspecError(
+                f"the head's d2t maps draft ids outside the target's {rows} ids or two draft ids "
+                "to one target id; pick the head trained for this target"
+            )
         self.vocab_size = min(rows, count)
         # Draft ids whose target id the run can score (a padded-embedding id is never one).
         kept = ids < self.vocab_size
@@ -116,8 +132,14 @@ class Eagle3Drafter(Drafter):
         self.verified: torch.Tensor | None = None  # fused features of the last verification, until commit
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: PreTrainedModel, *, dtype: torch.dtype | None = None,
-                        device: str | torch.device | None = None) -> Eagle3Drafter:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        target: PreTrainedModel,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> Eagle3Drafter:
         """Load the head at ``path`` for ``target`` (dtype: the target's; device: its embedding's)."""
         device = device if device is not None else target.get_input_embeddings().weight.device
         return cls(load_head(path, dtype=dtype or target.dtype, device=device), target)
@@ -131,8 +153,9 @@ class Eagle3Drafter(Drafter):
         self.kv = KVState(batch, dev)
         self.fed = torch.zeros(batch, dtype=torch.long, device=dev)  # context positions in the cache, per row
         self.pending = torch.zeros(batch, dtype=torch.long, device=dev)  # committed positions waiting, per row
-        self.features = torch.zeros(batch, 0, self.head.config.hidden_size, dtype=self.head.fc.weight.dtype,
-                                    device=dev)  # (B, K, H) left-aligned: row b's first pending[b] columns
+        self.features = torch.zeros(
+            batch, 0, self.head.config.hidden_size, dtype=self.head.fc.weight.dtype, device=dev
+        )  # (B, K, H) left-aligned: row b's first pending[b] columns
         self.start_col, self.verified = None, None
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -182,8 +205,9 @@ class Eagle3Drafter(Drafter):
         full[..., self.ids] = logits.float() if self.kept is None else logits.float()[..., self.kept]
         return full
 
-    def _pick(self, ctx: Context, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                          torch.Tensor]:
+    def _pick(
+        self, ctx: Context, logits: torch.Tensor, i: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Draft i from draft-vocabulary logits (B, Vd)."""
         return ctx.pick(self._full(logits).to(ctx.tokens.device), i)
 
@@ -235,9 +259,15 @@ class Eagle3Drafter(Drafter):
             nonlocal h  # each node reads its parent's pre-norm output
             positions = (ctx.lengths[:, None] - 2 + level).expand_as(new).to(self.device)
             parent_h = h.gather(1, frontier.to(self.device)[..., None].expand(-1, -1, h.shape[-1]))
-            h = cached_step(self.head, self._embed(new), parent_h, positions, self.kv,
-                            torch.ones_like(new, device=self.device),
-                            tree.ancestry(parents)[:, -new.shape[1]:].to(self.device))
+            h = cached_step(
+                self.head,
+                self._embed(new),
+                parent_h,
+                positions,
+                self.kv,
+                torch.ones_like(new, device=self.device),
+                tree.ancestry(parents)[:, -new.shape[1] :].to(self.device),
+            )
             return ctx.dists(self._full(self.head.logits(h)).to(q.device))
 
         return tree.grow(q, can_draft[:, None], nodes, depth, ctx.sample, ctx.generator, next_level)
@@ -269,8 +299,9 @@ class Eagle3Drafter(Drafter):
     def check(self, ctx: Context) -> None:
         self.kv.check(self.fed, "EAGLE-3 head")
         expected = ctx.lengths.to(self.device) - 1 - self.fed
-        assert torch.equal(self.pending, expected), \
+        assert torch.equal(self.pending, expected), (
             f"EAGLE-3 head: pending positions {self.pending.tolist()}, expected {expected.tolist()}"
+        )
 
     @torch.inference_mode()
     def step_seconds(self, context: list[int], device: torch.device, repeats: int = 5) -> float:
@@ -284,8 +315,14 @@ class Eagle3Drafter(Drafter):
         start, times = kv.length, []
 
         def step() -> torch.Tensor:
-            h = cached_step(self.head, self._embed(ids[:, -1:]), hidden[:, :1], torch.tensor([[n]], device=dev), kv,
-                            torch.ones(1, 1, dtype=torch.long, device=dev))
+            h = cached_step(
+                self.head,
+                self._embed(ids[:, -1:]),
+                hidden[:, :1],
+                torch.tensor([[n]], device=dev),
+                kv,
+                torch.ones(1, 1, dtype=torch.long, device=dev),
+            )
             return self.head.logits(h)
 
         for i in range(repeats + 1):
@@ -301,5 +338,9 @@ class Eagle3Drafter(Drafter):
 
     def describe(self) -> dict[str, Any]:
         c = self.head.config
-        return {"kind": self.kind, "feature_layers": list(self.feature_layers), "draft_vocab": c.draft_vocab_size,
-                "parameters": self.parameters}
+        return {
+            "kind": self.kind,
+            "feature_layers": list(self.feature_layers),
+            "draft_vocab": c.draft_vocab_size,
+            "parameters": self.parameters,
+        }

@@ -40,6 +40,7 @@ output is distributed exactly as the target's. A ``ModelDrafter`` keeps none of 
 in rows that took the n-gram proposal (unless they happen to equal it) and catches up on
 the committed tokens in its next forward.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -141,8 +142,15 @@ class HybridDrafter(Drafter):
         if not bool(use.all()) and not (model and self._model_pays(costs, e_ngram, e_main, ng.gamma, gamma)):
             use = ng_counts > 0  # the lookup alone: rows without a proposal draft nothing
             model = False
-        self._step = {"ngram": ng.tokens.cpu(), "ngram_counts": ng_counts, "buckets": buckets, "use": use,
-                      "main": None, "main_counts": None, "gamma": 0}
+        self._step = {
+            "ngram": ng.tokens.cpu(),
+            "ngram_counts": ng_counts,
+            "buckets": buckets,
+            "use": use,
+            "main": None,
+            "main_counts": None,
+            "gamma": 0,
+        }
         if not model or bool(use.all()):
             return ng
         mp = self.main.propose(ctx, gamma, stop)
@@ -245,9 +253,14 @@ class HybridDrafter(Drafter):
 
     def describe(self) -> dict[str, Any]:
         main = self.main.describe()
-        return {"kind": self.kind, "parameters": main.get("parameters"), "main": main, "ngram": self.ngram.describe(),
-                "ngram_alpha": [round(r.alpha, 3) for r in self.ngram_rates],
-                "main_alpha": round(self.main_rate.alpha, 3)}
+        return {
+            "kind": self.kind,
+            "parameters": main.get("parameters"),
+            "main": main,
+            "ngram": self.ngram.describe(),
+            "ngram_alpha": [round(r.alpha, 3) for r in self.ngram_rates],
+            "main_alpha": round(self.main_rate.alpha, 3),
+        }
 
 
 def with_ngram(drafter: Drafter) -> Drafter:

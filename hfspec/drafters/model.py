@@ -8,6 +8,7 @@ After verification it keeps what it was fed of the accepted drafts; the last dra
 of a step is never fed, so after a fully accepted step one token waits for the next
 catch-up. No token is ever fed to its cache twice.
 """
+
 from __future__ import annotations
 
 import torch
@@ -92,7 +93,7 @@ class ModelDrafter(Drafter):
         """Logits (B, w, V) after the ``new`` (B, w) nodes at ``depth``, the last of the tree so far."""
         positions = (ctx.lengths - 1 + depth)[:, None].expand_as(new)
         self.kv.extend_mask(torch.ones_like(new))
-        visible = tree.ancestry(parents)[:, -new.shape[1]:]  # (B, w, nodes so far): themselves and ancestors
+        visible = tree.ancestry(parents)[:, -new.shape[1] :]  # (B, w, nodes so far): themselves and ancestors
         tree_positions = ctx.lengths[:, None] - 1 + tree.depths(parents)
         mask = self.kv.tree_attention(self.model, visible, positions, tree_positions, sliding_window(self.model))
         return forward(self.model, new, mask, positions, self.kv.cache)
@@ -111,8 +112,14 @@ class ModelDrafter(Drafter):
         step = 1 if self.kv.serial and self.kv.length else feed.shape[1]
         for s in range(0, feed.shape[1], step):
             cols = slice(s, s + step)
-            logits = forward(self.model, feed[:, cols], self.kv.extend_mask(valid[:, cols]), positions[:, cols],
-                             self.kv.cache, logits_to_keep=1)
+            logits = forward(
+                self.model,
+                feed[:, cols],
+                self.kv.extend_mask(valid[:, cols]),
+                positions[:, cols],
+                self.kv.cache,
+                logits_to_keep=1,
+            )
         return logits[:, -1]
 
     def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:

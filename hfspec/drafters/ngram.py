@@ -25,6 +25,7 @@ The index of each row grows with the tokens committed since the last step (O(new
 per step) and reads nothing past ``ctx.lengths``: it learns only committed text, and the
 store only whole outputs of finished rows.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -63,7 +64,7 @@ class TokenIndex:
         # The n-grams ending at the new positions; earlier ones are indexed already.
         seq, key = self.tokens, self.key
         for end in range(max(key - 1, start), len(seq)):
-            gram = tuple(seq[end - key + 1: end + 1])
+            gram = tuple(seq[end - key + 1 : end + 1])
             if min(gram) >= 0:
                 self.ends.setdefault(gram, []).append(end)
 
@@ -78,10 +79,10 @@ class TokenIndex:
         """
         if len(query) < self.key:
             return 0, []
-        found = self.ends.get(tuple(query[-self.key:]), [])
+        found = self.ends.get(tuple(query[-self.key :]), [])
         seq, depth, last = self.tokens, min(self.max_match, len(query)), len(query) - 1
         best, ends = 0, []
-        for end in found[-self.candidates - 1:]:
+        for end in found[-self.candidates - 1 :]:
             if end == exclude:
                 continue
             m, reach = self.key, min(depth, end + 1)  # the key's tokens agree already
@@ -91,7 +92,7 @@ class TokenIndex:
                 best, ends = m, [end]
             elif m == best:
                 ends.append(end)
-        return best, ends[-self.candidates:]
+        return best, ends[-self.candidates :]
 
     def follow(self, ends: list[int], limit: int, min_prob: float, periodic: bool) -> tuple[list[int], list[float]]:
         """The continuation after ``ends`` (step 2 of the module docstring) and its running ``P`` per token.
@@ -125,11 +126,10 @@ class TokenIndex:
             ends = [end for end, t in zip(ends, nexts) if t == token]
         return tokens, chance
 
-
     def ends_of(self, query: list[int], exclude: int | None = None) -> list[int]:
         """The most recent ends of ``query``'s last ``key`` tokens (not ``exclude``), however far back each agrees."""
-        found = self.ends.get(tuple(query[-self.key:]), []) if len(query) >= self.key else []
-        return [end for end in found[-self.candidates - 1:] if end != exclude][-self.candidates:]
+        found = self.ends.get(tuple(query[-self.key :]), []) if len(query) >= self.key else []
+        return [end for end in found[-self.candidates - 1 :] if end != exclude][-self.candidates :]
 
     def continuations(self, ends: list[int], limit: int, periodic: bool) -> list[list[int]]:
         """The up to ``limit`` tokens after each of ``ends`` (``periodic`` as in ``follow``)."""
@@ -177,7 +177,7 @@ class History:
         return self.index.size
 
     def add(self, output: list[int]) -> None:
-        output = output[-(self.capacity - 1):]
+        output = output[-(self.capacity - 1) :]
         if len(output) <= self.index.key:
             return  # no n-gram with a continuation
         need = len(output) + 1
@@ -213,10 +213,23 @@ class NgramDrafter(Drafter):
 
     kind = "ngram"
 
-    def __init__(self, *, min_match: int = 2, max_match: int = 32, factor: float = 2.0, min_prob: float = 0.1,
-                 candidates: int = 64, history: bool = True, history_tokens: int = 1 << 16):
-        for name, value in (("min_match", min_match), ("max_match", max_match), ("candidates", candidates),
-                            ("history_tokens", history_tokens)):
+    def __init__(
+        self,
+        *,
+        min_match: int = 2,
+        max_match: int = 32,
+        factor: float = 2.0,
+        min_prob: float = 0.1,
+        candidates: int = 64,
+        history: bool = True,
+        history_tokens: int = 1 << 16,
+    ):
+        for name, value in (
+            ("min_match", min_match),
+            ("max_match", max_match),
+            ("candidates", candidates),
+            ("history_tokens", history_tokens),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise HfspecError(f"{name} must be a positive integer, got {value!r}")
         if max_match < min_match:
@@ -270,7 +283,7 @@ class NgramDrafter(Drafter):
         if not width:  # nothing matched anywhere: a plain step
             return Proposal.empty(len(rows), ctx.tokens.device)
         pad = [(0, -1, False)] * width
-        table = [[(t, par, True) for t, par in r] + pad[len(r):] for r in rows]
+        table = [[(t, par, True) for t, par in r] + pad[len(r) :] for r in rows]
         device = ctx.tokens.device
         tokens = torch.tensor([[t for t, _, _ in r] for r in table], dtype=torch.long).view(len(rows), width)
         parents = torch.tensor([[par for _, par, _ in r] for r in table], dtype=torch.long).view(len(rows), width)
@@ -340,6 +353,11 @@ class NgramDrafter(Drafter):
         return 0
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "min_match": self.min_match, "max_match": self.max_match,
-                "factor": self.factor, "min_prob": self.min_prob,
-                "history_tokens": None if self.history is None else self.history.size}
+        return {
+            "kind": self.kind,
+            "min_match": self.min_match,
+            "max_match": self.max_match,
+            "factor": self.factor,
+            "min_prob": self.min_prob,
+            "history_tokens": None if self.history is None else self.history.size,
+        }

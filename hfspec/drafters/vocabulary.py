@@ -13,6 +13,7 @@ correctness: the map only decides what the draft may propose (Timor et al., ICML
 "lossless speculative decoding algorithms for heterogeneous vocabularies": token-level
 intersection).
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,8 +39,9 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 @functools.lru_cache(maxsize=1)
 def byte_decoder() -> dict[str, int]:
     """Byte-level BPE's printable character → byte (the inverse of GPT-2's ``bytes_to_unicode``)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     n = 0
     for b in range(256):
@@ -62,8 +64,10 @@ def _decoder_steps(spec: dict | None) -> list[dict]:
 def _fast_spec(tokenizer: PreTrainedTokenizerBase) -> dict:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        raise HfspecError(f"pairs with different tokenizers need fast tokenizers (got {type(tokenizer).__name__}); "
-                          "load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
+        raise HfspecError(
+            f"pairs with different tokenizers need fast tokenizers (got {type(tokenizer).__name__}); "
+            "load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
+        )
     return json.loads(backend.to_str())
 
 
@@ -74,8 +78,11 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase) -> list[bytes | None]:
     """
     steps = _decoder_steps(_fast_spec(tokenizer).get("decoder"))
     kinds = {step.get("type") for step in steps}
-    replace = [(step["pattern"].get("String", ""), step.get("content", "")) for step in steps
-               if step.get("type") == "Replace" and isinstance(step.get("pattern"), dict)]
+    replace = [
+        (step["pattern"].get("String", ""), step.get("content", ""))
+        for step in steps
+        if step.get("type") == "Replace" and isinstance(step.get("pattern"), dict)
+    ]
     replace += [(step.get("replacement", "▁"), " ") for step in steps if step.get("type") == "Metaspace"]
     added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
     decode = byte_decoder()
@@ -120,8 +127,9 @@ class VocabMap:
         return VocabMap(*(t.to(device) for t in (self.draft_ids, self.target_ids, self.to_draft, self.to_target)))
 
 
-def _pairs(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, target_vocab: int,
-           draft_vocab: int) -> dict[int, int]:
+def _pairs(
+    target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, target_vocab: int, draft_vocab: int
+) -> dict[int, int]:
     """draft id → target id for every shared token: specials by content, the rest by bytes."""
     t_special, d_special = _special_ids(target), _special_ids(draft)
     t_bytes, d_bytes = token_bytes(target), token_bytes(draft)
@@ -144,8 +152,9 @@ def _pairs(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, targ
     return pairs
 
 
-def vocab_map(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, target_vocab: int,
-              draft_vocab: int) -> VocabMap:
+def vocab_map(
+    target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, target_vocab: int, draft_vocab: int
+) -> VocabMap:
     """The shared tokens of ``draft`` and ``target`` with ids below each side's vocabulary size.
 
     Refuses (``HfspecError``) a pair that shares fewer than ``MIN_SHARED_FRACTION`` of the
@@ -153,8 +162,10 @@ def vocab_map(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, t
     """
     pairs = _pairs(target, draft, target_vocab, draft_vocab)
     # Ordinary tokens of each side (padded rows of an output layer are no tokens).
-    ordinary = min(min(target_vocab, len(target)) - len(_special_ids(target)),
-                   min(draft_vocab, len(draft)) - len(_special_ids(draft)))
+    ordinary = min(
+        min(target_vocab, len(target)) - len(_special_ids(target)),
+        min(draft_vocab, len(draft)) - len(_special_ids(draft)),
+    )
     shared = sum(1 for d in pairs if d not in _special_ids(draft))
     if shared < MIN_SHARED_FRACTION * max(ordinary, 1) or not shared:
         raise HfspecError(

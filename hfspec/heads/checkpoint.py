@@ -12,6 +12,7 @@ refused with an ``HfspecError``, because a head that loads but drafts wrong only
 as a low acceptance rate (the output stays exact), which nobody would trace back to
 the file. Written heads load in vLLM and SGLang as well as here.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,40 +37,61 @@ UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_re
 IGNORED_TENSORS = ("t2d", "verifier_lm_head.weight", "verifier_norm.weight")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # position-independent inverse frequencies
 # Keys of a layer config that LlamaConfig reads; it validates them and fills in the rest.
-_LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "rms_norm_eps", "hidden_act", "max_position_embeddings", "rope_theta", "rope_scaling",
-               "rope_parameters", "vocab_size")
+_LLAMA_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "hidden_act",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "vocab_size",
+)
 
 
 def _parse_config(conf: dict[str, Any], where: str) -> Eagle3Config:
     """The head's shape from either layout's config.json; refuses what the forward would get wrong."""
     if "speculators_model_type" in conf:
         if conf["speculators_model_type"] != "eagle3":
-            raise HfspecError(f"{where}: speculators model type {conf['speculators_model_type']!r} is not "
-                              "supported; hfspec runs EAGLE-3 heads (speculators_model_type \"eagle3\")")
+            raise HfspecError(
+                f"{where}: speculators model type {conf['speculators_model_type']!r} is not "
+                'supported; hfspec runs EAGLE-3 heads (speculators_model_type "eagle3")'
+            )
         layer = conf.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise HfspecError(f"{where}: a speculators config needs a transformer_layer_config object")
         if "norm_before_residual" not in conf:
-            raise HfspecError(f"{where}: norm_before_residual is not set; vLLM reads a missing value as true and "
-                              "the speculators library as false. Add \"norm_before_residual\": false if the head "
-                              "was trained without it (true is not supported)")
+            raise HfspecError(
+                f"{where}: norm_before_residual is not set; vLLM reads a missing value as true and "
+                'the speculators library as false. Add "norm_before_residual": false if the head '
+                "was trained without it (true is not supported)"
+            )
     else:
         layer = conf
     for flag in UNSUPPORTED_FLAGS:
         if conf.get(flag):
-            raise HfspecError(f"{where}: {flag}: true is not supported; hfspec runs the original EAGLE-3 layer "
-                              f"({', '.join(UNSUPPORTED_FLAGS)} all false)")
+            raise HfspecError(
+                f"{where}: {flag}: true is not supported; hfspec runs the original EAGLE-3 layer "
+                f"({', '.join(UNSUPPORTED_FLAGS)} all false)"
+            )
     if layer.get("model_type", "llama") != "llama":
-        raise HfspecError(f"{where}: a {layer['model_type']!r} draft layer is not supported; hfspec runs "
-                          "Llama-style EAGLE-3 layers")
+        raise HfspecError(
+            f"{where}: a {layer['model_type']!r} draft layer is not supported; hfspec runs Llama-style EAGLE-3 layers"
+        )
     if layer.get("num_hidden_layers", 1) != 1:
-        raise HfspecError(f"{where}: the head has {layer['num_hidden_layers']} decoder layers; hfspec runs "
-                          "EAGLE-3 heads with one")
+        raise HfspecError(
+            f"{where}: the head has {layer['num_hidden_layers']} decoder layers; hfspec runs EAGLE-3 heads with one"
+        )
     if any(kind != "full_attention" for kind in layer.get("layer_types") or ()):
         # speculators' training CLI writes layer_types and runs "sliding_attention" layers with a window.
-        raise HfspecError(f"{where}: layer_types {layer['layer_types']} asks for sliding-window attention, which "
-                          "hfspec's EAGLE-3 layer does not run; it supports full_attention only")
+        raise HfspecError(
+            f"{where}: layer_types {layer['layer_types']} asks for sliding-window attention, which "
+            "hfspec's EAGLE-3 layer does not run; it supports full_attention only"
+        )
     if any(layer.get(k) for k in ("attention_bias", "mlp_bias")):
         raise HfspecError(f"{where}: attention or MLP biases are not supported in an EAGLE-3 head")
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in layer]
@@ -81,8 +103,9 @@ def _parse_config(conf: dict[str, Any], where: str) -> Eagle3Config:
         raise HfspecError(f"{where}: invalid layer config: {str(exc).splitlines()[0]}") from None
     rope = dict(llama.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
     if rope.get("rope_type", "default") not in ROPE_TYPES:
-        raise HfspecError(f"{where}: RoPE type {rope.get('rope_type')!r} is not supported; "
-                          f"supported: {', '.join(ROPE_TYPES)}")
+        raise HfspecError(
+            f"{where}: RoPE type {rope.get('rope_type')!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
     if llama.hidden_act not in ACT2FN:
         raise HfspecError(f"{where}: unknown hidden_act {llama.hidden_act!r}")
     ids = conf.get("eagle_aux_hidden_state_layer_ids")
@@ -96,12 +119,19 @@ def _parse_config(conf: dict[str, Any], where: str) -> Eagle3Config:
     if not isinstance(vocab, int):
         raise HfspecError(f"{where}: the head's config lacks vocab_size (the target's vocabulary size)")
     return Eagle3Config(
-        hidden_size=llama.hidden_size, intermediate_size=llama.intermediate_size,
-        num_attention_heads=llama.num_attention_heads, num_key_value_heads=llama.num_key_value_heads,
-        vocab_size=vocab, draft_vocab_size=int(conf.get("draft_vocab_size") or vocab),
-        target_hidden_size=conf.get("target_hidden_size"), head_dim=llama.head_dim,
-        rms_norm_eps=llama.rms_norm_eps, hidden_act=llama.hidden_act, rope_parameters=rope,
-        max_position_embeddings=llama.max_position_embeddings, layer_ids=tuple(ids) if ids else None,
+        hidden_size=llama.hidden_size,
+        intermediate_size=llama.intermediate_size,
+        num_attention_heads=llama.num_attention_heads,
+        num_key_value_heads=llama.num_key_value_heads,
+        vocab_size=vocab,
+        draft_vocab_size=int(conf.get("draft_vocab_size") or vocab),
+        target_hidden_size=conf.get("target_hidden_size"),
+        head_dim=llama.head_dim,
+        rms_norm_eps=llama.rms_norm_eps,
+        hidden_act=llama.hidden_act,
+        rope_parameters=rope,
+        max_position_embeddings=llama.max_position_embeddings,
+        layer_ids=tuple(ids) if ids else None,
     )
 
 
@@ -109,7 +139,7 @@ def _head_name(name: str) -> str:
     """Checkpoint tensor name -> the head's parameter name."""
     for prefix in ("midlayer.", "layers.0."):
         if name.startswith(prefix):
-            return "layer." + name[len(prefix):]
+            return "layer." + name[len(prefix) :]
     return name
 
 
@@ -118,8 +148,9 @@ def _listed(names: Any) -> str:
     return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
 
-def load_head(path: str | Path, *, dtype: torch.dtype | None = None,
-              device: str | torch.device | None = None) -> Eagle3Head:
+def load_head(
+    path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+) -> Eagle3Head:
     """Load an EAGLE-3 head from a directory in either layout (``model.safetensors`` or ``pytorch_model.bin``).
 
     ``dtype`` None keeps the stored floating dtype. Every tensor must match the config;
@@ -133,28 +164,42 @@ def load_head(path: str | Path, *, dtype: torch.dtype | None = None,
     config = _parse_config(conf, where)
     file = weights_file(path)
     if file is None:
-        sharded = " (sharded checkpoints are not supported for heads; save it as one file)" \
-            if any(path.glob("*.index.json")) else ""
+        sharded = (
+            " (sharded checkpoints are not supported for heads; save it as one file)"
+            if any(path.glob("*.index.json"))
+            else ""
+        )
         raise HfspecError(f"{where}: no {' or '.join(WEIGHT_FILES)}{sharded}")
     state = {_head_name(k): v for k, v in load_tensors(file).items() if k not in IGNORED_TENSORS}
-    if "target_hidden_size" in conf and "embed_tokens.weight" not in state and \
-            conf["target_hidden_size"] not in (None, config.hidden_size):
-        raise HfspecError(f"{where}: the config sets target_hidden_size, so the head carries its own embedding, "
-                          "but the checkpoint has no embed_tokens.weight")
+    if (
+        "target_hidden_size" in conf
+        and "embed_tokens.weight" not in state
+        and conf["target_hidden_size"] not in (None, config.hidden_size)
+    ):
+        raise HfspecError(
+            f"{where}: the config sets target_hidden_size, so the head carries its own embedding, "
+            "but the checkpoint has no embed_tokens.weight"
+        )
     head = Eagle3Head(config, own_embedding="embed_tokens.weight" in state)
     expected = head.state_dict()
     if "d2t" not in state:
         if config.draft_vocab_size != config.vocab_size:
-            raise HfspecError(f"{where}: the draft vocabulary ({config.draft_vocab_size}) is smaller than the "
-                              f"target's ({config.vocab_size}) but the checkpoint has no d2t to map it")
+            raise HfspecError(
+                f"{where}: the draft vocabulary ({config.draft_vocab_size}) is smaller than the "
+                f"target's ({config.vocab_size}) but the checkpoint has no d2t to map it"
+            )
         state["d2t"] = expected["d2t"]  # identity: target id = draft id
     unexpected, missing = set(state) - set(expected), set(expected) - set(state)
     if unexpected or missing:
-        parts = ([f"tensors the forward would ignore: {_listed(unexpected)}"] if unexpected else []) + \
-                ([f"missing tensors: {_listed(missing)}"] if missing else [])
+        parts = ([f"tensors the forward would ignore: {_listed(unexpected)}"] if unexpected else []) + (
+            [f"missing tensors: {_listed(missing)}"] if missing else []
+        )
         raise HfspecError(f"{where}: {'; '.join(parts)}")
-    wrong = [f"{k} {tuple(v.shape)} (config: {tuple(expected[k].shape)})" for k, v in state.items()
-             if tuple(v.shape) != tuple(expected[k].shape)]
+    wrong = [
+        f"{k} {tuple(v.shape)} (config: {tuple(expected[k].shape)})"
+        for k, v in state.items()
+        if tuple(v.shape) != tuple(expected[k].shape)
+    ]
     if wrong:
         raise HfspecError(f"{where}: tensor shapes do not match its config.json: {_listed(wrong)}")
     if state["d2t"].is_floating_point():
@@ -169,21 +214,39 @@ def _layer_config(c: Eagle3Config) -> dict[str, Any]:
     rope = dict(c.rope_parameters)
     theta = rope.pop("rope_theta", 10000.0)
     out = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.dim, "num_hidden_layers": 1,
-        "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, "hidden_act": c.hidden_act,
-        "max_position_embeddings": c.max_position_embeddings, "rope_theta": theta,
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.dim,
+        "num_hidden_layers": 1,
+        "vocab_size": c.vocab_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "hidden_act": c.hidden_act,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rope_theta": theta,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
     }
     if rope.get("rope_type", "default") != "default":
         out["rope_scaling"] = rope
     return out
 
 
-def save_head(head: Eagle3Head, path: str | Path, *, layout: str = "speculators", dtype: torch.dtype | None = None,
-              target: PreTrainedModel | None = None, embedding: bool = False, verifier: str | None = None,
-              speculative_tokens: int = 3) -> Path:
+def save_head(
+    head: Eagle3Head,
+    path: str | Path,
+    *,
+    layout: str = "speculators",
+    dtype: torch.dtype | None = None,
+    target: PreTrainedModel | None = None,
+    embedding: bool = False,
+    verifier: str | None = None,
+    speculative_tokens: int = 3,
+) -> Path:
     """Write ``head`` to the directory ``path`` (``model.safetensors`` + ``config.json``) in ``layout``.
 
     ``speculators``: the layout vLLM serves with ``speculators_model_type: "eagle3"``;
@@ -200,7 +263,7 @@ def save_head(head: Eagle3Head, path: str | Path, *, layout: str = "speculators"
     prefix = "layers.0." if layout == "speculators" else "midlayer."
     tensors: dict[str, torch.Tensor] = {}
     for name, value in head.state_dict().items():
-        key = prefix + name[len("layer."):] if name.startswith("layer.") else name
+        key = prefix + name[len("layer.") :] if name.startswith("layer.") else name
         tensors[key] = value if name == "d2t" else value.to(dtype)
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[head.target_ids().cpu()] = True
@@ -210,13 +273,17 @@ def save_head(head: Eagle3Head, path: str | Path, *, layout: str = "speculators"
             raise HfspecError("embedding=True stores the target's embedding: pass target=")
         weight = target.get_input_embeddings().weight
         if tuple(weight.shape) != (c.vocab_size, c.hidden_size):
-            raise HfspecError(f"the target's embedding is {tuple(weight.shape)}, the head expects "
-                              f"({c.vocab_size}, {c.hidden_size})")
+            raise HfspecError(
+                f"the target's embedding is {tuple(weight.shape)}, the head expects ({c.vocab_size}, {c.hidden_size})"
+            )
         tensors["embed_tokens.weight"] = weight.detach().to(dtype)
     path = Path(str(path)).expanduser()
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        str(path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     dtype_name = str(dtype).removeprefix("torch.")
     layer = _layer_config(c)
     target_hidden = c.target_hidden_size if c.target_hidden_size not in (None, c.hidden_size) else None
@@ -231,18 +298,31 @@ def save_head(head: Eagle3Head, path: str | Path, *, layout: str = "speculators"
         architectures = list(getattr(target.config, "architectures", None) or []) if target is not None else []
         name = verifier if verifier is not None else (target.name_or_path or None) if target is not None else None
         conf = {
-            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
             "speculators_config": {
                 "algorithm": "eagle3",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": int(speculative_tokens),
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
                 "default_proposal_method": "greedy",
                 "verifier": {"name_or_path": name, "architectures": architectures},
             },
             "transformer_layer_config": {**layer, "torch_dtype": dtype_name},
-            "draft_vocab_size": c.draft_vocab_size, "norm_before_residual": False, "norm_before_fc": False,
-            "fc_norm": False, "norm_output": False, "target_hidden_size": target_hidden,
-            "eagle_aux_hidden_state_layer_ids": ids, "embed_requires_grad": False, "torch_dtype": dtype_name,
+            "draft_vocab_size": c.draft_vocab_size,
+            "norm_before_residual": False,
+            "norm_before_fc": False,
+            "fc_norm": False,
+            "norm_output": False,
+            "target_hidden_size": target_hidden,
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "embed_requires_grad": False,
+            "torch_dtype": dtype_name,
         }
     (path / "config.json").write_text(json.dumps(conf, indent=2) + "\n", encoding="utf-8")
     return path

@@ -14,6 +14,7 @@ draft steps with ``unroll``; reading and writing checkpoints is
 ``hfspec.heads.checkpoint``'s job. They know no cache, so this module imports nothing
 of hfspec and sits on the ground floor, with the checkpoint code just above it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -61,11 +62,19 @@ class Eagle3Config:
     def llama_config(self) -> LlamaConfig:
         """The 1-layer Llama config of the head's layer (RoPE, MLP)."""
         return LlamaConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.dim, num_hidden_layers=1, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
-            hidden_act=self.hidden_act, max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters), attention_bias=False, mlp_bias=False,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.dim,
+            num_hidden_layers=1,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            attention_bias=False,
+            mlp_bias=False,
         )
 
 
@@ -92,8 +101,9 @@ class Eagle3Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Attention of q (B, heads, T, D) over keys/values (B, kv_heads, S, D); ``allowed`` (B|1, 1|heads, T, S)."""
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
-                                             enable_gqa=self.heads != self.kv_heads)  # (B, heads, T, D)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=allowed, enable_gqa=self.heads != self.kv_heads
+        )  # (B, heads, T, D)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -113,14 +123,16 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
-    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def qkv(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """Queries, keys and values of (B, T, H) token embeddings and hidden inputs; the embedding comes first."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
         return self.self_attn.qkv(x, cos, sin)
 
-    def finish(self, hidden: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               allowed: torch.Tensor) -> torch.Tensor:
+    def finish(
+        self, hidden: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
         """The layer's pre-norm output (B, T, H); the residual is the un-normed hidden input."""
         h = hidden + self.self_attn.attend(q, keys, values, allowed)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -167,8 +179,9 @@ class Eagle3Head(nn.Module):
         """(Vd,) the target id of each draft id."""
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def unroll(self, fused: torch.Tensor, embeds: torch.Tensor, steps: int,
-               valid: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def unroll(
+        self, fused: torch.Tensor, embeds: torch.Tensor, steps: int, valid: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Training-time test (EAGLE-3, arXiv 2503.01840): ``steps`` draft steps at every position at once.
 
         ``fused`` (B, T, H): ``fuse(features)`` at positions 0..T-1; ``embeds`` (B, T+steps-1, H):
@@ -189,7 +202,7 @@ class Eagle3Head(nn.Module):
         hidden, keys, values, out = fused, [], [], []
         for k in range(steps):
             cos, sin = self.rope(hidden, positions + k)
-            q, key, value = self.layer.qkv(embeds[:, k: k + length], hidden, cos, sin)
+            q, key, value = self.layer.qkv(embeds[:, k : k + length], hidden, cos, sin)
             keys.append(key)
             values.append(value)
             allowed = torch.cat([causal | same] + [same] * k, dim=-1)  # (T, (k+1)T) or (B, T, (k+1)T)

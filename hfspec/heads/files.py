@@ -6,6 +6,7 @@ would run with random weights and no error. So the model loader asks ``head_kind
 first. Recognising a head needs only its files, so this module knows nothing of the
 head's modules or of caches: it sits on the ground floor, below the model loader.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-__all__ = ["HEAD_ARCHITECTURES", "WEIGHT_FILES", "head_kind", "is_eagle3_dir", "load_tensors", "read_config",
-           "weights_file"]
+__all__ = [
+    "HEAD_ARCHITECTURES",
+    "WEIGHT_FILES",
+    "head_kind",
+    "is_eagle3_dir",
+    "load_tensors",
+    "read_config",
+    "weights_file",
+]
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Architecture names of EAGLE-3 heads in the wild (vLLM, SGLang, speculators).

@@ -4,6 +4,7 @@
 acceptance seen so far; ``Tuning`` is what a generator keeps across calls for it. Only γ is chosen;
 acceptance stays min(1, p/q), so every choice is lossless.
 """
+
 from __future__ import annotations
 
 import math
@@ -186,8 +187,11 @@ class AutoGamma(GammaPolicy):
         lookup = self.alphas(rows, self.lookup_by_row)
         match = [self.match_by_row[r].alpha for r in rows.tolist()]
         alone = [(i, m, a) for i, (m, a) in enumerate(zip(match, lookup))]
-        both = [part for i, (m, a, b) in enumerate(zip(match, lookup, self.alpha))
-                for part in ((i, m, max(a, b)), (i, 1 - m, b))]
+        both = [
+            part
+            for i, (m, a, b) in enumerate(zip(match, lookup, self.alpha))
+            for part in ((i, m, max(a, b)), (i, 1 - m, b))
+        ]
         return [(alone, False), (both, True)]
 
     def start_step(self, parts: list[Part], model: bool) -> None:
@@ -235,8 +239,9 @@ class AutoGamma(GammaPolicy):
         evidence, best = self.tuning.tree_evidence(), (0, -1.0)
         for nodes in self.tuning.trees:
             tokens = sum(evidence.expected_tokens(nodes, a) for a in self.alpha)
-            seconds = self.costs.tree_draft_seconds(self.batch, nodes, shape(nodes)[1]) + \
-                self.costs.verify_seconds(self.batch, nodes + 1)
+            seconds = self.costs.tree_draft_seconds(self.batch, nodes, shape(nodes)[1]) + self.costs.verify_seconds(
+                self.batch, nodes + 1
+            )
             if tokens / seconds > best[1]:
                 best = (nodes, tokens / seconds)
         return best
@@ -249,8 +254,9 @@ class AutoGamma(GammaPolicy):
         if self.probing and any(n == step.path.shape[1] for n in step.accepted.tolist()):
             self.probe[1] = self.probe_every  # a tree probe kept a whole path: look again soon
         chains = []
-        for parents, real, path, n in zip(step.parents.tolist(), step.real.tolist(), step.path.tolist(),
-                                          step.accepted.tolist()):
+        for parents, real, path, n in zip(
+            step.parents.tolist(), step.real.tolist(), step.path.tolist(), step.accepted.tolist()
+        ):
             evidence.add(step.nodes, parents, real, path, n)
             chains.append(first_children(parents, real, path, n))
         # The chain's α learns from the trees' first children too: while trees win, chain steps are rare, and
@@ -312,8 +318,7 @@ class AutoGamma(GammaPolicy):
             self.costs.record_draft(batch, max(0.0, step.draft_seconds - lookup) / model_gamma)
         self.after_plain = model_gamma == 0  # the draft model did not run: it catches up when it next does
 
-    def learn(self, rows: list[int], drafted: list[int], accepted: list[int],
-              confidence: torch.Tensor | None) -> None:
+    def learn(self, rows: list[int], drafted: list[int], accepted: list[int], confidence: torch.Tensor | None) -> None:
         """The draft model's (or the only drafter's) acceptance in ``rows``, and its calibration."""
         memory = self.tuning.evidence()
         for row, d, n in zip(rows, drafted, accepted):
@@ -337,8 +342,12 @@ class AutoGamma(GammaPolicy):
                 lookup.add(*run)
         took = [i for i, m in enumerate(outcome.model) if m is not None]
         confidence = step.confidence[took] if step.confidence is not None and took else None
-        self.learn([rows[i] for i in took], [outcome.model[i][0] for i in took],
-                   [outcome.model[i][1] for i in took], confidence)
+        self.learn(
+            [rows[i] for i in took],
+            [outcome.model[i][0] for i in took],
+            [outcome.model[i][1] for i in took],
+            confidence,
+        )
 
     def __str__(self) -> str:
         return "auto"
@@ -351,7 +360,8 @@ def as_policy(gamma: int | str | GammaPolicy, tuning: Tuning | None = None, hybr
         return gamma
     if isinstance(gamma, str) and gamma == "auto":
         if tuning is None:
-            raise HfspecError("gamma='auto' needs the generator's measured costs; "
-                              "pass it to SpeculativeGenerator.generate")
+            raise HfspecError(
+                "gamma='auto' needs the generator's measured costs; pass it to SpeculativeGenerator.generate"
+            )
         return AutoGamma(tuning, hybrid)
     return FixedGamma(check_gamma(gamma))

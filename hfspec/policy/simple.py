@@ -3,6 +3,7 @@
 A policy only chooses γ; acceptance stays min(1, p/q), so every policy is lossless. ``gamma="auto"``,
 the policy that measures what pays where it runs, is ``hfspec.policy.auto``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,19 +44,22 @@ def alpha_from_tokens_per_pass(tokens_per_pass: float, gamma: int) -> float:
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        if sum(mid ** i for i in range(gamma + 1)) < target:
+        if sum(mid**i for i in range(gamma + 1)) < target:
             lo = mid
         else:
             hi = mid
     return (lo + hi) / 2
 
 
-def best_gamma(alpha: float, cost: float, verify_cost: dict[int, float] | None = None,
-               maximum: int = 8) -> tuple[int, float]:
+def best_gamma(
+    alpha: float, cost: float, verify_cost: dict[int, float] | None = None, maximum: int = 8
+) -> tuple[int, float]:
     """The γ in 1..maximum with the highest predicted speedup, and that speedup."""
     verify_cost = verify_cost or {}
-    return max(((g, predicted_speedup(alpha, g, cost, verify_cost.get(g, 1.0))) for g in range(1, maximum + 1)),
-               key=lambda pair: pair[1])
+    return max(
+        ((g, predicted_speedup(alpha, g, cost, verify_cost.get(g, 1.0))) for g in range(1, maximum + 1)),
+        key=lambda pair: pair[1],
+    )
 
 
 @dataclass(frozen=True)

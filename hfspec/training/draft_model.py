@@ -19,6 +19,7 @@ Everything lives under ``out_dir``: ``data/`` (generated shards), ``train/``
 (checkpoint), and finally the draft itself, its tokenizer and
 ``distill_report.json``. Rerunning with the same ``out_dir`` resumes.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,20 @@ __all__ = ["DraftModelReport", "train_draft_model"]
 
 SAVE_DTYPES = ("float32", "float16", "bfloat16")
 # A checkpoint depends on these; resuming with any of them changed is refused.
-_FIXED = ("hidden", "layers", "heads", "kv_heads", "intermediate", "batch", "steps", "lr", "hard_weight",
-          "negatives", "seed", "init_from")
+_FIXED = (
+    "hidden",
+    "layers",
+    "heads",
+    "kv_heads",
+    "intermediate",
+    "batch",
+    "steps",
+    "lr",
+    "hard_weight",
+    "negatives",
+    "seed",
+    "init_from",
+)
 
 
 @dataclass(frozen=True)
@@ -110,13 +123,26 @@ class _Settings:
 
     def validate(self) -> None:
         """Refuse settings no draft can be built or trained with, naming the fix."""
-        require_positive(hidden=self.hidden, layers=self.layers, heads=self.heads, kv_heads=self.kv_heads,
-                         intermediate=self.intermediate, tokens=self.tokens, eval_tokens=self.eval_tokens,
-                         seq_len=self.seq_len, gen_batch=self.gen_batch, top_k=self.top_k, batch=self.batch,
-                         steps=self.steps, eval_every=self.eval_every)
+        require_positive(
+            hidden=self.hidden,
+            layers=self.layers,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            intermediate=self.intermediate,
+            tokens=self.tokens,
+            eval_tokens=self.eval_tokens,
+            seq_len=self.seq_len,
+            gen_batch=self.gen_batch,
+            top_k=self.top_k,
+            batch=self.batch,
+            steps=self.steps,
+            eval_every=self.eval_every,
+        )
         if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise HfspecError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}), and heads by "
-                              f"kv_heads ({self.kv_heads})")
+            raise HfspecError(
+                f"hidden ({self.hidden}) must be divisible by heads ({self.heads}), and heads by "
+                f"kv_heads ({self.kv_heads})"
+            )
         if self.save_dtype not in SAVE_DTYPES:
             raise HfspecError(f"save_dtype must be float32, float16 or bfloat16, got {self.save_dtype!r}")
 
@@ -139,7 +165,11 @@ def _distill_loss(
 
 
 def _candidate_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, top_ids: torch.Tensor, token: torch.Tensor, negatives: int,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    top_ids: torch.Tensor,
+    token: torch.Tensor,
+    negatives: int,
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits over a sampled subset of the vocabulary: the output layer dominates training cost.
@@ -158,7 +188,7 @@ def _candidate_logits(
     cand = torch.cat([must, rest])
     logits = hidden @ weight[cand].T  # (N, U + R)
     correction = torch.zeros(cand.numel())
-    correction[must.numel():] = math.log((vocab - must.numel()) / max(1, rest.numel()))
+    correction[must.numel() :] = math.log((vocab - must.numel()) / max(1, rest.numel()))
     # Every top-k id and token is in ``must``, which leads ``cand``, so its position is its index.
     top_idx = torch.searchsorted(must, top_ids.contiguous())
     return logits + correction, top_idx, torch.searchsorted(must, token.contiguous())
@@ -224,10 +254,21 @@ def _build_draft(target: PreTrainedModel, s: _Settings) -> LlamaForCausalLM:
 def _warm_start(draft: LlamaForCausalLM, path: Path) -> None:
     """Copy the weights of the draft saved at ``path`` into ``draft``; the architectures must match."""
     saved = AutoConfig.from_pretrained(path)
-    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
-    differ = [f"{k} {getattr(saved, k, None)} vs {getattr(draft.config, k, None)}"
-              for k in keys if getattr(saved, k, None) != getattr(draft.config, k, None)]
+    keys = (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "tie_word_embeddings",
+    )
+    differ = [
+        f"{k} {getattr(saved, k, None)} vs {getattr(draft.config, k, None)}"
+        for k in keys
+        if getattr(saved, k, None) != getattr(draft.config, k, None)
+    ]
     if differ:
         raise HfspecError(
             f"init_from {path} has a different architecture ({'; '.join(differ)}, saved vs requested); "
@@ -239,7 +280,12 @@ def _warm_start(draft: LlamaForCausalLM, path: Path) -> None:
 
 
 def _train(
-    draft: LlamaForCausalLM, samples: list[dict], heldout: list[dict], train_dir: Path, pad: int, s: _Settings,
+    draft: LlamaForCausalLM,
+    samples: list[dict],
+    heldout: list[dict],
+    train_dir: Path,
+    pad: int,
+    s: _Settings,
     progress: bool,
 ) -> tuple[list[float], float, list[tuple[int, float, float]], int]:
     """:func:`hfspec.training.optim.fit` the draft; the periodic check is α on ``heldout`` against the staged
@@ -268,8 +314,9 @@ def _train(
 
 
 @torch.inference_mode()
-def _acceptance(target: PreTrainedModel, draft: PreTrainedModel, samples: list[dict], pad: int,
-                batch: int) -> tuple[float, float, int]:
+def _acceptance(
+    target: PreTrainedModel, draft: PreTrainedModel, samples: list[dict], pad: int, batch: int
+) -> tuple[float, float, int]:
     """(α at T=1, greedy agreement, positions) over the generated positions of ``samples``."""
     overlap, agree, count = 0.0, 0, 0
     for i in range(0, len(samples), batch):
@@ -352,11 +399,27 @@ def train_draft_model(
     training instead of a fresh initialisation, with a new optimiser and schedule:
     how to train a draft further on more data or for more steps.
     """
-    s = _Settings(hidden, layers, heads, heads if kv_heads is None else kv_heads,
-                  4 * hidden if intermediate is None else intermediate, tokens, eval_tokens, seq_len, gen_batch,
-                  top_k, batch, steps, lr, hard_weight, negatives, seed, save_dtype,
-                  eval_every=default_eval_every(steps) if eval_every is None else eval_every,
-                  init_from="" if init_from is None else str(Path(init_from).resolve()))
+    s = _Settings(
+        hidden,
+        layers,
+        heads,
+        heads if kv_heads is None else kv_heads,
+        4 * hidden if intermediate is None else intermediate,
+        tokens,
+        eval_tokens,
+        seq_len,
+        gen_batch,
+        top_k,
+        batch,
+        steps,
+        lr,
+        hard_weight,
+        negatives,
+        seed,
+        save_dtype,
+        eval_every=default_eval_every(steps) if eval_every is None else eval_every,
+        init_from="" if init_from is None else str(Path(init_from).resolve()),
+    )
     s.validate()
     target_path = resolve_target(target, progress)
     if init_from is not None and not (Path(init_from) / "config.json").is_file():
@@ -385,15 +448,22 @@ def train_draft_model(
     _save_draft(draft, tokenizer, out, pad, save_dtype)
 
     # 4. Measure acceptance on held-out prompts and the cost ratio.
-    report = _measure(target_model, draft, eval_samples, pad, s, fitted,
-                      dict(target=str(target_path), out_dir=str(out), train_tokens=n_train,
-                           gen_seconds=round(gen_seconds, 1)))
+    report = _measure(
+        target_model,
+        draft,
+        eval_samples,
+        pad,
+        s,
+        fitted,
+        dict(target=str(target_path), out_dir=str(out), train_tokens=n_train, gen_seconds=round(gen_seconds, 1)),
+    )
     write_report(out, report, "distilled draft")
     return report
 
 
-def _save_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, pad: int,
-                save_dtype: str) -> None:
+def _save_draft(
+    draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, pad: int, save_dtype: str
+) -> None:
     """Write the draft in ``save_dtype`` with the target's tokenizer, so that it loads by path on its own."""
     draft.generation_config.pad_token_id = pad
     draft.to(getattr(torch, save_dtype)).save_pretrained(out)
@@ -401,8 +471,15 @@ def _save_draft(draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out
     tokenizer.save_pretrained(out)
 
 
-def _measure(target: PreTrainedModel, draft: LlamaForCausalLM, eval_samples: list[dict], pad: int, s: _Settings,
-             fitted: tuple[list[float], float, list[tuple], int], run: dict) -> DraftModelReport:
+def _measure(
+    target: PreTrainedModel,
+    draft: LlamaForCausalLM,
+    eval_samples: list[dict],
+    pad: int,
+    s: _Settings,
+    fitted: tuple[list[float], float, list[tuple], int],
+    run: dict,
+) -> DraftModelReport:
     """The report: α and agreement against a target forward on held-out text, step times, predicted speedup.
 
     ``fitted`` is what :func:`_train` returned; ``run`` the report fields known before training.
@@ -412,9 +489,19 @@ def _measure(target: PreTrainedModel, draft: LlamaForCausalLM, eval_samples: lis
     t_target, t_draft = decode_step_seconds(target, draft, steps=64)
     forecast = forecast_speedup(alpha, agreement, t_target, t_draft)
     return DraftModelReport(
-        **run, draft_params=sum(p.numel() for p in draft.parameters()), hidden=s.hidden, layers=s.layers,
-        eval_tokens=n_pos, steps=len(losses), best_step=best_step, train_seconds=round(train_seconds, 1),
-        final_loss=final_loss(losses), alpha=round(alpha, 4), greedy_agreement=round(agreement, 4),
-        target_step_ms=round(1000 * t_target, 3), draft_step_ms=round(1000 * t_draft, 3), **asdict(forecast),
+        **run,
+        draft_params=sum(p.numel() for p in draft.parameters()),
+        hidden=s.hidden,
+        layers=s.layers,
+        eval_tokens=n_pos,
+        steps=len(losses),
+        best_step=best_step,
+        train_seconds=round(train_seconds, 1),
+        final_loss=final_loss(losses),
+        alpha=round(alpha, 4),
+        greedy_agreement=round(agreement, 4),
+        target_step_ms=round(1000 * t_target, 3),
+        draft_step_ms=round(1000 * t_draft, 3),
+        **asdict(forecast),
         heldout=tuple(tuple(c) for c in checks),
     )

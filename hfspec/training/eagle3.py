@@ -27,6 +27,7 @@ of the target's T=1 distribution p). Then:
 p is the target's distribution and q the draft's, as in Leviathan et al.
 (arXiv 2211.17192). Everything lives under ``out_dir``; rerunning resumes.
 """
+
 from __future__ import annotations
 
 import json
@@ -154,8 +155,9 @@ def parse_layer_ids(text: str) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- the training-time test
 
 
-def _unroll(head: Eagle3Head, fused: torch.Tensor, embeds: torch.Tensor, valid: torch.Tensor, active: torch.Tensor,
-            steps: int) -> list[torch.Tensor]:
+def _unroll(
+    head: Eagle3Head, fused: torch.Tensor, embeds: torch.Tensor, valid: torch.Tensor, active: torch.Tensor, steps: int
+) -> list[torch.Tensor]:
     """:meth:`Eagle3Head.unroll` computed only where it is needed; per step the pre-norm outputs (A, H) of the
     ``active`` positions, in row-major order.
 
@@ -166,7 +168,7 @@ def _unroll(head: Eagle3Head, fused: torch.Tensor, embeds: torch.Tensor, valid: 
     """
     batch, length, _ = fused.shape
     attn = head.layer.self_attn
-    repeat, scale = attn.heads // attn.kv_heads, attn.head_dim ** -0.5
+    repeat, scale = attn.heads // attn.kv_heads, attn.head_dim**-0.5
     rows, cols = active.nonzero(as_tuple=True)
     positions = torch.arange(length)[None].expand(batch, length)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
@@ -174,7 +176,7 @@ def _unroll(head: Eagle3Head, fused: torch.Tensor, embeds: torch.Tensor, valid: 
     hidden, own_keys, own_values, outs = fused, [], [], []
     for k in range(steps):
         cos, sin = head.rope(hidden, positions + k)
-        q, key, value = head.layer.qkv(embeds[:, k: k + length], hidden, cos, sin)
+        q, key, value = head.layer.qkv(embeds[:, k : k + length], hidden, cos, sin)
         key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)  # (B, heads, T, D)
         if k == 0:
             keys, values = key, value
@@ -186,7 +188,7 @@ def _unroll(head: Eagle3Head, fused: torch.Tensor, embeds: torch.Tensor, valid: 
         probs = torch.cat([scores, *own], dim=-1).softmax(-1)
         mixed = probs[..., :length] @ values
         for i, value_i in enumerate(own_values):
-            mixed = mixed + probs[..., length + i: length + i + 1] * value_i
+            mixed = mixed + probs[..., length + i : length + i + 1] * value_i
         h = hidden[rows, cols] + attn.o_proj(mixed[rows, :, cols].flatten(1))  # (A, H)
         h = h + head.layer.mlp(head.layer.post_attention_layernorm(h))
         outs.append(h)
@@ -198,8 +200,14 @@ def _unroll(head: Eagle3Head, fused: torch.Tensor, embeds: torch.Tensor, valid: 
 def _forward(head: Eagle3Head, batch: Batch, embedding: torch.Tensor, unroll: int) -> list[torch.Tensor]:
     """Per unrolled step, the draft-vocabulary logits (N_k, Vd) at its labelled positions."""
     width = batch.valid.shape[1]
-    outs = _unroll(head, head.fuse(batch.features), embed_tokens(batch, embedding, width, unroll), batch.valid,
-                   batch.active, unroll)
+    outs = _unroll(
+        head,
+        head.fuse(batch.features),
+        embed_tokens(batch, embedding, width, unroll),
+        batch.valid,
+        batch.active,
+        unroll,
+    )
     return [head.logits(out[labels.index]) for out, labels in zip(outs, batch.labels)]
 
 
@@ -213,7 +221,7 @@ def _loss(logits: list[torch.Tensor], labels: tuple[Labels, ...]) -> torch.Tenso
             continue
         p = lab.p[keep] / mass[keep, None]  # (N, m)
         logq = F.log_softmax(lk[keep].float(), dim=-1)
-        total = total + DEPTH_WEIGHT ** k * -(p * logq.gather(-1, lab.draft_ids[keep].clamp(min=0))).sum(-1).mean()
+        total = total + DEPTH_WEIGHT**k * -(p * logq.gather(-1, lab.draft_ids[keep].clamp(min=0))).sum(-1).mean()
     return total
 
 
@@ -237,8 +245,16 @@ class _Heldout:
 
 
 @torch.inference_mode()
-def _evaluate(head: Eagle3Head, split: StagedSplit, t2d: torch.Tensor, embedding: torch.Tensor, unroll: int,
-              batch: int, target: PreTrainedModel | None = None, pad: int = 0) -> _Heldout:
+def _evaluate(
+    head: Eagle3Head,
+    split: StagedSplit,
+    t2d: torch.Tensor,
+    embedding: torch.Tensor,
+    unroll: int,
+    batch: int,
+    target: PreTrainedModel | None = None,
+    pad: int = 0,
+) -> _Heldout:
     """Held-out α and agreement per step: p from the staged top-k (a lower bound on α, missing the mass outside
     the top-k), or with ``target`` exactly, from a target forward over each sample."""
     was_training = head.training
@@ -266,8 +282,13 @@ def _evaluate(head: Eagle3Head, split: StagedSplit, t2d: torch.Tensor, embedding
                 argmax_in += int((t2d[best] >= 0).sum())
     head.train(was_training)
     n = [max(1, c) for c in count]
-    return _Heldout(tuple(o / c for o, c in zip(overlap, n)), tuple(a / c for a, c in zip(agree, n)),
-                    covered / n[0], argmax_in / n[0], count[0])
+    return _Heldout(
+        tuple(o / c for o, c in zip(overlap, n)),
+        tuple(a / c for a, c in zip(agree, n)),
+        covered / n[0],
+        argmax_in / n[0],
+        count[0],
+    )
 
 
 def _target_probs(target: PreTrainedModel, samples: list[dict], pad: int) -> torch.Tensor:
@@ -281,12 +302,11 @@ def _target_probs(target: PreTrainedModel, samples: list[dict], pad: int) -> tor
         mask[row, : len(s)] = 1
     logits = target(input_ids=ids, attention_mask=mask).logits
     # Position P + t - 1 predicts generated token t.
-    rows = [logits[r, len(x["prompt"]) - 1: len(x["prompt"]) - 1 + len(x["gen"])] for r, x in enumerate(samples)]
+    rows = [logits[r, len(x["prompt"]) - 1 : len(x["prompt"]) - 1 + len(x["gen"])] for r, x in enumerate(samples)]
     return torch.cat(rows).float().softmax(-1)
 
 
-def _step_times(target: PreTrainedModel, head: Eagle3Head, context: list[int],
-                rounds: int = 3) -> tuple[float, float]:
+def _step_times(target: PreTrainedModel, head: Eagle3Head, context: list[int], rounds: int = 3) -> tuple[float, float]:
     """Median seconds of one target decode step and one cached head step (as the drafter runs it, logits
     included), taken in turns; both timings wait for the device before reading the clock."""
     drafter = Eagle3Drafter(head, target)
@@ -308,9 +328,12 @@ def _head_config(target: PreTrainedModel, draft_vocab: int, layer_ids: tuple[int
     hidden = int(tc.hidden_size)
     default = default_layer_ids(len(decoder_layers(target) or ()) or int(tc.num_hidden_layers))
     return Eagle3Config(
-        hidden_size=hidden, intermediate_size=int(getattr(tc, "intermediate_size", None) or 4 * hidden),
-        num_attention_heads=heads, num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
-        vocab_size=model_vocab_size(target), draft_vocab_size=draft_vocab,
+        hidden_size=hidden,
+        intermediate_size=int(getattr(tc, "intermediate_size", None) or 4 * hidden),
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+        vocab_size=model_vocab_size(target),
+        draft_vocab_size=draft_vocab,
         head_dim=getattr(tc, "head_dim", None) or hidden // heads,
         rms_norm_eps=float(getattr(tc, "rms_norm_eps", None) or 1e-6),
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta(tc)},
@@ -347,12 +370,21 @@ def _build_head(target: PreTrainedModel, vocab_ids: torch.Tensor, layer_ids: tup
 # --------------------------------------------------------------------------- training
 
 
-def _train(head: Eagle3Head, train: StagedSplit, heldout: StagedSplit, t2d: torch.Tensor, embedding: torch.Tensor,
-           train_dir: Path, s: _Settings, progress: bool) -> tuple[list[float], float, list[tuple], int]:
+def _train(
+    head: Eagle3Head,
+    train: StagedSplit,
+    heldout: StagedSplit,
+    t2d: torch.Tensor,
+    embedding: torch.Tensor,
+    train_dir: Path,
+    s: _Settings,
+    progress: bool,
+) -> tuple[list[float], float, list[tuple], int]:
     """:func:`hfspec.training.optim.fit` the head with the training-time test. The periodic check scores the
     expected accepted length on ``heldout`` against the staged top-k (no target forward).
     Returns (losses, seconds, checks as (step, α, agreement, accepted length), best step).
     """
+
     def loss_of(idx: list[int]) -> torch.Tensor:
         batch = make_batch(train, idx, t2d, s.unroll)
         return _loss(_forward(head, batch, embedding, s.unroll), batch.labels)
@@ -362,9 +394,17 @@ def _train(head: Eagle3Head, train: StagedSplit, heldout: StagedSplit, t2d: torc
         return r.accepted, (round(r.alpha[0], 4), round(r.agreement[0], 4), round(r.accepted, 4))
 
     # EAGLE-3's AdamW betas and clip; no weight decay on a head this small.
-    return fit(head, loss_of, check, len(train), train_dir, s, optim=Optim(betas=(0.9, 0.95), weight_decay=0.0,
-                                                                          clip=0.5),
-               desc="training EAGLE-3 head", progress=progress)
+    return fit(
+        head,
+        loss_of,
+        check,
+        len(train),
+        train_dir,
+        s,
+        optim=Optim(betas=(0.9, 0.95), weight_decay=0.0, clip=0.5),
+        desc="training EAGLE-3 head",
+        progress=progress,
+    )
 
 
 # --------------------------------------------------------------------------- driver
@@ -408,9 +448,19 @@ def train_eagle3_head(
     bfloat16. With ``data_only`` it returns None once text and features are staged.
     """
     eval_every = default_eval_every(steps) if eval_every is None else eval_every
-    require_positive(draft_vocab=draft_vocab, unroll=unroll, tokens=tokens, eval_tokens=eval_tokens, seq_len=seq_len,
-                     gen_batch=gen_batch, top_k=top_k, batch=batch, steps=steps, eval_every=eval_every,
-                     feature_batch=feature_batch)
+    require_positive(
+        draft_vocab=draft_vocab,
+        unroll=unroll,
+        tokens=tokens,
+        eval_tokens=eval_tokens,
+        seq_len=seq_len,
+        gen_batch=gen_batch,
+        top_k=top_k,
+        batch=batch,
+        steps=steps,
+        eval_every=eval_every,
+        feature_batch=feature_batch,
+    )
     if not lr > 0:
         raise HfspecError(f"lr must be positive, got {lr}")
     if format not in FORMATS:
@@ -423,16 +473,32 @@ def train_eagle3_head(
         if size > vocab:
             raise HfspecError(f"{name} ({size}) must not exceed the target vocabulary ({vocab})")
     layer_ids = _layer_ids(target_model, layer_ids)
-    s = _Settings(tokens, eval_tokens, seq_len, gen_batch, top_k, draft_vocab, unroll, layer_ids, batch, steps, lr,
-                  seed, eval_every, feature_batch)
+    s = _Settings(
+        tokens,
+        eval_tokens,
+        seq_len,
+        gen_batch,
+        top_k,
+        draft_vocab,
+        unroll,
+        layer_ids,
+        batch,
+        steps,
+        lr,
+        seed,
+        eval_every,
+        feature_batch,
+    )
     out.mkdir(parents=True, exist_ok=True)
     if not data_only:
         check_settings(out / "train" / "settings.json", s, resume, _FIXED)
 
     # 1. Stage target-generated text, then the target's features on it.
     _, gen_seconds = stage_text(target_model, tokenizer, out / "data", s, progress)
-    feature_seconds = sum(stage_features(target_model, out / "data", out / "features", split, layer_ids,
-                                         feature_batch, pad, progress) for split in ("train", "eval"))
+    feature_seconds = sum(
+        stage_features(target_model, out / "data", out / "features", split, layer_ids, feature_batch, pad, progress)
+        for split in ("train", "eval")
+    )
     if data_only:
         return None
     train, heldout = (StagedSplit(out / "data", out / "features", split, layer_ids) for split in ("train", "eval"))
@@ -457,11 +523,31 @@ def train_eagle3_head(
 
     # 5. Write the head in bfloat16; engines read the target's embedding, so it is not stored.
     verifier = OFFLINE_VERIFIER if str(target) == OFFLINE else str(target)
-    save_head(head, out, layout=format, dtype=torch.bfloat16, target=target_model, verifier=verifier,
-              speculative_tokens=forecast.gamma_greedy)
-    report = _report(head, s, final, forecast, fitted, (t_target, t_head), dict(
-        target=str(target_path), out_dir=str(out), format=format, train_tokens=train.tokens,
-        gen_seconds=round(gen_seconds, 1), feature_seconds=round(feature_seconds, 1)))
+    save_head(
+        head,
+        out,
+        layout=format,
+        dtype=torch.bfloat16,
+        target=target_model,
+        verifier=verifier,
+        speculative_tokens=forecast.gamma_greedy,
+    )
+    report = _report(
+        head,
+        s,
+        final,
+        forecast,
+        fitted,
+        (t_target, t_head),
+        dict(
+            target=str(target_path),
+            out_dir=str(out),
+            format=format,
+            train_tokens=train.tokens,
+            gen_seconds=round(gen_seconds, 1),
+            feature_seconds=round(feature_seconds, 1),
+        ),
+    )
     write_report(out, report, "EAGLE-3 head")
     return report
 
@@ -471,13 +557,17 @@ def _layer_ids(target: PreTrainedModel, layer_ids: tuple[int, ...] | None) -> tu
     num_layers = len(decoder_layers(target) or ()) or int(target.config.get_text_config().num_hidden_layers)
     if layer_ids is None:
         if num_layers < 3:
-            raise HfspecError(f"the target has {num_layers} decoder layers; EAGLE-3's default features need 3 or "
-                              "more: pass layer_ids (--layer-ids)")
+            raise HfspecError(
+                f"the target has {num_layers} decoder layers; EAGLE-3's default features need 3 or "
+                "more: pass layer_ids (--layer-ids)"
+            )
         layer_ids = default_layer_ids(num_layers)
     layer_ids = tuple(int(i) for i in layer_ids)
     if not all(0 <= i < num_layers for i in layer_ids) or list(layer_ids) != sorted(set(layer_ids)):
-        raise HfspecError(f"layer_ids must be strictly increasing inputs of the target's {num_layers} decoder "
-                          f"layers (0..{num_layers - 1}), got {list(layer_ids)}")
+        raise HfspecError(
+            f"layer_ids must be strictly increasing inputs of the target's {num_layers} decoder "
+            f"layers (0..{num_layers - 1}), got {list(layer_ids)}"
+        )
     return layer_ids
 
 
@@ -491,24 +581,41 @@ def _draft_vocabulary_ids(vocab_file: Path, train: StagedSplit, size: int, vocab
     return vocab_ids
 
 
-def _report(head: Eagle3Head, s: _Settings, final: _Heldout, forecast: SpeedupForecast,
-            fitted: tuple[list[float], float, list[tuple], int], step_seconds: tuple[float, float],
-            run: dict) -> Eagle3Report:
+def _report(
+    head: Eagle3Head,
+    s: _Settings,
+    final: _Heldout,
+    forecast: SpeedupForecast,
+    fitted: tuple[list[float], float, list[tuple], int],
+    step_seconds: tuple[float, float],
+    run: dict,
+) -> Eagle3Report:
     """The report of a finished run; ``run`` holds the fields known before training."""
     losses, train_seconds, checks, best_step = fitted
     t_target, t_head = step_seconds
     return Eagle3Report(
-        **run, layer_ids=s.layer_ids, draft_vocab=head.config.draft_vocab_size,
-        vocab_coverage=round(final.coverage, 4), argmax_coverage=round(final.argmax_coverage, 4),
+        **run,
+        layer_ids=s.layer_ids,
+        draft_vocab=head.config.draft_vocab_size,
+        vocab_coverage=round(final.coverage, 4),
+        argmax_coverage=round(final.argmax_coverage, 4),
         head_params=sum(p.numel() for p in head.parameters()),
         head_bytes=(Path(run["out_dir"]) / "model.safetensors").stat().st_size,
-        eval_tokens=final.positions, unroll=s.unroll, steps=len(losses), best_step=best_step,
-        train_seconds=round(train_seconds, 1), step_seconds=round(train_seconds / max(1, len(losses)), 3),
-        final_loss=final_loss(losses), alpha=round(final.alpha[0], 4),
+        eval_tokens=final.positions,
+        unroll=s.unroll,
+        steps=len(losses),
+        best_step=best_step,
+        train_seconds=round(train_seconds, 1),
+        step_seconds=round(train_seconds / max(1, len(losses)), 3),
+        final_loss=final_loss(losses),
+        alpha=round(final.alpha[0], 4),
         greedy_agreement=round(final.agreement[0], 4),
         alpha_by_depth=tuple(round(a, 4) for a in final.alpha),
-        agreement_by_depth=tuple(round(a, 4) for a in final.agreement), accepted_length=round(final.accepted, 3),
-        target_step_ms=round(1000 * t_target, 3), head_step_ms=round(1000 * t_head, 3), **asdict(forecast),
+        agreement_by_depth=tuple(round(a, 4) for a in final.agreement),
+        accepted_length=round(final.accepted, 3),
+        target_step_ms=round(1000 * t_target, 3),
+        head_step_ms=round(1000 * t_head, 3),
+        **asdict(forecast),
         heldout=tuple(tuple(check) for check in checks),
     )
 

@@ -9,6 +9,7 @@ last two pair with no token to predict). They are staged like the text: claimed 
 lock file per shard, written whole or not at all, shared by several processes, resumed.
 p is the target's distribution, as in Leviathan et al. (arXiv 2211.17192).
 """
+
 from __future__ import annotations
 
 import time
@@ -30,14 +31,15 @@ __all__ = ["Batch", "Labels", "StagedSplit", "draft_vocabulary", "embed_tokens",
 # --------------------------------------------------------------------------- features
 
 
-def _shard_features(target: PreTrainedModel, samples: list[dict], layer_ids: tuple[int, ...], batch: int,
-                    pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _shard_features(
+    target: PreTrainedModel, samples: list[dict], layer_ids: tuple[int, ...], batch: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Features of positions 0..L-3 of each sample: (Σ (L-2), F) bfloat16 and offsets (n + 1,)."""
     seqs = [torch.cat([x["prompt"], x["gen"]]).long() for x in samples]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths together: less padding
     parts: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
     for start in range(0, len(order), batch):
-        chunk = order[start: start + batch]
+        chunk = order[start : start + batch]
         width = max(len(seqs[i]) for i in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -55,14 +57,24 @@ def _read_features(path: Path, layer_ids: tuple[int, ...]) -> dict:
     """A feature shard, memory-mapped; features of other layers than the run asks for are refused."""
     feats = torch.load(path, mmap=True, weights_only=True)
     if tuple(feats["layer_ids"]) != tuple(layer_ids):
-        raise HfspecError(f"{path} holds features of target layers {list(feats['layer_ids'])}, not "
-                          f"{list(layer_ids)}; pass --layer-ids {','.join(map(str, feats['layer_ids']))} or delete "
-                          f"{path.parent} to stage them again")
+        raise HfspecError(
+            f"{path} holds features of target layers {list(feats['layer_ids'])}, not "
+            f"{list(layer_ids)}; pass --layer-ids {','.join(map(str, feats['layer_ids']))} or delete "
+            f"{path.parent} to stage them again"
+        )
     return feats
 
 
-def stage_features(target: PreTrainedModel, data_dir: Path, feature_dir: Path, split: str,
-                   layer_ids: tuple[int, ...], batch: int, pad: int, progress: bool = True) -> float:
+def stage_features(
+    target: PreTrainedModel,
+    data_dir: Path,
+    feature_dir: Path,
+    split: str,
+    layer_ids: tuple[int, ...],
+    batch: int,
+    pad: int,
+    progress: bool = True,
+) -> float:
     """Write ``feature_dir/{split}-NNNNN.pt`` for each data shard without one; returns the seconds they took.
 
     Resumable and shareable like the text staging: each shard is claimed with a lock
@@ -83,8 +95,15 @@ def stage_features(target: PreTrainedModel, data_dir: Path, feature_dir: Path, s
                     t0 = now(target.device)
                     values, offsets = _shard_features(target, torch.load(path)["samples"], layer_ids, batch, pad)
                     tmp = feature_dir / f".{path.name}.tmp"
-                    torch.save({"layer_ids": list(layer_ids), "values": values, "offsets": offsets,
-                                "seconds": now(target.device) - t0}, tmp)
+                    torch.save(
+                        {
+                            "layer_ids": list(layer_ids),
+                            "values": values,
+                            "offsets": offsets,
+                            "seconds": now(target.device) - t0,
+                        },
+                        tmp,
+                    )
                     tmp.replace(out)  # a feature shard is either whole or absent
                 finally:
                     lock.unlink(missing_ok=True)
@@ -113,7 +132,7 @@ class StagedSplit:
             for i, sample in enumerate(torch.load(path)["samples"]):
                 if len(sample["prompt"]) + len(sample["gen"]) >= 3:  # else no position predicts a token
                     self.samples.append(sample)
-                    self.features.append(values[offsets[i]: offsets[i + 1]])
+                    self.features.append(values[offsets[i] : offsets[i + 1]])
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -171,7 +190,7 @@ def make_batch(split: StagedSplit, idx: list[int], t2d: torch.Tensor, unroll: in
         feats[b, : length - 2] = split.features[i].float()
         tokens[b, :length] = torch.cat([x["prompt"], x["gen"]]).long()
         valid[b, : length - 2] = True
-        active[b, max(0, prompt - 1 - unroll): length - 2] = True
+        active[b, max(0, prompt - 1 - unroll) : length - 2] = True
         for k in range(unroll):  # columns j whose step-k token j + k + 2 is generated token t
             j = torch.arange(max(0, prompt - 2 - k), length - 2 - k)
             cols[k].append(j)
@@ -186,13 +205,12 @@ def make_batch(split: StagedSplit, idx: list[int], t2d: torch.Tensor, unroll: in
     for k in range(unroll):
         pos = torch.cat(gen_pos[k])
         ids = t2d[top_ids[pos]]
-        labels.append(Labels(where[torch.cat(rows[k]), torch.cat(cols[k])], ids, top_p[pos] * (ids >= 0),
-                              top_ids[pos, 0], pos))
+        labels.append(
+            Labels(where[torch.cat(rows[k]), torch.cat(cols[k])], ids, top_p[pos] * (ids >= 0), top_ids[pos, 0], pos)
+        )
     return Batch(feats, tokens, valid, active, tuple(labels))
 
 
 def embed_tokens(batch: Batch, embedding: torch.Tensor, width: int, unroll: int) -> torch.Tensor:
     """(B, T + K - 1, H) embeddings of the tokens at positions 1..T+K-1, as the head's step k reads them."""
-    return F.embedding(batch.tokens[:, 1: width + unroll], embedding)
-
-
+    return F.embedding(batch.tokens[:, 1 : width + unroll], embedding)

@@ -5,6 +5,7 @@ clipping, a checkpoint at every held-out check so that a run resumes where it st
 and best-weights selection: a small draft trained for many epochs on fixed text
 overfits it, so the weights kept are those of the best held-out check, not the last.
 """
+
 from __future__ import annotations
 
 import logging
@@ -136,8 +137,9 @@ def _check(model: torch.nn.Module, check: Callable[[], tuple[float, tuple]], run
     return row
 
 
-def _resume(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, generator: torch.Generator | None,
-            steps: int) -> _Run:
+def _resume(
+    ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, generator: torch.Generator | None, steps: int
+) -> _Run:
     """The run saved in ``ckpt``, its weights, optimiser and sampler state restored; a fresh run if none."""
     if not ckpt.is_file():
         return _Run()
@@ -150,11 +152,19 @@ def _resume(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, gene
     return _Run(state["step"], state["losses"], state["seconds"], state.get("checks", []), state.get("best"))
 
 
-def _save(train_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, run: _Run,
-          generator: torch.Generator | None) -> None:
+def _save(
+    train_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, run: _Run, generator: torch.Generator | None
+) -> None:
     """Write the checkpoint whole or not at all: a run killed while saving resumes from the one before."""
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": run.step, "losses": run.losses,
-             "seconds": run.seconds, "checks": run.checks, "best": run.best}
+    state = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": run.step,
+        "losses": run.losses,
+        "seconds": run.seconds,
+        "checks": run.checks,
+        "best": run.best,
+    }
     if generator is not None:
         state["sampler"] = generator.get_state()
     tmp = train_dir / f"{CHECKPOINT}.tmp"

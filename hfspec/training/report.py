@@ -7,6 +7,7 @@ ratio c of one draft decode step to one target decode step. From them Leviathan 
 the math lives in :mod:`hfspec.policy`, the timing in :mod:`hfspec.timing`. Every report is
 written as ``distill_report.json`` in the run's ``out_dir``.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,16 @@ from hfspec.models import cache_kwarg
 from hfspec.policy import best_gamma
 from hfspec.timing import timed
 
-__all__ = ["REPORT", "SpeedupForecast", "decode_step_seconds", "final_loss", "forecast_speedup", "hours",
-           "speedup_at_best_gamma", "write_report"]
+__all__ = [
+    "REPORT",
+    "SpeedupForecast",
+    "decode_step_seconds",
+    "final_loss",
+    "forecast_speedup",
+    "hours",
+    "speedup_at_best_gamma",
+    "write_report",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +119,7 @@ class _Decoder:
 
 def final_loss(losses: list[float]) -> float:
     """Mean training loss over the last 10% of steps: one step's loss is too noisy to report."""
-    tail = losses[-max(1, len(losses) // 10):]
+    tail = losses[-max(1, len(losses) // 10) :]
     return round(sum(tail) / len(tail), 4)
 
 

@@ -4,6 +4,7 @@ A run lives in one ``out_dir`` and resumes when started again. Its settings are 
 to ``train/settings.json``; a later run with different settings that shape the
 checkpoint (architecture, schedule, seed) must not silently continue it.
 """
+
 from __future__ import annotations
 
 import json

@@ -11,6 +11,7 @@ Shards ``data/{split}-NNNNN.pt`` are written whole or not at all, and each is cl
 with a lock file first: several processes staging into one directory share the work,
 a process that died leaves a lock that is taken over, and a rerun resumes.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,9 @@ class StagingSettings(Protocol):
     seed: int
 
 
-def stage_text(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data_dir: Path, s: StagingSettings,
-               progress: bool) -> tuple[int, float]:
+def stage_text(
+    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data_dir: Path, s: StagingSettings, progress: bool
+) -> tuple[int, float]:
     """Stage the train and eval splits into ``data_dir``; returns (train tokens, generation seconds of both).
 
     About 5% of the distinct prompts are held out for the eval split, so no text is in both;
@@ -108,7 +110,7 @@ def _split_prompts(prompts: list[str], seed: int) -> tuple[list[str], list[str]]
 
 def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     if prompt.startswith(_RAW):
-        ids = tokenizer(prompt[len(_RAW):], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(prompt[len(_RAW) :], add_special_tokens=False)["input_ids"]
         bos = tokenizer.bos_token_id
         return ([bos] if bos is not None else []) + ids
     if getattr(tokenizer, "chat_template", None):
@@ -136,8 +138,14 @@ def _shard_plan(index: int, n_prompts: int, gen_batch: int, seed: int) -> tuple[
 
 
 @torch.inference_mode()
-def _generate_shard(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
-                    temperature: float, s: StagingSettings, seed: int) -> dict:
+def _generate_shard(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    temperature: float,
+    s: StagingSettings,
+    seed: int,
+) -> dict:
     """Generate continuations for a batch of prompts, keeping the target's top-k log-probs."""
     enc = [_encode(tokenizer, p) for p in prompts]
     pad = pad_id(tokenizer)
@@ -206,8 +214,16 @@ class _Staged:
         return sum(n for n, _ in self.seen.values()), sum(t for _, t in self.seen.values())
 
 
-def _stage_split(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], data_dir: Path,
-                 split: str, budget: int, s: StagingSettings, progress: bool) -> tuple[int, float]:
+def _stage_split(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    data_dir: Path,
+    split: str,
+    budget: int,
+    s: StagingSettings,
+    progress: bool,
+) -> tuple[int, float]:
     """Generate shards ``{split}-NNNNN.pt`` until ``budget`` tokens exist; returns (tokens, generation seconds).
 
     Each shard is claimed with a lock file first, so several processes staging into

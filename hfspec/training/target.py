@@ -4,6 +4,7 @@ Both kinds of draft (a small draft model and an EAGLE-3 head) are trained agains
 local target directory in float32, with the target's own tokenizer, and both take the
 target's rotary base so that their positions mean what the target's mean.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -17,6 +17,7 @@ dynamic tree gives its likeliest node most of a level's slots, not all). A tree 
 tokens are then 1 + Σ_{d≤D} Π_{i≤d} a_N(i): the target's own token plus each depth reached.
 Plain Python numbers: a step asks for a handful of them.
 """
+
 from __future__ import annotations
 
 import math

@@ -4,6 +4,7 @@ How many children a node gets depends only on what was drawn before them, and si
 drawn without replacement from their parent's q (or deterministically), which is what
 ``hfspec.tree.verify`` needs to stay exact.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,12 +23,18 @@ def shape(nodes: int) -> tuple[int, int]:
     """
     if nodes < 1:
         raise ValueError(f"a draft tree needs at least one node, got {nodes}")
-    width = max(1, round(1.25 * nodes ** 0.5))
+    width = max(1, round(1.25 * nodes**0.5))
     return width, -(-nodes // width)
 
 
-def expand(cum: torch.Tensor, alive: torch.Tensor, q: torch.Tensor, width: int, sample: bool,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def expand(
+    cum: torch.Tensor,
+    alive: torch.Tensor,
+    q: torch.Tensor,
+    width: int,
+    sample: bool,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One level of an EAGLE-2 dynamic tree (Li et al., arXiv 2406.16858): the ``width`` best new children.
 
     ``cum`` (B, F): the frontier nodes' cumulative draft probability; ``alive`` (B, F) bool: real
@@ -70,8 +77,15 @@ def expand(cum: torch.Tensor, alive: torch.Tensor, q: torch.Tensor, width: int, 
 NextLevel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
-def grow(q: torch.Tensor, alive: torch.Tensor, nodes: int, depth: int, sample: bool,
-         generator: torch.Generator | None, next_level: NextLevel) -> TreeProposal:
+def grow(
+    q: torch.Tensor,
+    alive: torch.Tensor,
+    nodes: int,
+    depth: int,
+    sample: bool,
+    generator: torch.Generator | None,
+    next_level: NextLevel,
+) -> TreeProposal:
     """An EAGLE-2 dynamic tree of at most ``nodes`` nodes in at most ``depth`` levels, from the root's draft
     distribution ``q`` (B, 1, V): each level the ``shape(nodes)`` width of best new children (``expand``), one
     ``next_level`` call (one draft forward) between levels. ``alive`` (B, 1): rows that may draft at all."""
@@ -83,15 +97,17 @@ def grow(q: torch.Tensor, alive: torch.Tensor, nodes: int, depth: int, sample: b
     for level in range(depth):
         used = sum(part[0].shape[1] for part in parts)
         frontier, new, worth, alive = expand(worth, alive, q, min(width, nodes - used), sample, generator)
-        parts.append((new, ids.gather(1, frontier), q.gather(1, frontier[..., None].expand(-1, -1, q.shape[-1])),
-                      alive))
+        parts.append(
+            (new, ids.gather(1, frontier), q.gather(1, frontier[..., None].expand(-1, -1, q.shape[-1])), alive)
+        )
         ids = torch.arange(used, used + new.shape[1], device=device).expand(batch, -1)
         if level + 1 == depth or used + new.shape[1] >= nodes:
             break
         q = next_level(new, frontier, torch.cat([part[1] for part in parts], 1), level + 1)
     tokens, parents, real = (torch.cat([part[i] for part in parts], 1) for i in (0, 1, 3))
-    return TreeProposal(tokens, parents, torch.cat([part[2] for part in parts], 1) if sample else None, real,
-                        forwards=len(parts))
+    return TreeProposal(
+        tokens, parents, torch.cat([part[2] for part in parts], 1) if sample else None, real, forwards=len(parts)
+    )
 
 
 def graft(main: TreeProposal, extra: TreeProposal) -> TreeProposal:
@@ -105,8 +121,9 @@ def graft(main: TreeProposal, extra: TreeProposal) -> TreeProposal:
     for b in range(batch):
         keys: dict[tuple[int, ...], int] = {(): -1}
         path_of: list[tuple[int, ...]] = []
-        for i, (token, parent, real) in enumerate(zip(main.tokens[b].tolist(), main.parents[b].tolist(),
-                                                      main.mask()[b].tolist())):
+        for i, (token, parent, real) in enumerate(
+            zip(main.tokens[b].tolist(), main.parents[b].tolist(), main.mask()[b].tolist())
+        ):
             path_of.append((path_of[parent] if parent >= 0 else ()) + (token,))
             if real:
                 keys.setdefault(path_of[-1], i)
@@ -131,5 +148,10 @@ def graft(main: TreeProposal, extra: TreeProposal) -> TreeProposal:
             parents[b, : len(added)] = torch.tensor([p for _, p in added], device=device)
             real[b, : len(added)] = True
     q = None if main.q is None else torch.cat([main.q, sampling.one_hot(tokens, main.q.shape[-1])], dim=1)
-    return TreeProposal(torch.cat([main.tokens, tokens], 1), torch.cat([main.parents, parents], 1), q,
-                        torch.cat([main.mask(), real], 1), main.forwards)
+    return TreeProposal(
+        torch.cat([main.tokens, tokens], 1),
+        torch.cat([main.parents, parents], 1),
+        q,
+        torch.cat([main.mask(), real], 1),
+        main.forwards,
+    )

@@ -8,6 +8,7 @@ before a model verifies its first tree, :func:`reads_trees` runs a four-node tre
 context and compares each node's logits with those of a chain forward along its own path. A model
 that fails keeps chains: ``tree="auto"`` never offers it a tree, and an explicit budget is refused.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,14 +41,20 @@ def reads_trees(model: PreTrainedModel) -> bool:
     positions = n + torch.tensor([_DEPTHS], device=device)
     visible = ancestry(torch.tensor([_PARENTS], device=device))
     window = sliding_window(model) if takes_mask_mapping(model) else None
-    tree_logits = forward(model, nodes, kv.tree_attention(model, visible, positions, positions, window), positions,
-                          kv.cache)[0]
+    tree_logits = forward(
+        model, nodes, kv.tree_attention(model, visible, positions, positions, window), positions, kv.cache
+    )[0]
     scale = 1e-3 if tree_logits.dtype == torch.float32 and model.dtype == torch.float32 else 3e-2
     for node, path in _PATHS.items():
         chain = torch.cat([context, nodes[:, list(path)]], dim=1)
         fresh = KVState(1, device, model)
-        logits = forward(model, chain, fresh.extend_mask(torch.ones_like(chain)),
-                         torch.arange(chain.shape[1], device=device)[None], fresh.cache)[0, -1]
+        logits = forward(
+            model,
+            chain,
+            fresh.extend_mask(torch.ones_like(chain)),
+            torch.arange(chain.shape[1], device=device)[None],
+            fresh.cache,
+        )[0, -1]
         if not torch.allclose(tree_logits[node], logits, rtol=0.0, atol=scale * max(1.0, float(logits.abs().max()))):
             return False
     return True

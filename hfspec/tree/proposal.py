@@ -12,6 +12,7 @@ This module is the representation and its index math; ``build`` grows trees and
 ``verify`` accepts along them. p is the target's distribution and q the draft's, as in the
 papers. Nothing here touches a model or a cache.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -12,6 +12,7 @@ as it is); how many children a node gets may depend on anything drawn before the
 on their own values. Greedy decoding walks the tree following the target's argmax, which
 is exact for any tree.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ from hfspec import sampling
 from hfspec.tree.proposal import TreeProposal
 
 
-def verify_tree_greedy(tree: TreeProposal, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor]:
+def verify_tree_greedy(
+    tree: TreeProposal, target_argmax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact greedy verification of a tree: from the root, follow the child equal to the target's argmax.
 
     ``target_argmax`` (B, N+1): the target's argmax after the root (column 0) and after each
@@ -48,8 +50,9 @@ def verify_tree_greedy(tree: TreeProposal, target_argmax: torch.Tensor) -> tuple
     return path, accepted, next_token
 
 
-def verify_tree(tree: TreeProposal, p: torch.Tensor, generator: torch.Generator | None = None,
-                residual_update: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify_tree(
+    tree: TreeProposal, p: torch.Tensor, generator: torch.Generator | None = None, residual_update: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multi-draft speculative sampling over a tree (module docstring): exact at any temperature.
 
     ``p`` (B, N+1, V): the target's distribution after the root (column 0) and after each node
@@ -62,8 +65,10 @@ def verify_tree(tree: TreeProposal, p: torch.Tensor, generator: torch.Generator 
     vocab = p.shape[-1]
     q = tree.q if tree.q is not None else sampling.one_hot(tree.tokens, vocab)
     if q.shape != (batch, n, vocab) or p.shape[:2] != (batch, n + 1):
-        raise ValueError(f"verify_tree expects tokens (B, N), q (B, N, V), p (B, N+1, V); got "
-                         f"{tuple(tree.tokens.shape)}, {tuple(q.shape)}, {tuple(p.shape)}")
+        raise ValueError(
+            f"verify_tree expects tokens (B, N), q (B, N, V), p (B, N+1, V); got "
+            f"{tuple(tree.tokens.shape)}, {tuple(q.shape)}, {tuple(p.shape)}"
+        )
     real = tree.mask()
     if bool(real.any()):
         sampling.check_distribution(q[real], "q (draft)")
@@ -71,15 +76,23 @@ def verify_tree(tree: TreeProposal, p: torch.Tensor, generator: torch.Generator 
     path = torch.full((batch, max(tree.gamma, 1)), -1, dtype=torch.long, device=tree.tokens.device)
     next_token = torch.empty(batch, dtype=torch.long, device=tree.tokens.device)
     for b in range(batch):  # a walk per row; at most a few dozen small steps
-        nodes, token = _walk(tree.parents[b].tolist(), tree.tokens[b], q[b], p[b], real[b].tolist(), generator,
-                             residual_update)
+        nodes, token = _walk(
+            tree.parents[b].tolist(), tree.tokens[b], q[b], p[b], real[b].tolist(), generator, residual_update
+        )
         path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
         next_token[b] = token
     return path, (path >= 0).sum(dim=1), next_token
 
 
-def _walk(parents: list[int], tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, real: list[bool],
-          generator: torch.Generator | None, residual_update: bool) -> tuple[list[int], torch.Tensor]:
+def _walk(
+    parents: list[int],
+    tokens: torch.Tensor,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    real: list[bool],
+    generator: torch.Generator | None,
+    residual_update: bool,
+) -> tuple[list[int], torch.Tensor]:
     """One row of ``verify_tree``: the accepted nodes and the next token."""
     children: dict[int, list[int]] = {}
     for i, par in enumerate(parents):
