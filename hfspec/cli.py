@@ -39,7 +39,7 @@ EXIT_INTERRUPTED = 130
 # bad flag.
 USER_ERRORS = (HfspecError, NumericalFault, MemoryError, torch.cuda.OutOfMemoryError)
 # Commands whose modules may be absent from an installation: command name -> module.
-OPTIONAL_COMMANDS = {"distill": "hfspec.training", "bench": "hfspec.bench"}
+OPTIONAL_COMMANDS = {"distill": "hfspec.training", "bench": "hfspec.bench", "serve": "hfspec.serve.command"}
 DEFAULT_BATCH_SIZE = 8
 
 
@@ -135,6 +135,12 @@ def _add_generate(sub) -> None:
         nargs="?",
         help="the prompt text, or '-' to read it from stdin (or --prompts-file for many prompts)",
     )
+    add_model_flags(p)
+    _add_generate_flags(p)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that choose and load the pair (``hfspec generate``, ``hfspec serve``); ``_load_kwargs`` reads them."""
     pair = p.add_argument_group("models (--target and --draft together, or --config)")
     pair.add_argument("--target", help="target model: hub name, local directory, or 'offline'")
     pair.add_argument(
@@ -205,6 +211,8 @@ def _add_generate(sub) -> None:
         "draft computes); 'off' keeps the draft's own weights and arithmetic",
     )
 
+
+def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     spec = p.add_argument_group("speculation")
     spec.add_argument(
         "--gamma",

@@ -1,0 +1,88 @@
+"""``hfspec serve`` as a command, its shutdown, and the text an engine streams (stop strings held back)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import pytest
+import tiny
+
+from hfspec import cli
+from hfspec.serve.text import TextStream
+
+
+class Letters:
+    """A tokenizer stand-in: token i is the i-th character of ``alphabet``; 9 is half a character (U+FFFD)."""
+
+    alphabet = "abcdefgh "
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("\ufffd" if i == 9 else self.alphabet[i] for i in ids)
+
+
+def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
+    s = TextStream(Letters(), stop=("cde",))
+    assert s.push([0, 1]) == "ab"
+    assert s.push([2]) == ""  # "c" may start "cde"
+    assert s.push([3]) == ""
+    assert s.push([4, 5]) == "" and s.stopped  # "cde" found: the text ends before it
+    assert s.push([6]) == ""
+
+
+def test_text_stream_releases_held_text_when_the_stop_does_not_come():
+    s = TextStream(Letters(), stop=("cde", "x"))
+    assert s.push([0, 2]) == "a"
+    assert s.push([3, 7]) == "cdh" and not s.stopped
+    assert s.push([2]) == "" and s.flush() == "c"
+
+
+def test_text_stream_waits_for_the_rest_of_a_character():
+    s = TextStream(Letters())
+    assert s.push([0, 9]) == "a"
+    assert s.push([1]) == "\ufffdb"  # still undecodable at the end: given as the tokenizer decodes it
+
+
+def test_serve_without_its_extra_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    monkeypatch.delitem(sys.modules, "hfspec.serve.app", raising=False)
+    assert cli.main(["serve"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == "hfspec: error: hfspec serve needs its extra: pip install 'hfspec[serve]'\n"
+
+
+def test_serve_flags(capsys):
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "--target", "t", "--draft", "d", "--gamma", "0", "--port", "0"])
+    assert (args.host, args.port, args.gamma, args.max_batch, args.max_queue) == ("127.0.0.1", 0, 0, 8, 64)
+    assert cli.main(["serve", "--port", "70000"]) == cli.EXIT_USAGE
+    assert "--port: must be a port number" in capsys.readouterr().err
+
+
+def test_a_signal_ends_the_streams_in_flight_and_the_server_exits():
+    pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hfspec[serve]'")
+    import httpx
+    from serve_fakes import FakeEngine, free_port
+
+    from hfspec.serve.app import create_app
+    from hfspec.serve.server import Server
+
+    engine = FakeEngine(step_seconds=0.01)
+    engine.mode = "endless"
+    port = free_port()
+    server = Server(create_app(engine, tiny.make_tokenizer(64)), engine, host="127.0.0.1", port=port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    body = {"prompt": "w10", "stream": True, "max_tokens": 10}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=10) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        start = time.monotonic()
+        server.handle_exit(15, None)  # what SIGTERM runs
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and "shutting down" in json.loads(rest[-2][6:])["error"]["message"]
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - start < 5 and engine.stopped
