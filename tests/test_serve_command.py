@@ -86,3 +86,21 @@ def test_a_signal_ends_the_streams_in_flight_and_the_server_exits():
     assert rest[-1] == "data: [DONE]" and "shutting down" in json.loads(rest[-2][6:])["error"]["message"]
     thread.join(10)
     assert not thread.is_alive() and time.monotonic() - start < 5 and engine.stopped
+
+
+def test_a_client_leaving_before_a_whole_answer_frees_the_row():
+    pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hfspec[serve]'")
+    import httpx
+    from serve_fakes import FakeEngine, running_server
+
+    from hfspec.serve.app import create_app
+
+    engine = FakeEngine(step_seconds=0.01)
+    engine.mode = "endless"
+    with running_server(create_app(engine, tiny.make_tokenizer(64)), engine) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"prompt": "w10"}, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while engine.running or "hfspec_requests_cancelled_total 1.0" not in httpx.get(url + "/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)

@@ -132,6 +132,7 @@ def test_models_health_page_and_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     page = client.get("/")
     assert page.status_code == 200 and "data-origin" in page.text and "<script" in page.text
+    assert "http://" not in page.text and "https://" not in page.text and " src=" not in page.text  # nothing fetched
     client.post(CHAT, json=chat_body())
     text = client.get("/metrics").text
     assert 'hfspec_requests_total{finish_reason="length"} 1.0' in text
