@@ -1,4 +1,4 @@
-"""``hfspec serve`` as a command, its shutdown, and the text an engine streams (stop strings held back)."""
+"""``hfspec serve`` as a command: its flags, its extra, its shutdown; a client leaving a whole answer."""
 
 from __future__ import annotations
 
@@ -11,38 +11,6 @@ import pytest
 import tiny
 
 from hfspec import cli
-from hfspec.serve.text import TextStream
-
-
-class Letters:
-    """A tokenizer stand-in: token i is the i-th character of ``alphabet``; 9 is half a character (U+FFFD)."""
-
-    alphabet = "abcdefgh "
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join("\ufffd" if i == 9 else self.alphabet[i] for i in ids)
-
-
-def test_text_stream_holds_back_a_possible_stop_string_and_cuts_at_it():
-    s = TextStream(Letters(), stop=("cde",))
-    assert s.push([0, 1]) == "ab"
-    assert s.push([2]) == ""  # "c" may start "cde"
-    assert s.push([3]) == ""
-    assert s.push([4, 5]) == "" and s.stopped  # "cde" found: the text ends before it
-    assert s.push([6]) == ""
-
-
-def test_text_stream_releases_held_text_when_the_stop_does_not_come():
-    s = TextStream(Letters(), stop=("cde", "x"))
-    assert s.push([0, 2]) == "a"
-    assert s.push([3, 7]) == "cdh" and not s.stopped
-    assert s.push([2]) == "" and s.flush() == "c"
-
-
-def test_text_stream_waits_for_the_rest_of_a_character():
-    s = TextStream(Letters())
-    assert s.push([0, 9]) == "a"
-    assert s.push([1]) == "\ufffdb"  # still undecodable at the end: given as the tokenizer decodes it
 
 
 def test_serve_without_its_extra_says_what_to_install(monkeypatch, capsys):

@@ -12,6 +12,7 @@ import tiny  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from serve_fakes import FakeEngine  # noqa: E402
 
+from hfspec.errors import HfspecError  # noqa: E402
 from hfspec.serve.app import create_app  # noqa: E402
 
 KEY = "sk-test"
@@ -239,3 +240,12 @@ def test_engine_stopped_mid_stream_ends_the_stream_with_a_final_event(client, en
                 break
         rest = [json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]" for x in lines if x]
     assert rest[-1] == "[DONE]" and "shutting down" in rest[-2]["error"]["message"]
+
+
+def test_settings_the_engine_refuses_are_a_400_naming_why(client, engine, monkeypatch):
+    def refuse(request, loop):
+        raise HfspecError("gamma 99 is more than this engine drafts")
+
+    monkeypatch.setattr(engine, "submit", refuse)
+    r = client.post(CHAT, json=chat_body())
+    assert r.status_code == 400 and r.json()["error"]["message"] == "gamma 99 is more than this engine drafts"

@@ -42,7 +42,7 @@ def pair(tmp_path_factory):
 def server(pair):
     api.clear_cache()
     gen = api.load(Preset(name="custom", target=pair[0], draft=pair[1]))
-    engine = SequentialEngine(gen, "tiny")
+    engine = SequentialEngine(gen, model_name="tiny")
     with running_server(create_app(engine, gen.tokenizer), engine) as url:
         yield url, gen, engine
     api.clear_cache()

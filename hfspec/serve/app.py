@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from hfspec.errors import HfspecError
 from hfspec.serve import errors, prompts
 from hfspec.serve.errors import ApiError
 from hfspec.serve.events import Delta, Done, Engine, Handle, QueueFull, Usage
@@ -138,6 +139,10 @@ class _Serving:
             )
             try:
                 handles.append(self.engine.submit(request, loop))
+            except HfspecError as exc:  # settings the engine cannot take, named by it
+                for h in handles:
+                    self.abandon(h)
+                raise ApiError(400, str(exc)) from None
             except QueueFull:
                 for h in handles:
                     self.abandon(h)
@@ -163,11 +168,10 @@ class _Serving:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not collect.done():  # the client left first
+            if not collect.done():  # the client left first: its requests are cancelled as collect ends
                 collect.cancel()
-                for h in handles:
-                    self.abandon(h)
-        if not collect.done() or collect.cancelled():
+                await asyncio.wait({collect})
+        if collect.cancelled():
             return Response(status_code=499)  # nobody reads it; nginx's code for a client that closed
         choices, usages = collect.result()
         for c in choices:
@@ -255,6 +259,8 @@ class _Serving:
 
     def abandon(self, handle: Handle) -> None:
         """Cancel ``handle`` (its client is gone) and count its end when the engine reports it."""
+        if handle.cancelled:
+            return
         handle.cancel()
         asyncio.ensure_future(self._count_abandoned(handle))
 

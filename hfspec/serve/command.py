@@ -89,9 +89,13 @@ def default_model_name(preset: Preset, gen: SpeculativeGenerator) -> str:
 
 
 def make_engine(gen: SpeculativeGenerator, name: str, args: argparse.Namespace) -> Engine:
+    """The batching engine where it is there and takes the pair; else one request at a time."""
     if BatchEngine is not None and not args.sequential:
-        return BatchEngine(gen, name, max_batch=args.max_batch, max_queue=args.max_queue)
-    return SequentialEngine(gen, name, max_queue=args.max_queue)
+        try:
+            return BatchEngine(gen, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue)
+        except HfspecError as exc:
+            log.warning("serving one request at a time: %s", exc)
+    return SequentialEngine(gen, model_name=name, max_queue=args.max_queue)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ class _Streamer:
         self.engine, self.handle, self.loop = engine, handle, loop
         self.text = TextStream(tokenizer, handle.request.stop)
         self.prompt_seen = False
+        self.stopped = False
         self.committed = self.accepted = self.passes = 0
 
     def put(self, value: torch.Tensor) -> None:
@@ -48,11 +49,12 @@ class _Streamer:
             raise _Ended
         ids = tuple(int(i) for i in value.reshape(-1).tolist())
         origins: tuple[Origin, ...] = ("accepted",) * (len(ids) - 1) + ("bonus",)
-        self.committed += len(ids)
-        self.accepted += len(ids) - 1
+        keep, text, self.stopped = self.text.add(ids)  # a stop string: the tokens up to it
+        self.committed += keep
+        self.accepted += min(keep, len(ids) - 1)
         self.passes += 1
-        self.engine.send(self.loop, self.handle, Delta(ids, origins, self.text.push(ids)))
-        if self.text.stopped:
+        self.engine.send(self.loop, self.handle, Delta(ids[:keep], origins[:keep], text))
+        if self.stopped:
             raise _Ended
 
     def end(self) -> None:
@@ -62,7 +64,7 @@ class _Streamer:
 class SequentialEngine:
     """The ``Engine`` protocol over one ``SpeculativeGenerator``, one request at a time (``max_batch`` is 1)."""
 
-    def __init__(self, gen: SpeculativeGenerator, model_name: str, *, max_queue: int = 64):
+    def __init__(self, gen: SpeculativeGenerator, *, model_name: str, max_queue: int = 64):
         if gen.tokenizer is None:
             raise ValueError("the generator needs a tokenizer to serve text")
         self.gen = gen
@@ -155,7 +157,7 @@ class SequentialEngine:
                 streamer=streamer,
             )
         except _Ended:
-            reason = "stop" if streamer.text.stopped else "cancelled"
+            reason = "stop" if streamer.stopped else "cancelled"
             # Ended early, the generator's statistics are lost: count what the streamer saw (drafts counted as
             # proposed only where they were accepted).
             n = streamer.committed

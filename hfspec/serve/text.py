@@ -1,67 +1,57 @@
-"""Token ids to text as they come, with stop strings: what an engine puts in each ``Delta.text``.
+"""One request's text as it grows: incremental detokenization and stop strings.
 
-The whole completion is decoded again at every step (a tokenizer may merge or split characters across tokens),
-and only what is certain goes out: text that could still be the start of a stop string, or that ends in half a
-character (U+FFFD), waits for the next step. Nothing here imports torch.
+Text is decoded from all of the request's new tokens each time (as transformers' ``TextStreamer`` does) and
+handed out in pieces that never split a character: text ending in U+FFFD (the bytes of a character not all
+decoded yet) is held back. With stop strings, the last ``len(longest) - 1`` characters are held back too, so that
+a stop string split across steps is still found and cut; the completion then ends at the fewest tokens whose text
+reaches the stop string, and the text handed out stops before it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from transformers import PreTrainedTokenizerBase
 
-REPLACEMENT = "\ufffd"  # what a tokenizer decodes half a UTF-8 character to
+REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    """One completion's text: ``push(ids)`` gives the new text that is certain, and whether a stop string ended it."""
+    """Decodes one request's new tokens step by step; see the module docstring."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()):
-        self.tokenizer = tokenizer
-        self.stop = tuple(s for s in stop if s)
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = ()):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
-        self.sent = 0  # characters of the decoded text already handed out
-        self.stopped = False
+        self.sent = 0  # characters handed out so far
 
-    def push(self, ids: Sequence[int]) -> str:
-        """Add ``ids``; the text that follows what was handed out, up to a stop string (then ``stopped`` is set)."""
-        if self.stopped:
-            return ""
-        self.ids.extend(int(i) for i in ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = self._stop_at(text)
-        if cut is not None:
-            self.stopped = True
-            return self._take(text, cut)
-        end = len(text) - self._held(text)
-        return self._take(text, end)
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def flush(self) -> str:
-        """At the end of the completion: the text held back for a stop string that never came."""
-        if self.stopped:
-            return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return self._take(text, len(text))
-
-    def _take(self, text: str, end: int) -> str:
-        out = text[self.sent : end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return out
-
-    def _stop_at(self, text: str) -> int | None:
-        """Where the earliest stop string starts in the text not yet handed out (or straddling it)."""
-        longest = max((len(s) for s in self.stop), default=0)
-        start = max(0, self.sent - longest + 1)
-        found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+    def find(self, text: str) -> int | None:
+        """Where the first stop string in ``text`` begins (none ends in text already handed out), or None."""
+        found = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
         return min(found) if found else None
 
-    def _held(self, text: str) -> int:
-        """Characters at the end of ``text`` to keep back: a half character, or a possible start of a stop string."""
-        held = len(text) - len(text.rstrip(REPLACEMENT))
-        body = text[: len(text) - held]
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(body)), 0, -1):
-                if body.endswith(s[:n]):
-                    held = max(held, len(text) - len(body) + n)
-                    break
-        return held
+    def add(self, tokens: tuple[int, ...]) -> tuple[int, str, bool]:
+        """Take a step's ``tokens``: (how many of them the completion keeps, the text to hand out, whether a stop
+        string ended the completion)."""
+        before = len(self.ids)
+        self.ids.extend(tokens)
+        text = self.decode(self.ids)
+        cut = self.find(text) if self.stop else None
+        if cut is not None:
+            keep = next(
+                k for k in range(1, len(tokens) + 1) if self.find(self.decode(self.ids[: before + k])) is not None
+            )
+            del self.ids[before + keep :]
+            out, self.sent = text[self.sent : cut], cut
+            return keep, out, True
+        safe = text.rstrip(REPLACEMENT)
+        upto = max(self.sent, len(safe) - self.hold)
+        out, self.sent = safe[self.sent : upto], upto
+        return len(tokens), out, False
+
+    def flush(self) -> str:
+        """The text not handed out yet, at the end of a completion that no stop string ended."""
+        text = self.decode(self.ids)
+        out, self.sent = text[self.sent :], len(text)
+        return out
