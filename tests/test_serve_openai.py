@@ -143,3 +143,21 @@ def test_a_client_leaving_mid_stream_frees_the_row(server):
         assert time.monotonic() < deadline, running(url)
         time.sleep(0.05)
     assert engine.running == 0
+
+
+def test_concurrent_clients_each_get_the_answer_they_get_alone(client, pair):
+    from concurrent.futures import ThreadPoolExecutor
+
+    asks = [(f"w{10 + 3 * k} w{11 + 3 * k}", 4 + k % 3 * 4, k % 2 == 0) for k in range(6)]
+
+    def ask(prompt: str, n: int, chat: bool) -> str:
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=n, temperature=0)
+            return out.choices[0].message.content
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(lambda a: ask(*a), asks))
+    expected = [hfspec.generate(p, target=pair[0], draft=pair[1], max_new_tokens=n, chat=c) for p, n, c in asks]
+    assert answers == expected
