@@ -81,6 +81,11 @@ def offline_pair(offline_cache, monkeypatch):
     return offline_cache
 
 
+def test_the_readme_reads_in_five_minutes():
+    lines = (ROOT / "README.md").read_text("utf-8").count("\n")
+    assert lines <= 220, f"README.md has {lines} lines; the details belong in docs/"
+
+
 def test_the_examples_are_found():
     assert len(PYTHON) >= 5 and len(SHELL) >= 5
     for example in PYTHON + SHELL:
