@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measured runs behind docs/BENCHMARKS.md: SmolLM2-135M-Instruct (built offline) as the target,
+# The measured runs behind docs/benchmarks.md: SmolLM2-135M-Instruct (built offline) as the target,
 # on the CPU, with every drafter hfspec ships. Run it on an otherwise idle machine: a second busy
 # process on the same cores makes torch's threads wait at every barrier and the ratios meaningless.
 # On an idle 2-core machine it takes about 80 minutes; `scripts/bench.sh main` (or eagle, grounded, open, mixed)
