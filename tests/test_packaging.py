@@ -1,4 +1,5 @@
-"""The package as users install it: the wheel carries every file hfspec reads at run time.
+"""The package as users install it: the wheel carries every file hfspec reads at run time, and the version comes
+from one place, answered by ``hfspec --version`` without importing torch.
 
 The package data is checked against ``pyproject.toml``'s patterns, matched as setuptools matches them
 (``build_py.find_data_files``: each pattern joined to the package's directory, ``glob(..., recursive=True)``,
@@ -10,6 +11,8 @@ from __future__ import annotations
 import glob
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
+import hfspec
+from hfspec import __main__ as entry
+from hfspec import cli
+from hfspec._version import __version__
 from hfspec.cpu import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,3 +85,42 @@ def test_a_header_left_out_of_the_patterns_is_found():
     old = ["assisted/custom_generate/*.py", "configs/*.json", "cpu/csrc/*.cpp", "drafts/**/*", "prompts/*"]
     assert left_out(old) == ["cpu/csrc/vec.h"]
     assert "drafts/smollm2-135m-instruct-eagle3/config.json" in left_out([p for p in old if p != "drafts/**/*"])
+
+
+def test_the_version_has_one_source():
+    assert hfspec.__version__ == __version__ and re.fullmatch(r"\d+\.\d+\.\d+\S*", __version__)
+    assert "version" in PYPROJECT["project"]["dynamic"] and "version" not in PYPROJECT["project"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "hfspec._version.__version__"}
+    assert PYPROJECT["project"]["scripts"]["hfspec"] == "hfspec.__main__:main"
+
+
+def test_version_answers_without_importing_torch():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "hfspec", "--version"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"hfspec {__version__}\n"
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "hfspec._version" in imported  # importtime did report what was imported
+    assert not {name for name in imported if name.split(".")[0] in ("torch", "transformers", "numpy")}
+
+
+def test_the_command_line_prints_the_same_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert entry.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"hfspec {__version__}\n" * 2
+
+
+def test_the_public_names_load_on_first_use():
+    from hfspec.cpu import fast
+
+    assert all(getattr(hfspec, name) is not None for name in hfspec.__all__)
+    assert hfspec.fast is fast and set(hfspec.__all__) <= set(dir(hfspec))
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        hfspec.nonexistent
