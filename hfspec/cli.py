@@ -136,10 +136,10 @@ def _add_generate(sub) -> None:
         help="the prompt text, or '-' to read it from stdin (or --prompts-file for many prompts)",
     )
     pair = p.add_argument_group("models (--target and --draft together, or --config)")
-    pair.add_argument("--target", help="target model: hub name, local directory, or 'offline'")
+    pair.add_argument("--target", help="target model: hub name, local directory, .gguf file, or 'offline'")
     pair.add_argument(
         "--draft",
-        help="draft model: hub name, local directory "
+        help="draft model: hub name, local directory, .gguf file "
         "(a causal LM, with the target's tokenizer or its own, or an EAGLE-3 head), 'shipped' (the draft model shipped for the offline target), "
         "'shipped-eagle3' (the EAGLE-3 head shipped for it), or 'ngram' to draft without a model, by lookup in the prompt, the text so far "
         "and earlier outputs (a directory named ngram is ./ngram)",
@@ -173,12 +173,14 @@ def _add_generate(sub) -> None:
     pair.add_argument(
         "--gguf-file",
         metavar="FILE",
-        help="the target's GGUF file, inside --target's directory or repository (default: the preset's)",
+        help="the target's GGUF file, inside --target's directory or repository (default: the preset's; "
+        "--target may name the .gguf file itself)",
     )
     pair.add_argument(
         "--draft-gguf-file",
         metavar="FILE",
-        help="the draft's GGUF file, inside --draft's directory or repository (default: the preset's)",
+        help="the draft's GGUF file, inside --draft's directory or repository (default: the preset's; "
+        "--draft may name the .gguf file itself)",
     )
     pair.add_argument(
         "--gguf-native",

@@ -394,6 +394,33 @@ def test_usage_errors_give_one_line_and_exit_2(capsys, argv, says):
     assert code == 2 and says in one_error_line(err)
 
 
+def _truncated_gguf(path: Path) -> Path:
+    import gguf_files
+
+    data = gguf_files.write(path.parent / "whole", "llama", "Q8_0", hidden=64, layers=1).read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda p: p.write_text("not a model\n"), "'{}' is not a model: a file, but not a GGUF file"),
+        (lambda p: p.write_bytes(b""), "'{}' is an empty file, not a model"),
+        (_truncated_gguf, "'{}' is a truncated GGUF file (its tensor data ends at byte"),
+        (lambda p: p.mkdir(), "directory '{}' holds no model"),
+    ],
+    ids=["text", "empty", "truncated", "directory"],
+)
+def test_a_target_that_is_not_a_model_gets_one_line(capsys, tmp_path, make, says):
+    path = tmp_path / "model.gguf"
+    make(path)
+    code, out, err = run(capsys, "generate", PROMPT, "--target", str(path), "--draft", "ngram")
+    line = one_error_line(err)
+    assert code == 2 and out == "" and says.format(path) in line, line
+    assert line.endswith("a .gguf file or a hub name") or "a .gguf file or a hub name, or" in line
+
+
 def test_errors_from_the_generator_give_one_line(capsys, pair):
     code, _, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "5000")
     assert code == 2 and "context window" in one_error_line(err)

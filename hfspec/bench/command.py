@@ -108,13 +108,13 @@ def _pair_options(pair: argparse._ArgumentGroup) -> None:
     pair.add_argument(
         "--target",
         default="offline",
-        help="target model: a directory, a hub name, or 'offline' for the SmolLM2-135M-Instruct "
+        help="target model: a directory, a .gguf file, a hub name, or 'offline' for the SmolLM2-135M-Instruct "
         "built by hfspec.assets (default: offline)",
     )
     pair.add_argument(
         "--draft",
         default="shipped",
-        help="draft model: a directory, a hub name, or 'shipped' for the draft committed in the "
+        help="draft model: a directory, a .gguf file, a hub name, or 'shipped' for the draft committed in the "
         "package (default: shipped; 'shipped-eagle3' is the EAGLE-3 head committed beside it, "
         "which --drafters takes too)",
     )
