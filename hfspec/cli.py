@@ -89,6 +89,7 @@ def tree_value(text: str) -> int | str:
 
 
 batch_value = _number(int, lambda v: v >= 1, ">= 1")
+threads_value = _number(int, lambda v: v >= 1, ">= 1")
 count_value = _number(int, lambda v: v >= 0, ">= 0")
 temperature_value = _number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)")
 top_p_value = _number(float, lambda v: 0 < v <= 1, "in (0, 1]")
@@ -154,6 +155,14 @@ def _add_generate(sub) -> None:
         metavar="DEVICE",
         help="where to run: cpu, cuda, cuda:1, mps, or 'auto' to spread the target "
         "over the available devices (default: cpu)",
+    )
+    pair.add_argument(
+        "-t",
+        "--threads",
+        type=threads_value,
+        metavar="N",
+        help="CPU threads to load and generate with, >= 1, as llama.cpp's -t (default: torch's, usually one per "
+        "core; more than the CPUs is allowed, with a warning)",
     )
     pair.add_argument(
         "--dtype",
@@ -558,6 +567,7 @@ def _complete(
         system=args.system,
         streamer=streamer,
         tree=args.tree,
+        threads=args.threads,
     )
 
 
@@ -568,7 +578,7 @@ def run_generate(args: argparse.Namespace) -> int:
     preset = api.resolve_preset(args.target, args.draft, args.config, args.ngram)
     if args.do_sample is None and not preset.do_sample and (args.temperature or args.top_k or args.top_p):
         log.warning("--temperature/--top-k/--top-p only apply when sampling; decoding greedily (add --do-sample)")
-    gen = api.load(preset, **_load_kwargs(args))
+    gen = api.load(preset, threads=args.threads, **_load_kwargs(args))
     if items is not None:
         return _generate_many(args, preset, gen, items)
     streamer = _Streamer(gen.tokenizer) if args.stream else None
