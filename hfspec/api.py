@@ -22,6 +22,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from hfspec import config as cfg
 from hfspec import loading
+from hfspec.cpu import threads as cpu_threads
 from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.policy import GammaPolicy
@@ -180,15 +181,18 @@ class PairCache:
 _PAIRS = PairCache(MAX_PAIRS)
 
 
-def load(preset: Preset, **load_kwargs: Any) -> SpeculativeGenerator:
+def load(preset: Preset, *, threads: int | None = None, **load_kwargs: Any) -> SpeculativeGenerator:
     """The generator for ``preset``, loaded on first use and cached for the process (``MAX_PAIRS`` of them, by the
-    models and the loading options' values)."""
+    models and the loading options' values); loaded on ``threads`` CPU threads (None: torch's count), so that the
+    kernels' block shapes are timed for the calls that pass the same count."""
+    cpu_threads.check(threads)
     # fast_kernels and draft_bits are spelled out so that leaving them unset and passing their defaults share a pair.
     kwargs = {"fast_kernels": True, "draft_bits": loading.DRAFT_BITS, **preset.load_kwargs(), **load_kwargs}
 
     def load_pair() -> SpeculativeGenerator:
         log.info("loading target %s and draft %s", preset.target, preset.draft)
-        return SpeculativeGenerator(*loading.load_pair(preset.target, preset.draft, **kwargs), ngram=preset.ngram)
+        with cpu_threads.using(threads):
+            return SpeculativeGenerator(*loading.load_pair(preset.target, preset.draft, **kwargs), ngram=preset.ngram)
 
     return _PAIRS.get((preset.target, preset.draft, preset.ngram, _key(kwargs)), load_pair)
 
@@ -240,11 +244,12 @@ def complete(
     system: str | None = None,
     streamer: Any = None,
     tree: int | str | None = "auto",
+    threads: int | None = None,
 ) -> Completion:
     """Generate for text prompts with ``gen``. The settings ``generation_config`` sets (``hfspec.config.settings``)
     override ``preset``'s sampling settings, which override the target's generation config; decoding is greedy
     unless one of them samples, and ``DEFAULT_MAX_NEW_TOKENS`` long unless one sets ``max_new_tokens``. Other
-    unset settings come from ``preset``."""
+    unset settings come from ``preset``. ``threads``: the CPU threads of the call (None: the generator's)."""
     if gen.tokenizer is None:
         raise HfspecError(
             "the generator has no tokenizer; build it with SpeculativeGenerator(target, draft, tokenizer)"
@@ -256,6 +261,7 @@ def complete(
     )
     chat = bool(_pick(chat, preset.chat))
     system = system if system is not None else (preset.system if chat else None)
+    described = gen.describe()
     settings = {
         "preset": preset.name,
         "target": preset.target,
@@ -268,10 +274,13 @@ def complete(
         "chat": chat,
         "system": system,
         "tree": tree,
-        "fast_kernels": gen.describe()["fast_kernels"],
+        "fast_kernels": described["fast_kernels"],
+        "threads": _pick(cpu_threads.check(threads), described["threads"]),
     }
     ids = encode(gen.tokenizer, prompts, chat=chat, system=system)
-    out = gen.generate(ids, generation_config=conf, gamma=settings["gamma"], seed=seed, streamer=streamer, tree=tree)
+    out = gen.generate(
+        ids, generation_config=conf, gamma=settings["gamma"], seed=seed, streamer=streamer, tree=tree, threads=threads
+    )
     start = out.prompt_length
     tokens = tuple(
         tuple(out.sequences[i, start : start + row.committed].tolist()) for i, row in enumerate(out.stats.rows)
@@ -303,11 +312,12 @@ def generate(
     tree: int | str | None = "auto",
     return_stats: bool = False,
     generation_config: GenerationConfig | None = None,
+    threads: int | None = None,
     **load_kwargs: Any,
 ) -> str | list[str] | tuple[str | list[str], Stats]:
     """Continue ``prompt`` (one string or a list) with speculative decoding; returns the new text only.
 
-    The pair is ``target`` + ``draft`` (hub names or paths), or a ``config`` preset
+    The pair is ``target`` + ``draft`` (hub names, directories or ``.gguf`` files), or a ``config`` preset
     (a shipped name such as ``"qwen2.5-7b"`` or a JSON path), or by default the
     offline SmolLM2 pair. ``draft="ngram"`` drafts by lookup in the prompt and earlier
     outputs, with no draft model; ``ngram=True`` adds that lookup to a model draft (per
@@ -321,7 +331,8 @@ def generate(
     ``generation_config`` (a ``transformers.GenerationConfig``) sets any of them at once; the keyword arguments
     override it. ``seed`` makes sampling reproducible. ``load_kwargs`` go to ``hfspec.loading.load_pair`` (``dtype``,
     ``device``, ``device_map``, ``fast_kernels=False`` to keep torch's own linears on CPU, ...).
-    With ``return_stats`` the result is ``(text, stats)``.
+    ``threads`` is the CPU threads the call (and a first load of the pair) runs on, as llama.cpp's ``-t``; by
+    default torch's count. With ``return_stats`` the result is ``(text, stats)``.
     """
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -332,7 +343,7 @@ def generate(
             "prompt must be a string or a non-empty list of strings; for token ids use SpeculativeGenerator.generate"
         )
     preset = resolve_preset(target, draft, config, ngram)
-    gen = load(preset, **load_kwargs)
+    gen = load(preset, threads=threads, **load_kwargs)
     sampling = cfg.merge(
         generation_config,
         cfg.settings(
@@ -355,6 +366,7 @@ def generate(
         system=system,
         streamer=streamer,
         tree=tree,
+        threads=threads,
     )
     text: str | list[str] = result.texts[0] if isinstance(prompt, str) else list(result.texts)
     return (text, result.stats) if return_stats else text

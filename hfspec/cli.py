@@ -89,6 +89,7 @@ def tree_value(text: str) -> int | str:
 
 
 batch_value = _number(int, lambda v: v >= 1, ">= 1")
+threads_value = _number(int, lambda v: v >= 1, ">= 1")
 count_value = _number(int, lambda v: v >= 0, ">= 0")
 temperature_value = _number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)")
 top_p_value = _number(float, lambda v: 0 < v <= 1, "in (0, 1]")
@@ -142,10 +143,10 @@ def _add_generate(sub) -> None:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The flags that choose and load the pair (``hfspec generate``, ``hfspec serve``); ``_load_kwargs`` reads them."""
     pair = p.add_argument_group("models (--target and --draft together, or --config)")
-    pair.add_argument("--target", help="target model: hub name, local directory, or 'offline'")
+    pair.add_argument("--target", help="target model: hub name, local directory, .gguf file, or 'offline'")
     pair.add_argument(
         "--draft",
-        help="draft model: hub name, local directory "
+        help="draft model: hub name, local directory, .gguf file "
         "(a causal LM, with the target's tokenizer or its own, or an EAGLE-3 head), 'shipped' (the draft model shipped for the offline target), "
         "'shipped-eagle3' (the EAGLE-3 head shipped for it), or 'ngram' to draft without a model, by lookup in the prompt, the text so far "
         "and earlier outputs (a directory named ngram is ./ngram)",
@@ -160,6 +161,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         metavar="DEVICE",
         help="where to run: cpu, cuda, cuda:1, mps, or 'auto' to spread the target "
         "over the available devices (default: cpu)",
+    )
+    pair.add_argument(
+        "-t",
+        "--threads",
+        type=threads_value,
+        metavar="N",
+        help="CPU threads to load and generate with, >= 1, as llama.cpp's -t (default: torch's, usually one per "
+        "core; more than the CPUs is allowed, with a warning)",
     )
     pair.add_argument(
         "--dtype",
@@ -179,12 +188,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     pair.add_argument(
         "--gguf-file",
         metavar="FILE",
-        help="the target's GGUF file, inside --target's directory or repository (default: the preset's)",
+        help="the target's GGUF file, inside --target's directory or repository (default: the preset's; "
+        "--target may name the .gguf file itself)",
     )
     pair.add_argument(
         "--draft-gguf-file",
         metavar="FILE",
-        help="the draft's GGUF file, inside --draft's directory or repository (default: the preset's)",
+        help="the draft's GGUF file, inside --draft's directory or repository (default: the preset's; "
+        "--draft may name the .gguf file itself)",
     )
     pair.add_argument(
         "--gguf-native",
@@ -564,6 +575,7 @@ def _complete(
         system=args.system,
         streamer=streamer,
         tree=args.tree,
+        threads=args.threads,
     )
 
 
@@ -574,7 +586,7 @@ def run_generate(args: argparse.Namespace) -> int:
     preset = api.resolve_preset(args.target, args.draft, args.config, args.ngram)
     if args.do_sample is None and not preset.do_sample and (args.temperature or args.top_k or args.top_p):
         log.warning("--temperature/--top-k/--top-p only apply when sampling; decoding greedily (add --do-sample)")
-    gen = api.load(preset, **_load_kwargs(args))
+    gen = api.load(preset, threads=args.threads, **_load_kwargs(args))
     if items is not None:
         return _generate_many(args, preset, gen, items)
     streamer = _Streamer(gen.tokenizer) if args.stream else None

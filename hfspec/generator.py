@@ -41,6 +41,7 @@ from hfspec import tree as trees
 from hfspec.cache import KVState
 from hfspec.costs import Costs, Price
 from hfspec.cpu import draft_linear, fast
+from hfspec.cpu import threads as cpu_threads
 from hfspec.drafters import Drafter, Features, Proposal, builds_trees, cross_tokenizer
 from hfspec.drafters.hybrid import HybridDrafter
 from hfspec.errors import HfspecError
@@ -102,6 +103,26 @@ def _one_at_a_time(generate: Callable) -> Callable:
     return one_at_a_time
 
 
+def _in_threads(generate: Callable) -> Callable:
+    """``generate`` on its ``threads=`` CPU threads, else the generator's ``threads`` (None: torch's count as it is),
+    torch's count restored after the call (``hfspec.cpu.threads``). The models' kernel plans and the costs that
+    ``gamma="auto"`` weighs are those of the count the call runs on: timed again where they were for another."""
+
+    @functools.wraps(generate)
+    def in_threads(self: SpeculativeGenerator, *args: Any, **kwargs: Any) -> GenerateOutput:
+        threads = kwargs.get("threads")
+        with cpu_threads.using(self.threads if threads is None else threads) as count:
+            if count != self._threads_fitted:
+                fast.replan(self.target)
+                fast.replan(draft_module(self.drafter))
+                if self._threads_fitted is not None:  # costs measured on another count are not this count's
+                    self.tuning.costs = None
+                self._threads_fitted = count
+            return generate(self, *args, **kwargs)
+
+    return in_threads
+
+
 class SpeculativeGenerator:
     """Lossless speculative decoding: a ``draft`` proposes, the ``target`` causal LM verifies.
 
@@ -110,7 +131,8 @@ class SpeculativeGenerator:
     context and in earlier outputs). ``ngram=True`` adds that lookup to a model draft or head:
     per row, whichever is expected to get more accepted. A draft model with its own tokenizer
     is passed with ``draft_tokenizer=``: where it differs from ``tokenizer``, the draft proposes
-    only the tokens both share (``hfspec.drafters.cross_tokenizer``), still losslessly.
+    only the tokens both share (``hfspec.drafters.cross_tokenizer``), still losslessly. ``threads``
+    sets the CPU threads every ``generate`` call runs on (see there).
     """
 
     def __init__(
@@ -121,8 +143,10 @@ class SpeculativeGenerator:
         *,
         ngram: bool = False,
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
+        threads: int | None = None,
     ):
         check_causal_lm(target, "target")
+        self.threads = cpu_threads.check(threads)  # CPU threads of every call (None: torch's count as it is)
         self.target = target.eval()
         if draft_tokenizer is not None:  # a draft model with its own tokenizer: drafts across them when they differ
             draft = cross_tokenizer.adapt(draft, draft_tokenizer, tokenizer)
@@ -138,6 +162,7 @@ class SpeculativeGenerator:
         self._reads_trees: bool | None = None  # whether the target reads a tree exactly (probed once)
         self._lock = threading.RLock()  # one call at a time (``_one_at_a_time``)
         self._running = False  # a call holds the lock and runs
+        self._threads_fitted: int | None = None  # the thread count the kernel plans and costs were last fitted to
 
     def measure_costs(self, context: Sequence[int] | None = None, force: bool = False) -> Costs:
         """Time the target over 1..K+1 new tokens and one drafting step on this machine (once; ``force``
@@ -170,7 +195,8 @@ class SpeculativeGenerator:
         return self.drafter.model
 
     def describe(self) -> dict[str, Any]:
-        """The drafter, and whether the target and the draft run hfspec's CPU kernel (``hfspec.fast.describe``)."""
+        """The drafter, whether the target and the draft run hfspec's CPU kernel (``hfspec.fast.describe``), and the
+        CPU threads a call runs on unless it says otherwise."""
         draft = draft_module(self.drafter)
         kernels = {"target": fast.describe(self.target), "draft": fast.describe(draft)}
         integer = draft_linear.describe(draft)
@@ -184,19 +210,25 @@ class SpeculativeGenerator:
                 "isa": kernels["draft"]["isa"] or (dk.isa if dk else None),
                 "layers": kernels["draft"]["layers"] + integer["layers"],
             }
-        return {"drafter": self.drafter.describe(), "fast_kernels": kernels}
+        threads = self.threads if self.threads is not None else torch.get_num_threads()
+        return {"drafter": self.drafter.describe(), "fast_kernels": kernels, "threads": threads}
 
     @classmethod
-    def from_pretrained(cls, target: str, draft: str, *, ngram: bool = False, **kwargs: Any) -> SpeculativeGenerator:
-        """Load both models and the target's tokenizer by hub name or local path (see ``hfspec.loading``);
-        ``draft="ngram"`` needs no model. A draft whose own tokenizer differs from the target's drafts
-        through ``hfspec.drafters.cross_tokenizer`` without being asked. Both models run hfspec's CPU
+    def from_pretrained(
+        cls, target: str | Path, draft: str | Path, *, ngram: bool = False, threads: int | None = None, **kwargs: Any
+    ) -> SpeculativeGenerator:
+        """Load both models and the target's tokenizer by hub name, local directory or GGUF file (see
+        ``hfspec.loading``); ``draft="ngram"`` needs no model. A draft whose own tokenizer differs from the target's
+        drafts through ``hfspec.drafters.cross_tokenizer`` without being asked. Both models run hfspec's CPU
         kernel where they sit on CPU in fp32 or bf16 (``fast_kernels=False`` keeps torch's linears); the
-        constructor, given models, leaves them as they are (``hfspec.fast.accelerate(model)`` opts in)."""
-        return cls(*load_pair(target, draft, **kwargs), ngram=ngram)
+        constructor, given models, leaves them as they are (``hfspec.fast.accelerate(model)`` opts in).
+        ``threads`` (as llama.cpp's ``-t``) is the CPU threads the loading and every ``generate`` call run on."""
+        with cpu_threads.using(threads):  # the kernels' block shapes are timed for the count the calls run on
+            return cls(*load_pair(target, draft, **kwargs), ngram=ngram, threads=threads)
 
     @torch.inference_mode()
     @_one_at_a_time
+    @_in_threads
     def generate(
         self,
         input_ids: torch.Tensor | None = None,
@@ -222,6 +254,7 @@ class SpeculativeGenerator:
         streamer: Any = None,
         on_context_limit: str = "error",
         tree: int | str | None = "auto",
+        threads: int | None = None,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` per row, distributed exactly as the target's own sampling.
 
@@ -244,6 +277,8 @@ class SpeculativeGenerator:
         ``AUTO_TREES`` nodes by their expected tokens per second (``AutoGamma``); it means the chain
         with any other ``gamma``, and where a tree cannot be drafted or verified exactly (a recurrent
         model, a drafter that builds no trees, a processor that reads the text so far).
+        ``threads``: the CPU threads this call runs on (torch's, which hfspec's kernels read), else the generator's
+        ``threads``; torch's count is restored after the call.
         """
         if on_context_limit not in ("error", "stop"):
             raise HfspecError(f"on_context_limit must be 'error' or 'stop', got {on_context_limit!r}")

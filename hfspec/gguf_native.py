@@ -35,7 +35,7 @@ from hfspec import gguf_meta
 from hfspec.cpu import quant
 from hfspec.errors import HfspecError
 
-__all__ = ["GgufTensor", "load", "local_file", "read_tensors", "resolve_file"]
+__all__ = ["GgufTensor", "file_problem", "load", "local_file", "read_tensors", "resolve_file"]
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +71,19 @@ def _value(blob: np.ndarray, pos: int, kind: int) -> tuple[Any, int]:
         pos += 12
         if inner in _SIZES:
             return None, pos + count * _SIZES[inner]
+        if inner == _STRING:  # a vocabulary: skipped by its lengths, not decoded (150k tokens in a second less)
+            for _ in range(count):
+                pos += 8 + struct.unpack_from("<Q", blob, pos)[0]
+            return None, pos
         for _ in range(count):
             _, pos = _value(blob, pos, inner)
         return None, pos
     raise HfspecError(f"GGUF metadata value of unknown type {kind}")
 
 
-def read_tensors(path: str | Path) -> tuple[str, list[GgufTensor]]:
-    """``(architecture, tensors)`` of a GGUF file (v2 or v3), its tensor data memory-mapped, not read."""
-    blob = np.memmap(path, mode="r", dtype=np.uint8)
+def _header(path: str | Path, blob: np.ndarray) -> tuple[dict[str, Any], list[tuple[str, int, tuple, int, int]], int]:
+    """``(metadata, table, data start)`` of a GGUF file (v2 or v3): each table entry is (name, ggml type, torch-order
+    shape, offset from the data start, bytes)."""
     if bytes(blob[:4]) != b"GGUF":
         raise HfspecError(f"{path} is not a GGUF file (no GGUF magic bytes)")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", blob, 4)
@@ -99,15 +103,42 @@ def read_tensors(path: str | Path) -> tuple[str, list[GgufTensor]]:
         shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, pos + 4)))
         ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
         pos += 4 + 8 * dims + 12
-        table.append((name, ggml_type, shape, offset))
-    align = meta.get("general.alignment") or 32
-    start = (pos + align - 1) // align * align
-    tensors = []
-    for name, ggml_type, shape, offset in table:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-        nbytes = prod(shape) // block * size
-        tensors.append(GgufTensor(name, ggml_type, shape, blob[start + offset : start + offset + nbytes]))
+        table.append((name, ggml_type, shape, offset, prod(shape) // block * size))
+    align = meta.get("general.alignment") or 32
+    return meta, table, (pos + align - 1) // align * align
+
+
+def read_tensors(path: str | Path) -> tuple[str, list[GgufTensor]]:
+    """``(architecture, tensors)`` of a GGUF file (v2 or v3), its tensor data memory-mapped, not read."""
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    meta, table, start = _header(path, blob)
+    tensors = [
+        GgufTensor(name, ggml_type, shape, blob[start + offset : start + offset + nbytes])
+        for name, ggml_type, shape, offset, nbytes in table
+    ]
     return str(meta.get("general.architecture", "")), tensors
+
+
+def file_problem(path: str | Path) -> str | None:
+    """Why the file at ``path`` is not a whole GGUF model (empty, not GGUF, a version hfspec does not read, its
+    header or tensor data cut short), in words that follow "is"; None where it is one. Reads the header only."""
+    size = Path(path).stat().st_size
+    if size == 0:
+        return "an empty file, not a model"
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            return "not a model: a file, but not a GGUF file (it does not begin with the GGUF magic bytes)"
+    try:
+        _, table, start = _header(path, np.memmap(path, mode="r", dtype=np.uint8))
+    except HfspecError as exc:  # a version hfspec does not read, a metadata type it does not know
+        return f"not a GGUF model hfspec reads ({str(exc).removeprefix(f'{path} ')})"
+    except (struct.error, ValueError, KeyError, UnicodeDecodeError, OverflowError):  # the header runs past the end
+        return f"a truncated or damaged GGUF file (its header does not fit in its {size:,} bytes)"
+    end = max((start + offset + nbytes for _, _, _, offset, nbytes in table), default=start)
+    if end > size:
+        return f"a truncated GGUF file (its tensor data ends at byte {end:,}, the file has {size:,} bytes)"
+    return None
 
 
 def local_file(source: str, gguf_file: str) -> str | None:

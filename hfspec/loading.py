@@ -4,12 +4,8 @@ A *preset* is one JSON file naming a target, a draft and the settings that suit
 them (γ, dtype, chat, sampling defaults). Presets ship in ``hfspec/configs/``
 and are found by name; any other JSON file works by path.
 
-Four model names are special: ``"offline"`` as the target is SmolLM2-135M-Instruct,
-built without a model hub (``hfspec.assets.offline_target_path``);
-``"shipped"`` as the draft is the draft model committed with the package for it
-(``hfspec.assets.shipped_draft_path``) and ``"shipped-eagle3"`` the EAGLE-3 head
-(``hfspec.assets.shipped_head_path``); ``"ngram"`` as the draft is model-free
-lookup (``hfspec.drafters.ngram``), with no model to load.
+A model is named by a local directory, a GGUF file, a hub name or one of four special names (``"offline"``,
+``"shipped"``, ``"shipped-eagle3"``, ``"ngram"``): ``hfspec.sources.locate`` resolves each, in one place.
 
 ``make_drafter`` turns whatever a user passes as the draft (a drafter, a loaded
 model, an EAGLE-3 head, a path or one of those names) into a drafter. It lives here,
@@ -19,7 +15,7 @@ above every drafter and beside the loaders it needs for a path, so that
 The models loaded here run hfspec's CPU kernel (``hfspec.fast.accelerate_loaded``: on CPU with
 fp32 or bf16 weights) unless ``fast_kernels=False``; a model a caller built and passed in is
 never changed (``make_drafter`` loads a draft path as it is). A GGUF target or draft
-(``gguf_file``, ``draft_gguf_file``) on CPU keeps its quantized blocks (``hfspec.gguf_native``)
+(a ``.gguf`` path, or ``gguf_file``/``draft_gguf_file``) on CPU keeps its quantized blocks (``hfspec.gguf_native``)
 unless ``gguf_native=False`` or ``fast_kernels=False``, which dequantize it as transformers does.
 """
 
@@ -46,15 +42,19 @@ from hfspec.heads.eagle3 import Eagle3Head
 from hfspec.heads.files import is_eagle3_dir
 from hfspec.models import check_causal_lm, load_model, same_tokenizer
 from hfspec.presets import DTYPES, Preset, load_preset, preset_names  # presets are read where pairs load
+from hfspec.sources import NGRAM, OFFLINE_TARGET, ModelSource, locate, lone_gguf, resolve_model
 
 __all__ = [
     "DRAFT_BITS",
+    "ModelSource",
     "Preset",
     "draft_module",
     "drafts_in_integer",
     "load_draft",
     "load_pair",
     "load_preset",
+    "locate",
+    "lone_gguf",
     "make_drafter",
     "parse_dtype",
     "preset_names",
@@ -63,10 +63,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-OFFLINE_TARGET = "offline"
-SHIPPED_DRAFT = "shipped"
-SHIPPED_HEAD = "shipped-eagle3"
-NGRAM = "ngram"  # the draft name of model-free lookup
 DRAFT_BITS = 4  # a draft model's weights in integer arithmetic on CPU, by default (hfspec.cpu.draft_linear)
 
 
@@ -105,31 +101,6 @@ def _input_device(model: PreTrainedModel) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-# -- model names ----------------------------------------------------------------------------------
-
-
-def resolve_model(name: str | Path, role: str) -> str:
-    """Turn the special names ``offline`` (target), ``shipped`` and ``shipped-eagle3`` (draft), and the names of
-    models fetched from registry wheels (``assets.WHEEL_MODELS``, either role) into local paths."""
-    name = str(name)
-    if Path(name).expanduser().exists():
-        return name
-    if role == "target" and name == OFFLINE_TARGET:
-        return str(assets.offline_target_path())
-    if name in assets.WHEEL_MODELS:
-        return str(assets.wheel_model_dir(name))
-    if role == "draft" and name in (SHIPPED_DRAFT, SHIPPED_HEAD):
-        what = "draft" if name == SHIPPED_DRAFT else "EAGLE-3 head"
-        path = Path(assets.shipped_draft_path() if name == SHIPPED_DRAFT else assets.shipped_head_path())
-        if not (path / "config.json").is_file():
-            raise HfspecError(
-                f"the shipped {what} is not part of this installation (expected it at {path}); "
-                "pass a draft model with --draft PATH"
-            )
-        return str(path)
-    return name
-
-
 # -- the pair -------------------------------------------------------------------------------------
 
 
@@ -152,7 +123,8 @@ def load_pair(
     draft_vocab: int | None = None,
     draft_bits: int | None = DRAFT_BITS,
 ) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
-    """Load ``(target, draft, tokenizer)`` by hub name or local path; the draft may be a ``Drafter``.
+    """Load ``(target, draft, tokenizer)`` by hub name, local directory or GGUF file (``hfspec.sources.locate``); the
+    draft may be a ``Drafter``.
 
     ``dtype`` applies to both models unless ``draft_dtype`` is given. ``device_map``
     (e.g. ``"auto"``) spreads the target with accelerate; the draft then goes to
@@ -182,8 +154,11 @@ def load_pair(
         raise HfspecError("pass device or device_map, not both (device_map='auto' places the target itself)")
     target_dev = _check_device(device, "target")
     draft_dev = _check_device(draft_device, "draft") or target_dev
-    draft_path = resolve_model(draft, "draft")  # first: it is cheap, the offline target may need a download
-    target_path = resolve_model(target, "target")
+    # The draft first: it is cheap, the offline target may need a download.
+    draft_source = locate(draft, "draft", draft_gguf_file)
+    target_source = locate(target, "target", gguf_file)
+    draft_path, draft_gguf_file = draft_source.path, draft_source.gguf_file
+    target_path, gguf_file = target_source.path, target_source.gguf_file
 
     common = {"trust_remote_code": trust_remote_code}
     target_kwargs: dict[str, Any] = {"dtype": parse_dtype(dtype), **common}
@@ -192,8 +167,6 @@ def load_pair(
     if device_map is not None:
         target_kwargs["device_map"] = device_map
     native = gguf_native and fast_kernels and device_map is None
-    gguf_file = gguf_file or lone_gguf(target_path)
-    draft_gguf_file = draft_gguf_file or lone_gguf(draft_path)
     target_gguf = gguf_file
     if (
         gguf_file is None
@@ -309,16 +282,6 @@ def _check_bool(name: str, value: Any, meaning: str) -> None:
         raise HfspecError(f"{name} must be True or False ({meaning}), got {value!r}")
 
 
-def lone_gguf(path: str) -> str | None:
-    """The GGUF file of a local directory that holds one and no ``config.json`` (a model fetched by name, or a user's
-    folder with a single GGUF): it is the model, so it needs no ``gguf_file=``. None otherwise."""
-    local = Path(path).expanduser()
-    if not local.is_dir() or (local / "config.json").is_file():
-        return None
-    found = sorted(local.glob("*.gguf"))
-    return found[0].name if len(found) == 1 else None
-
-
 def _tokenizer_gguf(path: str, gguf_file: str | None) -> str | None:
     """Where the tokenizer of a GGUF model comes from: the directory's own tokenizer files when it has them (saved
     once, read in a second), else the GGUF file (converted at every load)."""
@@ -410,7 +373,7 @@ def _load_draft(
         if gguf_file is not None:
             raise HfspecError("draft_gguf_file names a GGUF file of a draft model; the 'ngram' draft has none")
         return NgramDrafter()
-    if is_eagle3_dir(draft_path):
+    if gguf_file is None and is_eagle3_dir(draft_path):
         head = load_head(draft_path, dtype=target_model.dtype if dtype == "auto" else dtype, device=device)
         return Eagle3Drafter(head, target_model)
     model = _load_lm(
@@ -432,8 +395,8 @@ def load_draft(
     draft_vocab: int | None = None,
     draft_bits: int | None = DRAFT_BITS,
 ) -> PreTrainedModel | Drafter:
-    """Load the draft named ``draft`` (hub name, path, ``"shipped"``, ``"shipped-eagle3"``, a model fetched by name)
-    for an already loaded target.
+    """Load the draft named ``draft`` (hub name, directory, GGUF file, ``"shipped"``, ``"shipped-eagle3"``, a model
+    fetched by name) for an already loaded target.
 
     It goes to ``device``, else to the device of the target's embeddings; ``fast_kernels``, ``gguf_file``
     (the draft's), ``gguf_native``, ``draft_vocab`` and ``draft_bits`` as in ``load_pair``.
@@ -443,8 +406,8 @@ def load_draft(
     _check_draft_vocab(draft_vocab)
     _check_draft_bits(draft_bits)
     dev = _check_device(device, "draft") or _input_device(target_model)
-    path = resolve_model(draft, "draft")
-    gguf_file = gguf_file or lone_gguf(path)
+    source = locate(draft, "draft", gguf_file)
+    path, gguf_file = source.path, source.gguf_file
     loaded = _load_draft(
         path,
         target_model,

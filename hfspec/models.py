@@ -302,11 +302,14 @@ def load_model(
     path = Path(str(name_or_path)).expanduser()
     looks_local = path.exists() or str(name_or_path).startswith((".", "/", "~"))
     if looks_local and not path.exists():
-        raise HfspecError(f"{role} path {str(name_or_path)!r} does not exist; pass a model directory or a hub name")
+        raise HfspecError(
+            f"{role} path {str(name_or_path)!r} does not exist; pass a model directory, a .gguf file or a hub name"
+        )
     if path.is_dir() and not (path / "config.json").exists() and not kwargs.get("gguf_file"):
         raise HfspecError(
-            f"{role} directory {str(path)!r} holds no model (no config.json, and not a single .gguf file); "
-            "point it at a directory written by save_pretrained(), or pass the GGUF file's name as gguf_file="
+            f"{role} directory {str(path)!r} holds no model (no config.json, and not a single .gguf file); pass a "
+            "model directory (written by save_pretrained()), a .gguf file or a hub name, or the GGUF file's name as "
+            "gguf_file="
         )
     _refuse_draft_head(path, role)
     try:

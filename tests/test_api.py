@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import tiny
 import torch
+from transformers import GenerationConfig
 
 import hfspec
 from hfspec import Stats, api, assets, loading
+from hfspec.cpu import fast
+from hfspec.cpu import threads as cpu_threads
 from hfspec.errors import HfspecError
 from hfspec.policy import HeuristicGamma
 
@@ -168,3 +172,35 @@ def test_bad_settings_are_refused(pair):
         hfspec.generate("w10", target=target, draft=draft, do_sample=True, top_p=0.0)
     with pytest.raises(ValueError, match="gamma"):
         hfspec.generate("w10", target=target, draft=draft, gamma=0)
+
+
+def test_threads_are_each_calls_and_the_kernel_plans_and_costs_follow_them(pair, library, caplog):
+    if library.isa == "scalar":
+        pytest.skip("no vectorised CPU kernel here, so hfspec loads models without it")
+    before = torch.get_num_threads()
+    gen = hfspec.SpeculativeGenerator.from_pretrained(*pair, threads=2)
+    timed = [m for m in gen.target.modules() if type(m) is fast.FastLinear]
+    assert timed and {m.plan_threads for m in timed} == {2}, "block shapes timed for the count the calls run on"
+    assert torch.get_num_threads() == before and gen.describe()["threads"] == 2
+    seen = []
+    gen.target.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    ids = torch.tensor([[1, 10, 11, 12]])
+    gen.generate(ids, max_new_tokens=4, gamma="auto", threads=1)
+    assert set(seen) == {1} and {m.plan_threads for m in timed} == {1} and gen.tuning.costs is not None
+    seen.clear()
+    gen.generate(ids, max_new_tokens=4, gamma=2)  # the generator's own count again
+    assert set(seen) == {2} and {m.plan_threads for m in timed} == {2}
+    assert gen.tuning.costs is None, "costs measured on one thread are not two threads' costs"
+    assert torch.get_num_threads() == before
+    short = {"preset": api.resolve_preset(*pair), "gamma": 2, "generation_config": GenerationConfig(max_new_tokens=2)}
+    assert api.complete(gen, ["w10"], **short).settings["threads"] == 2
+    assert api.complete(gen, ["w10"], **short, threads=1).settings["threads"] == 1
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(HfspecError, match="threads must be an integer >= 1"):
+            gen.generate(ids, max_new_tokens=2, threads=bad)
+        with pytest.raises(HfspecError, match="threads must be an integer >= 1"):
+            hfspec.generate("w10", target=pair[0], draft=pair[1], threads=bad)
+    assert torch.get_num_threads() == before
+    with caplog.at_level(logging.WARNING, logger="hfspec.cpu.threads"):
+        assert cpu_threads.check(cpu_threads.available() + 1) == cpu_threads.available() + 1
+    assert "threads beyond the CPUs only slow each other down" in caplog.text

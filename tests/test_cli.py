@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import tiny
+import torch
 
 import hfspec
 import hfspec.generator
@@ -54,6 +55,7 @@ GENERATE_FLAGS = [
     "--json",
     "--draft-vocab",
     "--draft-bits",
+    "--threads",
 ]
 PROMPTS = ["w10 w11 w12", "w30", "w20 w21 w22 w23 w24 w25 w26"]  # different lengths, so batches are padded
 
@@ -369,6 +371,8 @@ def test_prompts_file_usage_errors_give_one_line(capsys, pair, tmp_path, argv, s
         (["--repetition-penalty", "0"], "--repetition-penalty: must be a number > 0"),
         (["--seed", "-1"], "--seed: must be >= 0"),
         (["--dtype", "fp8"], "--dtype: invalid choice"),
+        (["--threads", "0"], "--threads: must be >= 1"),
+        (["-t", "two"], "--threads: expected an integer"),
         (["--bogus"], "unrecognized arguments: --bogus (see 'hfspec generate --help')"),
     ],
 )
@@ -392,6 +396,49 @@ def test_invalid_flag_values_give_one_line_and_exit_2(capsys, pair, flags, says)
 def test_usage_errors_give_one_line_and_exit_2(capsys, argv, says):
     code, _, err = run(capsys, "generate", PROMPT, *argv)
     assert code == 2 and says in one_error_line(err)
+
+
+def _truncated_gguf(path: Path) -> Path:
+    import gguf_files
+
+    data = gguf_files.write(path.parent / "whole", "llama", "Q8_0", hidden=64, layers=1).read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda p: p.write_text("not a model\n"), "'{}' is not a model: a file, but not a GGUF file"),
+        (lambda p: p.write_bytes(b""), "'{}' is an empty file, not a model"),
+        (_truncated_gguf, "'{}' is a truncated GGUF file (its tensor data ends at byte"),
+        (lambda p: p.mkdir(), "directory '{}' holds no model"),
+    ],
+    ids=["text", "empty", "truncated", "directory"],
+)
+def test_a_target_that_is_not_a_model_gets_one_line(capsys, tmp_path, make, says):
+    path = tmp_path / "model.gguf"
+    make(path)
+    code, out, err = run(capsys, "generate", PROMPT, "--target", str(path), "--draft", "ngram")
+    line = one_error_line(err)
+    assert code == 2 and out == "" and says.format(path) in line, line
+    assert line.endswith("a .gguf file or a hub name") or "a .gguf file or a hub name, or" in line
+
+
+def test_threads_reach_torch_and_the_json_and_are_restored(capsys, pair, monkeypatch):
+    seen = []
+    real = hfspec.generator._Loop.run
+
+    def run_loop(self, *args):
+        seen.append(torch.get_num_threads())
+        return real(self, *args)
+
+    monkeypatch.setattr(hfspec.generator._Loop, "run", run_loop)
+    before = torch.get_num_threads()
+    for flags, threads in (([], before), (["--threads", "2"], 2), (["-t", "1"], 1)):
+        code, out, _ = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "4", "--gamma", "2", "--json", *flags)
+        assert code == 0 and json.loads(out)["settings"]["threads"] == threads and seen[-1] == threads
+        assert torch.get_num_threads() == before
 
 
 def test_errors_from_the_generator_give_one_line(capsys, pair):

@@ -19,7 +19,9 @@ from transformers import AutoModelForCausalLM
 
 from hfspec import SpeculativeGenerator, gguf_native
 from hfspec.cpu import fast, quant
+from hfspec.errors import HfspecError
 from hfspec.loading import load_pair
+from hfspec.sources import ModelSource, locate
 
 MIXES = {
     "llama-q8_0": ("llama", "Q8_0", False),
@@ -191,3 +193,60 @@ def test_the_cli_and_presets_load_gguf_pairs(files, capsys, tmp_path):
         "gguf_file": target.name,
         "draft_gguf_file": draft.name,
     }
+
+
+def test_a_gguf_file_is_a_model_as_its_directory_is(files, capsys, tmp_path):
+    """The file itself names the model (llama.cpp's -m): the same models, blocks kept, and the same output as the
+    directory that holds it, from the generator, the command line and a preset."""
+    import json
+
+    from hfspec import api, cli
+
+    target, draft = files["qwen2-k-mix"], files["qwen2-legacy-mix"]
+    ids = torch.tensor([[1, 9, 17, 33, 4]])
+    by_file = SpeculativeGenerator.from_pretrained(str(target), str(draft))
+    by_dir = SpeculativeGenerator.from_pretrained(str(target.parent), str(draft.parent))
+    assert by_file.describe()["fast_kernels"] == by_dir.describe()["fast_kernels"]
+    assert by_file.describe()["fast_kernels"]["target"]["quantized"]["formats"] == {
+        "Q4_K": 12,
+        "Q6_K": 3,
+        "Q4_K embedding": 1,
+    }
+    assert torch.equal(
+        by_file.generate(ids, max_new_tokens=12, eos_token_id=[]).sequences,
+        by_dir.generate(ids, max_new_tokens=12, eos_token_id=[]).sequences,
+    )
+    preset = tmp_path / "p.json"
+    preset.write_text(json.dumps({"name": "p", "target": str(target), "draft": str(draft)}))
+    runs = []
+    for models in (
+        ["--target", str(target), "--draft", str(draft)],
+        ["--target", str(target.parent), "--draft", str(draft.parent)],
+        ["--config", str(preset)],
+    ):
+        api.clear_cache()
+        assert cli.main(["generate", "w10 w11", *models, "--max-new-tokens", "8", "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr()[0]))
+    assert all(run["tokens"] == runs[0]["tokens"] for run in runs)
+    assert runs[0]["settings"]["fast_kernels"]["target"]["quantized"]["formats"]["Q6_K"] == 3
+
+
+def test_a_gguf_file_and_another_gguf_file_name_are_refused(files):
+    target = files["llama-q8_0"]
+    with pytest.raises(HfspecError, match=r"GGUF file '.*model.gguf', and its gguf_file is 'other.gguf'"):
+        load_pair(str(target), "ngram", gguf_file="other.gguf")
+    assert locate(str(target), "target", target.name) == ModelSource(str(target.parent.absolute()), target.name)
+    assert locate(str(target.parent), "target") == ModelSource(str(target.parent), target.name)  # its lone GGUF
+    assert locate("ngram", "draft") == ModelSource("ngram")
+
+
+def test_the_header_check_finds_what_cuts_a_file_short(files, tmp_path):
+    path = files["llama-q8_0"]
+    assert gguf_native.file_problem(path) is None
+    data = path.read_bytes()
+    for size, says in ((0, "an empty file"), (20, "header does not fit"), (len(data) - 1, "tensor data ends at byte")):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(data[:size])
+        assert says in gguf_native.file_problem(cut)
+    (tmp_path / "v1.gguf").write_bytes(b"GGUF" + (1).to_bytes(4, "little") + data[8:])
+    assert "GGUF v1; hfspec reads v2 and v3" in gguf_native.file_problem(tmp_path / "v1.gguf")

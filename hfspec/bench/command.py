@@ -22,6 +22,7 @@ from hfspec.bench.measure import Bench
 from hfspec.bench.report import format_table, plot
 from hfspec.bench.runner import run_bench
 from hfspec.cpu import draft_linear, fast
+from hfspec.cpu import threads as cpu_threads
 from hfspec.drafters.hybrid import with_ngram
 from hfspec.errors import HfspecError
 from hfspec.loading import DRAFT_BITS, draft_module, drafts_in_integer, load_draft, load_pair, load_preset, make_drafter
@@ -89,6 +90,16 @@ def _tree_list(text: str) -> tuple[int, ...]:
     return _int_list(text)
 
 
+def _threads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of threads >= 1, got {text!r}")
+    return value
+
+
 def _name_list(text: str) -> tuple[str, ...]:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     if len(set(names)) != len(names) or MAIN in names:
@@ -108,13 +119,13 @@ def _pair_options(pair: argparse._ArgumentGroup) -> None:
     pair.add_argument(
         "--target",
         default="offline",
-        help="target model: a directory, a hub name, or 'offline' for the SmolLM2-135M-Instruct "
+        help="target model: a directory, a .gguf file, a hub name, or 'offline' for the SmolLM2-135M-Instruct "
         "built by hfspec.assets (default: offline)",
     )
     pair.add_argument(
         "--draft",
         default="shipped",
-        help="draft model: a directory, a hub name, or 'shipped' for the draft committed in the "
+        help="draft model: a directory, a .gguf file, a hub name, or 'shipped' for the draft committed in the "
         "package (default: shipped; 'shipped-eagle3' is the EAGLE-3 head committed beside it, "
         "which --drafters takes too)",
     )
@@ -244,7 +255,14 @@ def _output_options(timing: argparse._ArgumentGroup, out: argparse._ArgumentGrou
     timing.add_argument(
         "--cost-repeats", type=int, default=20, help="timed forwards per measurement of c and v(γ) (default: 20)"
     )
-    timing.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    timing.add_argument(
+        "-t",
+        "--threads",
+        type=_threads,
+        default=None,
+        metavar="N",
+        help="CPU threads for the whole run, >= 1, as llama.cpp's -t (default: torch's choice)",
+    )
     out.add_argument(
         "--json",
         nargs="?",
@@ -400,8 +418,8 @@ def environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``hfspec bench``; returns the exit status."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads:  # the whole command runs on them: the kernels' block shapes are timed for this count
+        torch.set_num_threads(cpu_threads.check(args.threads))
     apply_preset(args)
     if args.gamma is None:
         args.gamma = 4

@@ -53,6 +53,7 @@ __all__ = [
     "accelerated",
     "describe",
     "is_accelerated",
+    "replan",
     "restore",
     "suspended",
 ]
@@ -79,6 +80,7 @@ class FastLinear(nn.Linear):
 
     max_rows: int = ALL_ROWS
     plan: tuple[int, ...] | None = None  # the block shape per row count (kernel_plan); None: the default
+    plan_threads: int | None = None  # the thread count the plan was timed for; None: not timed (the default plan)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         w, b, k = self.weight, self.bias, self.in_features
@@ -169,7 +171,7 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None, plan: bool = Tr
         converted.append(module)
     shapes = kernel_plan.plan_for(library, converted) if plan else kernels.default_plan(library)
     for module in converted:
-        module.plan = shapes
+        module.plan, module.plan_threads = shapes, torch.get_num_threads() if plan else None
     quantized = quant.plan_layers(model) if plan else len(quant.quantized_layers(model))
     layers += cpu_conv1d.use(model, library) if converted else []
     attention = bool(converted or quantized) and cpu_attention.use(model, library)
@@ -198,7 +200,26 @@ def restore(model: nn.Module) -> int:
             module.__class__ = nn.Linear
             module.__dict__.pop("max_rows", None)
             module.__dict__.pop("plan", None)
+            module.__dict__.pop("plan_threads", None)
             count += 1
+    return count
+
+
+def replan(model: nn.Module | None) -> int:
+    """Time ``model``'s block shapes again where they were timed for another thread count than torch's current one
+    (:mod:`hfspec.cpu.plan`: cached per count, so only a count not seen before takes seconds); the number of layers
+    planned anew. Every plan gives the same bits at every count: one timed for another count only runs slower."""
+    if model is None:
+        return 0
+    threads, count = torch.get_num_threads(), 0
+    timed = [m for m in model.modules() if type(m) is FastLinear and m.plan_threads is not None]
+    if _KERNEL is not None and any(m.plan_threads != threads for m in timed):
+        shapes = kernel_plan.plan_for(_KERNEL, timed)
+        for module in timed:
+            module.plan, module.plan_threads = shapes, threads
+        count += len(timed)
+    if any(m.plan_threads not in (None, threads) for m in quant.quantized_layers(model)):
+        count += quant.plan_layers(model)
     return count
 
 

@@ -280,6 +280,7 @@ class QuantLinear(nn.Module):
         self.weight = _blocks_parameter(blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.plan: tuple[int, ...] | None = None  # the block shape per row count (plan_layers); None: the default
+        self.plan_threads: int | None = None  # the thread count the plan was timed for; None: not timed
 
     @property
     def kernel_kind(self) -> str:
@@ -359,7 +360,7 @@ def plan_layers(model: nn.Module, *, progress: bool | None = None) -> int:
         return 0
     plan = kernel_plan.plan_for(qk.library, layers, progress=progress, shapes=qk.shapes, default=default_plan(qk))
     for layer in layers:
-        layer.plan = plan
+        layer.plan, layer.plan_threads = plan, torch.get_num_threads()
     return len(layers)
 
 
