@@ -224,12 +224,12 @@ def hybrid_step(policy: AutoGamma, gamma: int, lookup: tuple[int, bool] | None, 
     )
 
 
-def alone(costs: Costs, evidence: list[Acceptance]) -> AutoGamma:
-    """AutoGamma for a single drafter with these per-row acceptance records."""
+def alone(costs: Costs, evidence: dict[int, Acceptance]) -> AutoGamma:
+    """AutoGamma for a single drafter with these per-row acceptance records (row -> record)."""
     policy = auto(costs)
-    policy.by_row = [Acceptance(e.prior, e.weight, e.decay) for e in evidence]
-    for mine, theirs in zip(policy.by_row, evidence):
-        mine.accepted, mine.trials = theirs.accepted, theirs.trials
+    policy.by_row = {row: Acceptance(e.prior, e.weight, e.decay) for row, e in evidence.items()}
+    for row, mine in policy.by_row.items():
+        mine.accepted, mine.trials = evidence[row].accepted, evidence[row].trials
     return policy
 
 
