@@ -22,7 +22,7 @@ import torch
 
 from hfspec import api
 from hfspec.serve.engine import BatchEngine
-from hfspec.serve.events import Done, Request
+from hfspec.serve.events import Done, Request, Usage
 
 TOPICS = [
     "the sea",
@@ -44,25 +44,23 @@ TOPICS = [
 ]
 
 
-async def run(engine: BatchEngine, requests: list[Request], concurrent: bool) -> tuple[int, float]:
-    """(completion tokens, seconds) of ``requests``, all at once or one after another."""
+async def run(engine: BatchEngine, requests: list[Request], concurrent: bool) -> tuple[list[Usage], float]:
+    """(each request's usage, seconds) of ``requests``, all at once or one after another."""
     loop = asyncio.get_running_loop()
 
-    async def one(request: Request) -> int:
+    async def one(request: Request) -> Usage:
         async for event in engine.submit(request, loop).events():
             if isinstance(event, Done):
                 assert event.finish_reason in ("stop", "length"), event
-                return event.usage.completion_tokens
-        return 0
+                return event.usage
+        raise AssertionError("no Done")
 
     start = time.perf_counter()
     if concurrent:
-        tokens = sum(await asyncio.gather(*(one(r) for r in requests)))
+        usages = list(await asyncio.gather(*(one(r) for r in requests)))
     else:
-        tokens = 0
-        for r in requests:
-            tokens += await one(r)
-    return tokens, time.perf_counter() - start
+        usages = [await one(r) for r in requests]
+    return usages, time.perf_counter() - start
 
 
 def main() -> None:
@@ -95,7 +93,7 @@ def main() -> None:
     engine = BatchEngine.from_generator(gen, model_name=args.config, max_batch=16, max_queue=64)
     engine.start()
 
-    async def measure() -> dict[str, tuple[int, float]]:
+    async def measure() -> dict[str, tuple[list[Usage], float]]:
         await run(engine, requests("auto", 2), concurrent=True)  # warm-up: costs measured, kernels touched
         return {
             "1 client": await run(engine, requests("auto", args.single), concurrent=False),
@@ -107,10 +105,15 @@ def main() -> None:
         results = asyncio.run(measure())
     finally:
         engine.stop()
-    rate = {name: tokens / seconds for name, (tokens, seconds) in results.items()}
+    rate = {name: sum(u.completion_tokens for u in usages) / seconds for name, (usages, seconds) in results.items()}
     print(f"{args.config}: {platform.processor() or platform.machine()}, {args.threads} torch threads")
-    for name, (tokens, seconds) in results.items():
-        print(f"  {name:14s} {tokens:5d} tokens in {seconds:6.2f} s: {rate[name]:7.1f} tokens/s")
+    for name, (usages, seconds) in results.items():
+        tokens, passes = sum(u.completion_tokens for u in usages), sum(u.target_passes for u in usages)
+        drafted = sum(u.drafted for u in usages)
+        print(
+            f"  {name:14s} {tokens:5d} tokens in {seconds:6.2f} s: {rate[name]:7.1f} tokens/s; per row and pass "
+            f"{drafted / passes:.2f} drafted, {tokens / passes:.2f} tokens"
+        )
     print(f"  16 concurrent / 1 client: {rate['16 concurrent'] / rate['1 client']:.2f}× (bar 3×)")
     print(f"  16 concurrent / γ = 0:    {rate['16 concurrent'] / rate['16 at γ = 0']:.2f}× (bar 1.3×)")
 
