@@ -340,3 +340,34 @@ def test_negative_control_a_wrong_residual_is_detected_in_company(small_pair, mo
     counts, _ = sampled_in_company(small_pair, seed=2)
     exact = stat_utils.exact_joint(small_pair[0], list(PROMPT), SETTINGS, 9, NEW)
     assert chi_square_pvalue(counts, exact) < ALPHA
+
+
+def test_a_failed_step_ends_its_rows_with_an_error_and_the_engine_serves_on(gen, monkeypatch):
+    step, calls = serve_batch.Batch.step, [0]
+
+    def failing_once(batch):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("broken step")
+        return step(batch)
+
+    monkeypatch.setattr(serve_batch.Batch, "step", failing_once)
+
+    async def main():
+        eng = BatchEngine(gen, model_name="tiny")
+        eng.start()
+        loop = asyncio.get_running_loop()
+        try:
+            finals = []
+            for request in (Request("a", (7, 8), 20, temperature=0.0, gamma=1), Request("b", (7, 8), 5)):
+                tokens = []
+                async for event in eng.submit(request, loop).events():
+                    tokens += [] if isinstance(event, Done) else event.token_ids
+                finals.append((tokens, event))
+            return finals
+        finally:
+            eng.stop()
+
+    (_, failed), (tokens, done) = asyncio.run(main())
+    assert failed.finish_reason == "error" and "broken step" in failed.error
+    assert done.finish_reason == "length" and len(tokens) == 5

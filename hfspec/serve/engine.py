@@ -172,6 +172,15 @@ class BatchEngine:
     # The engine's thread from here on.
 
     def _serve(self) -> None:
+        try:
+            self._loop()
+        except Exception as error:  # the engine cannot go on (its models failed to start): nothing may hang
+            log.exception("engine stopped")
+            with self._lock:
+                self._stopping = True
+            self._end_all("error", f"{type(error).__name__}: {error}")
+
+    def _loop(self) -> None:
         with torch.inference_mode():
             batch = self._batch()
             while True:
@@ -191,9 +200,9 @@ class BatchEngine:
                     self._cancel(batch)
                     if batch.active:
                         self._commit(batch, batch.step())
-                except Exception as error:  # the rows in flight fail; the engine keeps serving
+                except Exception as error:  # the rows in flight fail; the engine keeps serving the queue
                     log.exception("engine step failed")
-                    self._end_all("error", f"{type(error).__name__}: {error}")
+                    self._end_all("error", f"{type(error).__name__}: {error}", queued=False)
                     batch = self._batch()
             self._end_all("cancelled")
 
@@ -256,12 +265,14 @@ class BatchEngine:
             finished.append(done)
         batch.leave(torch.tensor(finished, dtype=torch.bool, device=batch.device))
 
-    def _end_all(self, reason: FinishReason, error: str | None = None) -> None:
-        """End every request in the batch and in the queue."""
-        with self._lock:
-            queued = [_Live(h, loop, p, TextStream(self.gen.tokenizer)) for h, loop, p in self._queue]
-            self._queue.clear()
-        for live in [*self._live.values(), *queued]:
+    def _end_all(self, reason: FinishReason, error: str | None = None, queued: bool = True) -> None:
+        """End every request in the batch, and in the queue unless ``queued`` is False."""
+        waiting = []
+        if queued:
+            with self._lock:
+                waiting = [_Live(h, loop, p, TextStream(self.gen.tokenizer)) for h, loop, p in self._queue]
+                self._queue.clear()
+        for live in [*self._live.values(), *waiting]:
             self._send(live, Done(reason, live.usage(), error))
         self._live.clear()
 
