@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from hfspec.models import tree_attention
@@ -163,9 +164,47 @@ class KVState:
             self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
 
+    def merge(self, other: KVState) -> None:
+        """Append ``other``'s rows after these (a row prefilled alone joining a running batch).
+
+        The shorter side is left-padded with holes (zero columns, masked out), so each row keeps its own columns
+        in their order and nothing it attends to changes; the cache is as long as the longer side. With no rows
+        here, this state becomes ``other``'s.
+        """
+        assert self.recurrent is None and other.recurrent is None, "a recurrent state holds one row"
+        if self.mask.shape[0] == 0:
+            self.cache, self.mask = other.cache, other.mask
+            return
+        length = max(self.length, other.length)
+        mine, theirs = self.cache.layers, other.cache.layers
+        for i in range(max(len(mine), len(theirs))):
+            pair = [side[i] if i < len(side) and side[i].get_seq_length() else None for side in (mine, theirs)]
+            like = pair[0] if pair[0] is not None else pair[1]
+            if like is None:  # neither side holds this layer yet
+                continue
+            keys = [_padded(layer, "keys", like, rows, length) for layer, rows in zip(pair, (self, other))]
+            values = [_padded(layer, "values", like, rows, length) for layer, rows in zip(pair, (self, other))]
+            while len(mine) <= i:
+                mine.append(type(like)())
+            if not mine[i].is_initialized:
+                mine[i].lazy_initialization(keys[0], values[0])
+            mine[i].keys, mine[i].values = torch.cat(keys), torch.cat(values)
+        self.mask = torch.cat([F.pad(m, (length - m.shape[1], 0)) for m in (self.mask, other.mask)])
+
     def check(self, fed: torch.Tensor, name: str) -> None:
         """Assert the invariant: unmasked positions per row == tokens fed per row."""
         cached = self.recurrent.seq_length(self.length) if self.recurrent is not None else self.cache.get_seq_length()
         assert cached == self.length, f"{name} cache holds {cached} positions but its mask {self.length}"
         real = self.mask.sum(dim=1)
         assert torch.equal(real, fed), f"{name} cache rows hold {real.tolist()} tokens, expected {fed.tolist()}"
+
+
+def _padded(layer: Any, name: str, like: Any, state: KVState, length: int) -> torch.Tensor:
+    """``layer``'s keys or values (``name``) for ``state``'s rows, left-padded with zero columns to ``length``;
+    zeros shaped like ``like``'s where ``layer`` holds nothing yet."""
+    rows = state.mask.shape[0]
+    reference = getattr(like, name)
+    if layer is None or not layer.get_seq_length():
+        return reference.new_zeros(rows, reference.shape[1], length, reference.shape[3])
+    tensor = getattr(layer, name)
+    return F.pad(tensor, (0, 0, length - tensor.shape[2], 0))

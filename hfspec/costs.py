@@ -86,8 +86,9 @@ class Costs:
     """Seconds per target forward over k new tokens and per drafting step, by batch size.
 
     ``verify[k]`` and ``draft`` are the measurements (batch 1); real steps add running
-    averages per (batch, k) that take precedence. For a batch size never seen, the
-    batch-1 table is scaled by what the nearest observed batch size costs relative to it.
+    averages per (batch, k) that take precedence. A (batch, k) never seen is priced as
+    batch·k token rows (``rows``), scaled by what the nearest observation cost relative
+    to its own price.
 
     A step is priced by what it drafts (``step_seconds``): a drafter that can also look
     its drafts up in the text (``hfspec.drafters.hybrid``) pays the draft model's step
@@ -133,16 +134,27 @@ class Costs:
         lo, hi = max(below), min(above)
         return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (k - lo) / (hi - lo)
 
+    def rows(self, rows: int) -> float:
+        """A forward over ``rows`` token rows never timed as such (``batch`` rows of k tokens): priced as one row
+        of that many new tokens, since the linears read the same weights once for all of them; past the chain's
+        largest size measured, extrapolated along its last slope, so that a large batch's verification of γ+1
+        tokens per row is priced as the work it is, not as one row's."""
+        top = self.max_gamma + 1  # the chain's sizes, measured side by side (not a tree's, timed later)
+        if rows <= top:
+            return self.measured(rows)
+        slope = self.verify[top] - self.verify[top - 1] if top > 1 else 0.0
+        return self.verify[top] + max(0.0, slope) * (rows - top)
+
     def verify_seconds(self, batch: int, k: int) -> float:
         if (batch, k) in self.observed_verify:
             return self.observed_verify[(batch, k)]
-        base = self.measured(k)
+        base = self.rows(batch * k)
         seen = [(b, kk) for b, kk in self.observed_verify if b == batch] or list(self.observed_verify)
         if not seen:
             return base
-        # Scale by the observed/measured ratio of the closest observation (same batch first).
+        # Scale by the observed/priced ratio of the closest observation (same batch first).
         b, kk = min(seen, key=lambda key: (abs(key[0] - batch), abs(key[1] - k)))
-        return base * self.observed_verify[(b, kk)] / self.measured(kk)
+        return base * self.observed_verify[(b, kk)] / self.rows(b * kk)
 
     def draft_seconds(self, batch: int) -> float:
         return self.observed_draft.get(batch, self.draft)

@@ -18,11 +18,11 @@ class Rows:
     def __init__(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, window: int | None, eos: list[int]):
         """``ids``, ``mask`` (B, T): the left-padded prompts; ``window``: the context the models can hold."""
         batch, device = ids.shape[0], ids.device
-        self.max_new_tokens = max_new_tokens
         self.prompt_lens = mask.sum(dim=1)
         self.lengths = self.prompt_lens.clone()
+        self.budget = torch.full_like(self.prompt_lens, max_new_tokens)  # new tokens asked for, per row
         # Per-row budget of new tokens: max_new_tokens, or less where the context window ends first.
-        self.limit = torch.full_like(self.prompt_lens, max_new_tokens)
+        self.limit = self.budget.clone()
         if window is not None:
             self.limit = torch.minimum(self.limit, window - self.prompt_lens)
         self.left = self.limit.clone()  # new tokens each row may still commit
@@ -33,7 +33,7 @@ class Rows:
         for b in range(batch):
             self.tokens[b, : self.prompt_lens[b]] = ids[b, mask[b].bool()]
         self.index = torch.arange(batch, device=device)  # the prompt each active row is
-        self.eos = torch.tensor(eos, dtype=torch.long, device=device)
+        self.eos = torch.tensor(eos, dtype=torch.long, device=device)[None].expand(batch, -1)  # (B, E): -1 pads
         self.outputs: dict[int, tuple[torch.Tensor, str]] = {}  # prompt -> (new tokens, stop reason)
 
     @property
@@ -62,7 +62,7 @@ class Rows:
         has_eos = torch.zeros_like(count, dtype=torch.bool)
         if self.eos.numel():
             in_block = torch.arange(block.shape[1], device=block.device)[None, :] < count[:, None]
-            hit_eos = torch.isin(block, self.eos) & in_block
+            hit_eos = (block[:, :, None] == self.eos[:, None, :]).any(dim=-1) & in_block
             has_eos = hit_eos.any(dim=1)
             count = torch.where(has_eos, hit_eos.long().argmax(dim=1) + 1, count)
         self.write(block)
@@ -78,7 +78,7 @@ class Rows:
             if bool(has_eos[b]):
                 why = "eos"
             else:
-                why = "length" if int(self.limit[b]) == self.max_new_tokens else "context"
+                why = "length" if int(self.limit[b]) == int(self.budget[b]) else "context"
             new_tokens = self.tokens[b, self.prompt_lens[b] : self.lengths[b]].clone()
             self.outputs[int(self.index[b])] = (new_tokens, why)
             done.append((b, new_tokens))
@@ -88,6 +88,23 @@ class Rows:
         """Keep only rows ``keep`` (1-D long), in that order."""
         self.index, self.lengths, self.prompt_lens = self.index[keep], self.lengths[keep], self.prompt_lens[keep]
         self.limit, self.left, self.tokens = self.limit[keep], self.left[keep], self.tokens[keep]
+        self.budget, self.eos = self.budget[keep], self.eos[keep]
+
+    def merge(self, other: Rows) -> None:
+        """Append ``other``'s rows after these (rows that joined a running batch); token buffers and EOS lists are
+        padded to the wider of the two (EOS lists with -1, which no token is)."""
+
+        def pad(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+        for name in ("index", "lengths", "prompt_lens", "budget", "limit", "left"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        # Room for any row's drafts past its end: the step's γ is the widest row's, cut by that row's budget.
+        need = int((self.prompt_lens + self.limit).max() + self.limit.max()) + 2
+        width = max(self.tokens.shape[1], other.tokens.shape[1], need)
+        self.tokens = torch.cat([pad(self.tokens, width, 0), pad(other.tokens, width, 0)])
+        width = max(self.eos.shape[1], other.eos.shape[1])
+        self.eos = torch.cat([pad(self.eos, width, -1), pad(other.eos, width, -1)])
 
 
 def right_pad(rows: list[torch.Tensor], pad: int, device: torch.device) -> torch.Tensor:

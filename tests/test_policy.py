@@ -224,12 +224,12 @@ def hybrid_step(policy: AutoGamma, gamma: int, lookup: tuple[int, bool] | None, 
     )
 
 
-def alone(costs: Costs, evidence: list[Acceptance]) -> AutoGamma:
-    """AutoGamma for a single drafter with these per-row acceptance records."""
+def alone(costs: Costs, evidence: dict[int, Acceptance]) -> AutoGamma:
+    """AutoGamma for a single drafter with these per-row acceptance records (row -> record)."""
     policy = auto(costs)
-    policy.by_row = [Acceptance(e.prior, e.weight, e.decay) for e in evidence]
-    for mine, theirs in zip(policy.by_row, evidence):
-        mine.accepted, mine.trials = theirs.accepted, theirs.trials
+    policy.by_row = {row: Acceptance(e.prior, e.weight, e.decay) for row, e in evidence.items()}
+    for row, mine in policy.by_row.items():
+        mine.accepted, mine.trials = evidence[row].accepted, evidence[row].trials
     return policy
 
 
@@ -450,3 +450,17 @@ def test_tree_probes_let_trees_win_once_they_prove_themselves():
             policy.update(step(g, [0], costs=costs))  # the chain's first guess never holds
     assert 0 < nodes.index(8) < 40, "a probe drafts a tree within a few probes"
     assert all(n > 0 for n in nodes[-20:]), "trees that pay are taken every step"
+
+
+def test_a_large_batch_is_priced_by_its_token_rows_and_speculates_less():
+    costs = cpu_costs()
+    top = costs.max_gamma + 1
+    slope = costs.verify[top] - costs.verify[top - 1]
+    assert costs.verify_seconds(1, 4) == costs.verify[4]
+    assert costs.verify_seconds(2, 3) == costs.verify[6]  # 6 token rows, as one row of 6 new tokens
+    assert costs.verify_seconds(16, 5) == pytest.approx(costs.verify[top] + slope * (80 - top))
+    rows = torch.arange(16)
+    alone, crowded = auto(costs, prior=0.7), auto(costs, prior=0.7, batch=16)
+    assert crowded.gamma(rows) < alone.gamma(rows[:1])
+    costs.record_verify(16, 3, 0.5 * costs.verify_seconds(16, 3))  # cheaper than priced: the table follows
+    assert costs.verify_seconds(16, 4) < costs.rows(64)

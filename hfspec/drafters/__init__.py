@@ -18,6 +18,7 @@ as the draft (a model, a head, a path, ``"ngram"``) into a drafter is
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -157,6 +158,19 @@ class Drafter:
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only rows ``keep`` (1-D long) of the batch, in that order."""
 
+    def fork(self) -> Drafter:
+        """A drafter sharing this one's models with per-row state of its own (``start`` gives it some): rows
+        prefilled apart from a running batch, which ``merge`` then appends to it."""
+        return copy.copy(self)
+
+    def prefill(self, ctx: Context) -> None:
+        """Catch up now on the committed tokens but the pending one, which a first ``propose`` would feed: a row
+        joining a running batch then brings no long catch-up into the batch's step."""
+
+    def merge(self, other: Drafter) -> None:
+        """Append the rows of ``other`` (a ``fork`` of this drafter, between steps) after this drafter's rows."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take rows into a running batch")
+
     def check(self, ctx: Context) -> None:
         """Assert internal invariants after a step (the loop calls it when checks are on)."""
 
@@ -189,6 +203,11 @@ def kept_fed_drafts(
     fed = drafts[:, :-1]
     committed = ctx.tokens.gather(1, ctx.lengths[:, None] + torch.arange(fed.shape[1], device=ctx.tokens.device))
     return fed, torch.minimum(sampling.first_rejection(fed == committed), num_accepted)
+
+
+def merges_rows(drafter: Drafter) -> bool:
+    """Whether ``drafter`` takes rows into a running batch (``Drafter.merge``)."""
+    return type(drafter).merge is not Drafter.merge
 
 
 def builds_trees(drafter: Drafter) -> bool:

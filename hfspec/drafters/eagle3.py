@@ -31,6 +31,8 @@ from transformers import PreTrainedModel
 
 from hfspec import tree
 from hfspec.cache import KVState
+from hfspec.cpu import attention as cpu_attention
+from hfspec.cpu import fast
 from hfspec.cpu.quant import QuantEmbedding
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.errors import HfspecError
@@ -67,12 +69,15 @@ def cached_step(
     mask = kv.extend_mask(valid).bool()  # (B, S)
     keys, values = kv.append(k, v)
     if tree_visible is not None:
-        allowed = kv.tree_mask(tree_visible, positions, positions, None)
-        return head.layer.finish(hidden, q, keys, values, allowed[:, None])
-    cols = torch.arange(mask.shape[1], device=mask.device)
-    rows = old + torch.arange(k.shape[2], device=mask.device)
-    allowed = (mask[:, None, :] & (cols[None, :] <= rows[:, None])) | (cols[None, :] == rows[:, None])
-    return head.layer.finish(hidden, q, keys, values, allowed[:, None])  # allowed (B, 1, k, S)
+        allowed = kv.tree_mask(tree_visible, positions, positions, None)[:, None]
+    else:
+        cols = torch.arange(mask.shape[1], device=mask.device)
+        rows = old + torch.arange(k.shape[2], device=mask.device)
+        allowed = ((mask[:, None, :] & (cols[None, :] <= rows[:, None])) | (cols[None, :] == rows[:, None]))[:, None]
+    # A head whose linears run hfspec's kernel attends on it too: a row's bits then depend neither on the rows beside
+    # it nor on the holes in its cache (hfspec.cpu.attention), as the target's do.
+    on_kernel = fast.is_accelerated(head.layer.self_attn) and cpu_attention.serves(q, keys, values, allowed)
+    return head.layer.finish(hidden, q, keys, values, allowed, cpu_attention.attention if on_kernel else None)
 
 
 class Eagle3Drafter(Drafter):
@@ -295,6 +300,27 @@ class Eagle3Drafter(Drafter):
         self.fed, self.pending, self.features = self.fed[keep], self.pending[keep], self.features[keep]
         width = int(self.pending.max()) if self.pending.numel() else 0
         self.features = self.features[:, :width]
+
+    @torch.inference_mode()
+    def prefill(self, ctx: Context) -> None:
+        hidden, tokens, positions, valid = self._unfed(ctx)
+        if hidden.shape[1] < 2:
+            return
+        # Every pending context pair but each row's last goes into the head's cache; the last opens the next step.
+        cached_step(
+            self.head, self._embed(tokens[:, :-1]), hidden[:, :-1], positions[:, :-1], self.kv, valid[:, :-1].long()
+        )
+        early = (self.pending - 1).clamp(min=0)
+        last = self.features.gather(1, early[:, None, None].expand(-1, 1, self.features.shape[2]))
+        self.fed, self.pending = self.fed + early, (self.pending > 0).long()
+        self.features = last[:, : int(self.pending.max())]
+
+    def merge(self, other: Drafter) -> None:
+        assert isinstance(other, Eagle3Drafter) and self.start_col is None and other.start_col is None
+        self.kv.merge(other.kv)
+        width = max(self.features.shape[1], other.features.shape[1])
+        self.features = torch.cat([F.pad(f, (0, 0, 0, width - f.shape[1])) for f in (self.features, other.features)])
+        self.fed, self.pending = torch.cat([self.fed, other.fed]), torch.cat([self.pending, other.pending])
 
     def check(self, ctx: Context) -> None:
         self.kv.check(self.fed, "EAGLE-3 head")

@@ -134,6 +134,17 @@ class ModelDrafter(Drafter):
         self.kv.select_rows(keep)
         self.fed = self.fed[keep]
 
+    def prefill(self, ctx: Context) -> None:
+        feed, valid, positions = self._unfed(ctx)
+        if feed.shape[1] > 1:  # all but the pending token, which the next proposal feeds
+            self._forward(feed[:, :-1], valid[:, :-1], positions[:, :-1])
+            self.fed = torch.maximum(self.fed, ctx.lengths - 1)
+
+    def merge(self, other: Drafter) -> None:
+        assert isinstance(other, ModelDrafter) and self.drafts is None and other.drafts is None
+        self.kv.merge(other.kv)
+        self.fed = torch.cat([self.fed, other.fed])
+
     def check(self, ctx: Context) -> None:
         self.kv.check(self.fed, "draft")
 

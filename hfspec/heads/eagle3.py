@@ -17,6 +17,7 @@ of hfspec and sits on the ground floor, with the checkpoint code just above it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -99,8 +100,18 @@ class Eagle3Attention(nn.Module):
         cos, sin = cos[:, None], sin[:, None]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """Attention of q (B, heads, T, D) over keys/values (B, kv_heads, S, D); ``allowed`` (B|1, 1|heads, T, S)."""
+    def attend(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        allowed: torch.Tensor,
+        kernel: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Attention of q (B, heads, T, D) over keys/values (B, kv_heads, S, D); ``allowed`` (B|1, 1|heads, T, S).
+        ``kernel(q, keys, values, allowed)`` -> (B, T, heads, D) replaces torch's (the caller's own attention)."""
+        if kernel is not None:
+            return self.o_proj(kernel(q, keys, values, allowed).flatten(2))
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=allowed, enable_gqa=self.heads != self.kv_heads
         )  # (B, heads, T, D)
@@ -131,10 +142,17 @@ class Eagle3Layer(nn.Module):
         return self.self_attn.qkv(x, cos, sin)
 
     def finish(
-        self, hidden: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        allowed: torch.Tensor,
+        kernel: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The layer's pre-norm output (B, T, H); the residual is the un-normed hidden input."""
-        h = hidden + self.self_attn.attend(q, keys, values, allowed)
+        """The layer's pre-norm output (B, T, H); the residual is the un-normed hidden input (``kernel``: as in
+        ``Eagle3Attention.attend``)."""
+        h = hidden + self.self_attn.attend(q, keys, values, allowed, kernel)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

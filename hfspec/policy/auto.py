@@ -171,11 +171,21 @@ class AutoGamma(GammaPolicy):
         if self.hybrid:  # a hybrid's lookup, learnt apart from its model
             self.lookup_by_row, self.match_by_row = self.row_records("lookup", batch), self.row_records("match", batch)
 
-    def row_records(self, source: str, batch: int) -> list[Acceptance]:
+    def row_records(self, source: str, batch: int) -> dict[int, Acceptance]:
         memory = self.tuning.evidence(source)
-        return [Acceptance(memory.alpha, self.row_weight, self.row_decay) for _ in range(batch)]
+        return {row: Acceptance(memory.alpha, self.row_weight, self.row_decay) for row in range(batch)}
 
-    def alphas(self, rows: torch.Tensor, source: list[Acceptance] | None = None) -> list[float]:
+    def admit(self, row: int) -> None:
+        # A row joining a running batch (a server's): it starts from the generator's memory, as a prompt does.
+        records = [self.by_row] + ([self.lookup_by_row, self.match_by_row] if self.hybrid else [])
+        for source, record in zip(("draft", "lookup", "match"), records):
+            record[row] = self.row_records(source, 1)[0]
+
+    def forget(self, row: int) -> None:
+        for record in [self.by_row] + ([self.lookup_by_row, self.match_by_row] if self.hybrid else []):
+            record.pop(row, None)
+
+    def alphas(self, rows: torch.Tensor, source: dict[int, Acceptance] | None = None) -> list[float]:
         source = self.by_row if source is None else source
         return [min(0.99, source[r].alpha) for r in rows.tolist()]
 

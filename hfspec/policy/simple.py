@@ -100,6 +100,12 @@ class GammaPolicy:
     def begin(self, batch: int) -> None:
         """A generate call of ``batch`` rows starts."""
 
+    def admit(self, row: int) -> None:
+        """Row ``row`` (a new index) joins the running batch (a server's, between steps)."""
+
+    def forget(self, row: int) -> None:
+        """Row ``row`` left the batch for good."""
+
     def gamma(self, rows: torch.Tensor) -> int:
         """Drafts to ask for in the next step; ``rows`` (B,) are the active rows' indices in the batch."""
         raise NotImplementedError
