@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError:
         raise HfspecError(EXTRA) from None
     preset = api.resolve_preset(args.target, args.draft, args.config)
-    gen = api.load(preset, **_load_kwargs(args))
+    gen = api.load(preset, threads=args.threads, **_load_kwargs(args))
+    gen.threads = args.threads  # every step of the engine runs on them (None: torch's count)
     engine = make_engine(gen, args.model_name or default_model_name(preset, gen), args)
     app = create_app(engine, gen.tokenizer, api_key=args.api_key, gamma=args.gamma)
     server = Server(app, engine, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")

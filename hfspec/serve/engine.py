@@ -20,6 +20,7 @@ import torch
 
 from hfspec import config as cfg
 from hfspec.cache import KVState
+from hfspec.cpu import threads as cpu_threads
 from hfspec.drafters import merges_rows
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
@@ -173,7 +174,8 @@ class BatchEngine:
 
     def _serve(self) -> None:
         try:
-            self._loop()
+            with cpu_threads.using(self.gen.threads):  # the generator's CPU threads (--threads), on this thread
+                self._loop()
         except Exception as error:  # the engine cannot go on (its models failed to start): nothing may hang
             log.exception("engine stopped")
             with self._lock:
