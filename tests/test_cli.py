@@ -128,6 +128,25 @@ def test_no_command_prints_help_and_fails(capsys):
     assert code == 2 and "usage: hfspec" in err
 
 
+def test_help_and_bad_flags_answer_without_torch():
+    # In a fresh process: importing the command line, --help and a bad flag load neither torch nor transformers
+    # (seconds each), so they answer at once.
+    script = """
+import sys
+loaded = lambda: sorted({"torch", "transformers"} & set(sys.modules))
+from hfspec import cli
+print(loaded(), file=sys.stderr)
+argvs = [["--help"], ["generate", "--help"], ["generate", "x", "--top-p", "2"], ["generate", "x", "--stream", "--json"]]
+print([cli.main(argv) for argv in argvs], loaded(), file=sys.stderr)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "usage: hfspec generate" in done.stdout and "--max-new-tokens" in done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == "[]" and lines[-1] == "[0, 0, 2, 2] []", done.stderr
+    assert "must be in (0, 1]" in done.stderr and "pick one" in done.stderr
+
+
 # -- generate -------------------------------------------------------------------------------------
 
 
