@@ -18,6 +18,7 @@ import random
 
 import eagle3_heads as eh
 import pytest
+import tiny
 import torch
 from test_cross_tokenizer import TEXTS, pair  # noqa: F401 - the cross-tokenizer models, as a fixture
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -144,6 +145,19 @@ def test_sliding_windows_equal_the_accelerated_models_own_generate(model_dir, li
     want = own(target, prompts)
     for setting in settings:
         check(SpeculativeGenerator(target, draft, None), prompts, want, setting)
+
+
+def test_a_qwen3_next_shaped_model_equals_its_own_generate(tmp_path, library):
+    # A gated delta-rule layer, then gated attention (attn * torch.sigmoid(gate), called as a function: on the
+    # kernels too), dense MLPs (the MoE's experts run torch's F.linear over 3-D weights, not the kernels).
+    common = dict(COMMON, layers=2, mlp_only_layers=[0, 1], head_dim=10)
+    target, draft = accelerated(
+        bf16(tiny.build(tmp_path / "target", "qwen3_next", seed=5, **common)),
+        bf16(tiny.build(tmp_path / "draft", "qwen3_next", seed=5, perturb=0.3, **common)),
+    )
+    assert "hfspec_functional" in target.__dict__  # its forwards run FunctionalActivations
+    prompts = PROMPTS[:6]
+    assert check(SpeculativeGenerator(target, draft, None), prompts, own(target, prompts), dict(gamma=3)) > 0
 
 
 # -- torch's own kernels: identical up to rounding ------------------------------------------------------------
