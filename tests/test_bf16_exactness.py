@@ -180,5 +180,6 @@ def test_on_torchs_kernels_a_divergence_is_only_ever_a_near_tie(model_dir, name)
         i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
         with torch.no_grad():
             logits = target(torch.tensor([p + want[:i]])).logits[0, -1].float()
+        # This forward is a third shape (a prefill of it all): on torch its bits may rank the two tokens either way.
         gap = float(logits[want[i]] - logits[got[i]])
-        assert 0 <= gap <= 4 * ulp_bf16(float(logits[want[i]])), (name, p, i, gap)
+        assert abs(gap) <= 4 * ulp_bf16(float(logits[want[i]])), (name, p, i, gap)

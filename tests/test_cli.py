@@ -481,6 +481,9 @@ def test_optional_commands_are_registered_when_present(capsys, name):
     pytest.importorskip(cli.OPTIONAL_COMMANDS[name])
     code, out, _ = run(capsys, name, "--help")
     assert code == 0 and f"usage: hfspec {name}" in out
+    # 'hfspec --help' lists it without importing its module, with the help line the module gives it
+    commands = next(a for a in cli.build_parser(name)._actions if isinstance(a, argparse._SubParsersAction))
+    assert {a.dest: a.help for a in commands._choices_actions}[name] == cli.OPTIONAL_HELP[name]
 
 
 # -- a real process -------------------------------------------------------------------------------
