@@ -17,7 +17,7 @@ import tiny
 import hfspec
 import hfspec.generator
 from hfspec import api, cli
-from hfspec.cpu import fast, kernels
+from hfspec.cpu import fast
 from hfspec.drafters import Drafter
 from hfspec.errors import HfspecError
 from hfspec.loading import Preset
@@ -179,9 +179,8 @@ def test_json_output(capsys, pair):
     assert sum(histogram) == data["stats"]["target_passes"] and len(histogram) == 3  # γ 2, less near the end
 
 
-def test_fast_kernels_are_on_by_default_and_off_with_the_flag(capsys, pair):
-    library = kernels.load()
-    if library is None or library.isa == "scalar":
+def test_fast_kernels_are_on_by_default_and_off_with_the_flag(capsys, pair, library):
+    if library.isa == "scalar":
         pytest.skip("no vectorised CPU kernel here, so hfspec loads models without it")
     seen = []
     for flags in ([], ["--no-fast-kernels"]):
