@@ -80,7 +80,7 @@ def test_activations_called_as_functions_run_the_kernel_where_the_models_code_ca
     llama, gated = model_of("llama", torch.float32), model_of("qwen3_next", torch.float32)
     assert activations.use(llama, library) and "hfspec_functional" not in llama.__dict__  # calls none: no mode
     fast.accelerate(gated)
-    assert "hfspec_functional" in gated.__dict__
+    assert "hfspec_functional" in gated.__dict__ and gated.model.layers[0].self_attn._forward_pre_hooks  # alone too
     x = torch.randn(333, 83, generator=torch.Generator().manual_seed(0)) * 4
     calls = (torch.sigmoid, torch.Tensor.sigmoid, F.silu, F.gelu, functools.partial(F.gelu, approximate="tanh"))
     theirs = [f(x) for f in calls]

@@ -9,7 +9,8 @@ every element with the same vector code; :func:`use` switches a model's activati
 
 A model may also call an activation as a function inside its forward: a gate ``attn_output * torch.sigmoid(gate)``
 (Qwen3-Next, gpt-oss), ``F.silu``, ``F.gelu``. Where a model's own code does (its modeling source says so),
-:func:`use` runs its forwards under :class:`FunctionalActivations`, a torch function mode that sends
+:func:`use` runs its forwards (the model's, and those of its modules from that code, so that a recurrent mixer
+re-run alone computes as inside the model) under :class:`FunctionalActivations`, a torch function mode that sends
 ``torch.sigmoid``/``Tensor.sigmoid``, ``F.silu`` and ``F.gelu`` to the kernel, and :func:`unuse` takes it off again;
 models that call none pay nothing for it.
 
@@ -125,28 +126,35 @@ def _source_calls(module_name: str) -> bool:
         return False
 
 
-def calls_functional_activations(model: nn.Module) -> bool:
-    """Whether the modeling code of ``model``'s modules calls sigmoid, SiLU or GELU as a function (torch's and
+def _calls_functional(module: nn.Module) -> bool:
+    """Whether the modeling code of ``module``'s class calls sigmoid, SiLU or GELU as a function (torch's and
     transformers' own activation modules aside: :func:`use` switches those)."""
-    names = {type(m).__module__ for m in model.modules()}
-    return any(
-        _source_calls(name)
-        for name in names
-        if not name.startswith(("torch.", "hfspec.")) and name != "transformers.activations"
-    )
+    name = type(module).__module__
+    excluded = name.startswith(("torch.", "hfspec.")) or name == "transformers.activations"
+    return not excluded and _source_calls(name)
 
 
-_ACTIVE = threading.local()  # per thread, the FunctionalActivations entered by the forwards running
+def calls_functional_activations(model: nn.Module) -> bool:
+    """Whether the modeling code of any of ``model``'s modules calls an activation as a function."""
+    return any(_calls_functional(m) for m in model.modules())
+
+
+# Per thread: how many hooked forwards are running, and the mode the outermost one entered.
+_ACTIVE = threading.local()
 
 
 def _enter(module: nn.Module, args) -> None:
-    mode = FunctionalActivations()
-    mode.__enter__()
-    _ACTIVE.__dict__.setdefault("modes", []).append(mode)
+    depth = getattr(_ACTIVE, "depth", 0)
+    if depth == 0:
+        _ACTIVE.mode = FunctionalActivations()
+        _ACTIVE.mode.__enter__()
+    _ACTIVE.depth = depth + 1
 
 
 def _leave(module: nn.Module, args, output) -> None:
-    _ACTIVE.modes.pop().__exit__(None, None, None)
+    _ACTIVE.depth -= 1
+    if _ACTIVE.depth == 0:
+        _ACTIVE.mode.__exit__(None, None, None)
 
 
 def _bind(library: kernels.KernelLibrary) -> None:
@@ -162,10 +170,15 @@ def use(model: nn.Module, library: kernels.KernelLibrary) -> int:
     """Switch ``model``'s activation modules that the kernel computes to it, and run its forwards under
     :class:`FunctionalActivations` where its code calls activations as functions; how many modules run it now."""
     _bind(library)
-    if "hfspec_functional" not in model.__dict__ and calls_functional_activations(model):
-        model.__dict__["hfspec_functional"] = (
-            model.register_forward_pre_hook(_enter),
-            model.register_forward_hook(_leave, always_call=True),
+    hooked = [m for m in model.modules() if _calls_functional(m)] if "hfspec_functional" not in model.__dict__ else []
+    if hooked:
+        # The model and every module of such code: a recurrent mixer re-run on its own (hfspec's rollback) computes
+        # as it did inside the model's forward.
+        modules = [model, *(m for m in hooked if m is not model)]
+        model.__dict__["hfspec_functional"] = tuple(
+            handle
+            for m in modules
+            for handle in (m.register_forward_pre_hook(_enter), m.register_forward_hook(_leave, always_call=True))
         )
     count = 0
     for module in model.modules():
