@@ -26,7 +26,7 @@ from hfspec.cpu import threads as cpu_threads
 from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.policy import GammaPolicy
-from hfspec.presets import Preset
+from hfspec.presets import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRESET, Preset
 from hfspec.stats import Stats
 
 __all__ = [
@@ -43,9 +43,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PRESET = "smollm2-offline"
-DEFAULT_MAX_NEW_TOKENS = 128
 
 # Pairs kept loaded at most: each holds two models, and a process rarely alternates between more.
 MAX_PAIRS = 3

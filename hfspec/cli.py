@@ -3,6 +3,10 @@
 Every user error (``hfspec.errors``: a bad flag, file, setting or setup) ends as one line ``hfspec: error: ...``
 on stderr and exit status 2; anything else is a bug in hfspec (or below it) and shows its traceback, a line asking
 for a report, and exit status 1. Ctrl-C ends with status 130 after printing what was already generated.
+
+The parser is built from light modules only: torch and transformers are imported by the command that runs a
+model, so ``--help`` and a bad flag answer at once. An optional command's module is imported only when that
+command is the one run.
 """
 
 from __future__ import annotations
@@ -14,20 +18,17 @@ import logging
 import math
 import sys
 import traceback
+from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
-from tqdm.auto import tqdm
-from transformers import TextStreamer
-from transformers.utils import logging as hf_logging
-
-from hfspec import __version__, api
-from hfspec.config import settings
+from hfspec import __version__
 from hfspec.errors import HfspecError, NumericalFault
-from hfspec.policy import CostModelGamma, GammaPolicy, HeuristicGamma
-from hfspec.presets import DTYPES, Preset, preset_names
-from hfspec.stats import Stats
+from hfspec.presets import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRESET, DTYPES, Preset, preset_names
+
+if TYPE_CHECKING:
+    from hfspec import api
+    from hfspec.policy import GammaPolicy
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +36,17 @@ EXIT_BUG = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 # Errors a user can fix: hfspec's own, which its checks raise at every boundary (a model that gives NaN, memory
-# that runs out included). Anything else is a bug and keeps its traceback: a ValueError from deep inside is no
-# bad flag.
-USER_ERRORS = (HfspecError, NumericalFault, MemoryError, torch.cuda.OutOfMemoryError)
+# that runs out included; torch's CUDA out-of-memory too, see _user_errors). Anything else is a bug and keeps its
+# traceback: a ValueError from deep inside is no bad flag.
+USER_ERRORS = (HfspecError, NumericalFault, MemoryError)
 # Commands whose modules may be absent from an installation: command name -> module.
 OPTIONAL_COMMANDS = {"distill": "hfspec.training", "bench": "hfspec.bench", "serve": "hfspec.serve.command"}
+# Their line in 'hfspec --help', which lists them without importing their modules.
+OPTIONAL_HELP = {
+    "distill": "train a small draft model or an EAGLE-3 head for a target model",
+    "bench": "measure hfspec against generate() and transformers assisted generation",
+    "serve": "serve a pair over HTTP with OpenAI's API (chat, completions, streaming, metrics, a page)",
+}
 DEFAULT_BATCH_SIZE = 8
 
 
@@ -100,7 +107,9 @@ cost_value = _number(float, lambda v: 0 < v < math.inf, "a number > 0")
 # -- the parser ---------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. The optional commands get their own flags only where ``command`` names them
+    (their modules import torch); the others are listed by name and help line."""
     parser = _Parser(
         prog="hfspec",
         description="Lossless speculative decoding for Hugging Face causal language models: a small draft "
@@ -116,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_generate(sub)
     for name in OPTIONAL_COMMANDS:
-        _add_optional(sub, name)
+        if name == command:
+            _add_optional(sub, name)
+        elif find_spec(OPTIONAL_COMMANDS[name]) is not None:
+            _add_listed(sub, name)
     return parser
 
 
@@ -126,7 +138,7 @@ def _add_generate(sub) -> None:
         help="generate text with speculative decoding",
         description="Continue PROMPT (or each prompt of --prompts-file) with a target model, a draft model "
         "proposing γ tokens per step. "
-        f"With no --target/--draft/--config the offline default pair ({api.DEFAULT_PRESET}: "
+        f"With no --target/--draft/--config the offline default pair ({DEFAULT_PRESET}: "
         "SmolLM2-135M-Instruct and the EAGLE-3 head shipped with hfspec) is used; its target is built "
         "once from PyPI without a model hub.",
     )
@@ -271,9 +283,9 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     sampling.add_argument(
         "--max-new-tokens",
         type=count_value,
-        default=api.DEFAULT_MAX_NEW_TOKENS,
+        default=DEFAULT_MAX_NEW_TOKENS,
         metavar="N",
-        help=f"most new tokens to generate, >= 0 (default {api.DEFAULT_MAX_NEW_TOKENS})",
+        help=f"most new tokens to generate, >= 0 (default {DEFAULT_MAX_NEW_TOKENS})",
     )
     sampling.add_argument(
         "--do-sample",
@@ -360,6 +372,12 @@ def _add_optional(sub, name: str) -> None:
     sub.choices[name].set_defaults(func=module.run)
 
 
+def _add_listed(sub, name: str) -> None:
+    """List ``hfspec NAME`` without importing its module; main builds the parser again with it when it runs."""
+    p = sub.add_parser(name, help=OPTIONAL_HELP[name], add_help=False)
+    p.set_defaults(accepts_extra=True)
+
+
 def _add_unavailable(sub, name: str, reason: str) -> None:
     p = sub.add_parser(name, help=f"(unavailable: {reason})", add_help=False)
     p.set_defaults(accepts_extra=True)  # whatever flags follow, the answer is the same
@@ -373,29 +391,33 @@ def _add_unavailable(sub, name: str, reason: str) -> None:
 # -- generate -------------------------------------------------------------------------------------
 
 
-class _Streamer(TextStreamer):
+def _streamer(tokenizer: Any) -> Any:
     """A TextStreamer that writes to the current stdout and remembers whether a line is open."""
+    from transformers import TextStreamer  # here, not at the top: the parser answers without transformers
 
-    def __init__(self, tokenizer: Any):
-        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        self.line_open = False
-        self.ended = False
+    class Streamer(TextStreamer):
+        def __init__(self, tokenizer: Any):
+            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            self.line_open = False
+            self.ended = False
 
-    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-        sys.stdout.write(text + ("\n" if stream_end else ""))
-        sys.stdout.flush()
-        if text:
-            self.line_open = True
-        if stream_end:
-            self.line_open, self.ended = False, True
-
-    def close_line(self) -> None:
-        """After an interruption: flush what is decoded and end the line."""
-        if not self.ended:
-            self.end()
-        elif self.line_open:
-            sys.stdout.write("\n")
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            sys.stdout.write(text + ("\n" if stream_end else ""))
             sys.stdout.flush()
+            if text:
+                self.line_open = True
+            if stream_end:
+                self.line_open, self.ended = False, True
+
+        def close_line(self) -> None:
+            """After an interruption: flush what is decoded and end the line."""
+            if not self.ended:
+                self.end()
+            elif self.line_open:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+
+    return Streamer(tokenizer)
 
 
 def _check_combination(args: argparse.Namespace) -> None:
@@ -502,6 +524,8 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _policy(args: argparse.Namespace, preset: Preset, gen) -> int | GammaPolicy | None:
+    from hfspec.policy import CostModelGamma, HeuristicGamma  # here, not at the top: hfspec.policy imports torch
+
     if args.adaptive is None:
         return args.gamma
     if args.gamma == "auto":
@@ -556,6 +580,9 @@ def _complete(
     seed: int | None,
     streamer: Any = None,
 ) -> api.Completion:
+    from hfspec import api  # here, not at the top: the models' libraries load only for a command that runs them
+    from hfspec.config import settings
+
     sampling = settings(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
@@ -583,13 +610,16 @@ def run_generate(args: argparse.Namespace) -> int:
     _check_combination(args)
     items = _read_prompts_file(args.prompts_file) if args.prompts_file is not None else None
     prompt = _read_prompt(args.prompt) if items is None else None
+    from hfspec import api  # here, not at the top: torch and transformers load once the flags are known good
+
+    _quiet_transformers(args.verbose)
     preset = api.resolve_preset(args.target, args.draft, args.config, args.ngram)
     if args.do_sample is None and not preset.do_sample and (args.temperature or args.top_k or args.top_p):
         log.warning("--temperature/--top-k/--top-p only apply when sampling; decoding greedily (add --do-sample)")
     gen = api.load(preset, threads=args.threads, **_load_kwargs(args))
     if items is not None:
         return _generate_many(args, preset, gen, items)
-    streamer = _Streamer(gen.tokenizer) if args.stream else None
+    streamer = _streamer(gen.tokenizer) if args.stream else None
     try:
         result = _complete(
             args, preset, gen, [prompt], gamma=_policy(args, preset, gen), seed=args.seed, streamer=streamer
@@ -625,6 +655,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _generate_many(args: argparse.Namespace, preset: Preset, gen, items: list[tuple[Any, str]]) -> int:
     """Decode ``items`` in batches; each batch's results are printed, in input order, as soon as it ends."""
+    from tqdm.auto import tqdm  # here, not at the top: a tenth of a second that --help need not wait
+
+    from hfspec.stats import Stats  # (imports torch)
+
     size = args.batch_size or DEFAULT_BATCH_SIZE
     batches = [items[i : i + size] for i in range(0, len(items), size)]
     policy = _policy(args, preset, gen)  # shared, so an adaptive γ keeps what it learned
@@ -662,11 +696,31 @@ def _generate_many(args: argparse.Namespace, preset: Preset, gen, items: list[tu
 # -- entry point ----------------------------------------------------------------------------------
 
 
+def _quiet_transformers(verbose: bool) -> None:
+    """transformers' progress bars and info logs off unless --verbose. It acts where transformers is imported
+    already: a command imports it when it needs it and calls this then."""
+    if verbose or "transformers" not in sys.modules:
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """USER_ERRORS, and torch's CUDA out-of-memory where torch is imported (where it is not, none was raised)."""
+    torch = sys.modules.get("torch")
+    return USER_ERRORS if torch is None else (*USER_ERRORS, torch.cuda.OutOfMemoryError)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
+        if args.command in OPTIONAL_COMMANDS:  # read again, with that command's own flags
+            parser = build_parser(args.command)
+            args, extra = parser.parse_known_args(argv)
         if extra and not getattr(args, "accepts_extra", False):
             where = f"hfspec {args.command}" if args.command else "hfspec"
             _error(f"unrecognized arguments: {' '.join(extra)} (see '{where} --help')")
@@ -681,23 +735,22 @@ def main(argv: list[str] | None = None) -> int:
         format="hfspec: %(levelname)s: %(message)s",
         stream=sys.stderr,
     )
-    if not args.verbose:
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
+    _quiet_transformers(args.verbose)  # an optional command's module has imported it
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         sys.stderr.write("hfspec: interrupted\n")
         return EXIT_INTERRUPTED
-    except USER_ERRORS as exc:
+    except _user_errors() as exc:
         if args.verbose:
             raise
         _error(str(exc) or type(exc).__name__)
         return EXIT_USAGE
     except Exception:
         traceback.print_exc()
+        torch = sys.modules.get("torch")
         sys.stderr.write(
-            f"hfspec: internal error (hfspec {__version__}, torch {torch.__version__}); this is a bug: "
+            f"hfspec: internal error (hfspec {__version__}, torch {torch.__version__ if torch else '-'}); this is a bug: "
             "please report it with the traceback above and the command that gave it\n"
         )
         return EXIT_BUG

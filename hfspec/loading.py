@@ -79,7 +79,8 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | str:
     if isinstance(value, torch.dtype):
         return value
     if isinstance(value, str) and value.lower() in DTYPES:
-        return DTYPES[value.lower()]
+        name = DTYPES[value.lower()]
+        return name if name == "auto" else getattr(torch, name)
     raise HfspecError(f"unknown dtype {value!r}; use one of {', '.join(DTYPES)}")
 
 

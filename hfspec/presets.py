@@ -12,23 +12,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hfspec.errors import HfspecError
 
-__all__ = ["ALLOWED_KEYS", "DTYPES", "PRESET_DIR", "Preset", "load_preset", "preset_names"]
+__all__ = [
+    "ALLOWED_KEYS",
+    "DEFAULT_MAX_NEW_TOKENS",
+    "DEFAULT_PRESET",
+    "DTYPES",
+    "PRESET_DIR",
+    "Preset",
+    "load_preset",
+    "preset_names",
+]
 
 PRESET_DIR = Path(__file__).resolve().parent / "configs"
+DEFAULT_PRESET = "smollm2-offline"  # the pair used when none is named
+DEFAULT_MAX_NEW_TOKENS = 128
 
-DTYPES: dict[str, torch.dtype | str] = {
+# A dtype's spellings -> the name of its torch dtype (names, not torch objects: the command line reads this
+# without importing torch).
+DTYPES: dict[str, str] = {
     "auto": "auto",
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 
 

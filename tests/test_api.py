@@ -39,6 +39,25 @@ def loads(monkeypatch):
     return calls
 
 
+def test_the_public_names_load_on_first_use():
+    for name in hfspec.__all__:
+        assert getattr(hfspec, name) is not None and name in dir(hfspec), name
+    from hfspec import SpeculativeGenerator, fast, generate
+
+    assert generate is api.generate and SpeculativeGenerator is hfspec.generator.SpeculativeGenerator
+    assert fast.__name__ == "hfspec.cpu.fast"
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        hfspec.nothing  # noqa: B018
+
+
+def test_hfspec_fast_is_the_cpu_kernels_module():
+    import hfspec.cpu.fast
+    import hfspec.fast
+    from hfspec.fast import accelerate
+
+    assert hfspec.fast is hfspec.cpu.fast and accelerate is hfspec.cpu.fast.accelerate
+
+
 def target_greedy(path: str, ids: list[int], n: int) -> str:
     model, tok = tiny.load(path)
     x = torch.tensor([ids])

@@ -11,7 +11,7 @@ import torch
 from hfspec import bench
 from hfspec.bench import Bench, Contender, Mode, Run, Settings, report
 from hfspec.bench import command as bench_command
-from hfspec.cpu import draft_linear, fast, kernels
+from hfspec.cpu import draft_linear, fast
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError
@@ -442,15 +442,15 @@ class _KernelSpy(Bench):
         return super()._generate(contender, rows, mode, seed)
 
 
-def _kernel_or_skip():
-    library = kernels.load()
-    if library is None or library.isa == "scalar":
+@pytest.fixture
+def vector_kernel(library):
+    if library.isa == "scalar":
         pytest.skip("no vectorised CPU kernel here, so hfspec loads models without it")
     return library
 
 
+@pytest.mark.usefixtures("vector_kernel")
 def test_transformers_contenders_run_eager_and_hfspec_runs_the_kernel(model_dir):
-    _kernel_or_skip()
     target, draft, tok = load_pair(
         model_dir("llama", seed=0, sharpness=4.0),
         model_dir("llama", seed=1, sharpness=4.0),
@@ -477,8 +477,8 @@ def test_transformers_contenders_run_eager_and_hfspec_runs_the_kernel(model_dir)
     assert all(s["speedup_vs_hfspec_g0"] > 0 for s in greedy["sweep"])
 
 
-def test_costs_are_measured_with_the_kernel_and_eager(model_dir, tmp_path, capsys):
-    library = _kernel_or_skip()
+def test_costs_are_measured_with_the_kernel_and_eager(model_dir, tmp_path, capsys, vector_kernel):
+    library = vector_kernel
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "a", "prompt": "w10 w11 w12"}\n')
     argv = [

@@ -18,6 +18,7 @@ import random
 
 import eagle3_heads as eh
 import pytest
+import tiny
 import torch
 from test_cross_tokenizer import TEXTS, pair  # noqa: F401 - the cross-tokenizer models, as a fixture
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -146,6 +147,19 @@ def test_sliding_windows_equal_the_accelerated_models_own_generate(model_dir, li
         check(SpeculativeGenerator(target, draft, None), prompts, want, setting)
 
 
+def test_a_qwen3_next_shaped_model_equals_its_own_generate(tmp_path, library):
+    # A gated delta-rule layer, then gated attention (attn * torch.sigmoid(gate), called as a function: on the
+    # kernels too), dense MLPs (the MoE's experts run torch's F.linear over 3-D weights, not the kernels).
+    common = dict(COMMON, layers=2, mlp_only_layers=[0, 1], head_dim=10)
+    target, draft = accelerated(
+        bf16(tiny.build(tmp_path / "target", "qwen3_next", seed=5, **common)),
+        bf16(tiny.build(tmp_path / "draft", "qwen3_next", seed=5, perturb=0.3, **common)),
+    )
+    assert "hfspec_functional" in target.__dict__  # its forwards run FunctionalActivations
+    prompts = PROMPTS[:6]
+    assert check(SpeculativeGenerator(target, draft, None), prompts, own(target, prompts), dict(gamma=3)) > 0
+
+
 # -- torch's own kernels: identical up to rounding ------------------------------------------------------------
 
 
@@ -166,5 +180,6 @@ def test_on_torchs_kernels_a_divergence_is_only_ever_a_near_tie(model_dir, name)
         i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
         with torch.no_grad():
             logits = target(torch.tensor([p + want[:i]])).logits[0, -1].float()
+        # This forward is a third shape (a prefill of it all): on torch its bits may rank the two tokens either way.
         gap = float(logits[want[i]] - logits[got[i]])
-        assert 0 <= gap <= 4 * ulp_bf16(float(logits[want[i]])), (name, p, i, gap)
+        assert abs(gap) <= 4 * ulp_bf16(float(logits[want[i]])), (name, p, i, gap)

@@ -18,7 +18,7 @@ import torch
 import hfspec
 import hfspec.generator
 from hfspec import api, cli
-from hfspec.cpu import fast, kernels
+from hfspec.cpu import fast
 from hfspec.drafters import Drafter
 from hfspec.errors import HfspecError
 from hfspec.loading import Preset
@@ -130,6 +130,25 @@ def test_no_command_prints_help_and_fails(capsys):
     assert code == 2 and "usage: hfspec" in err
 
 
+def test_help_and_bad_flags_answer_without_torch():
+    # In a fresh process: importing the command line, --help and a bad flag load neither torch nor transformers
+    # (seconds each), so they answer at once.
+    script = """
+import sys
+loaded = lambda: sorted({"torch", "transformers"} & set(sys.modules))
+from hfspec import cli
+print(loaded(), file=sys.stderr)
+argvs = [["--help"], ["generate", "--help"], ["generate", "x", "--top-p", "2"], ["generate", "x", "--stream", "--json"]]
+print([cli.main(argv) for argv in argvs], loaded(), file=sys.stderr)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "usage: hfspec generate" in done.stdout and "--max-new-tokens" in done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == "[]" and lines[-1] == "[0, 0, 2, 2] []", done.stderr
+    assert "must be in (0, 1]" in done.stderr and "pick one" in done.stderr
+
+
 # -- generate -------------------------------------------------------------------------------------
 
 
@@ -162,9 +181,8 @@ def test_json_output(capsys, pair):
     assert sum(histogram) == data["stats"]["target_passes"] and len(histogram) == 3  # γ 2, less near the end
 
 
-def test_fast_kernels_are_on_by_default_and_off_with_the_flag(capsys, pair):
-    library = kernels.load()
-    if library is None or library.isa == "scalar":
+def test_fast_kernels_are_on_by_default_and_off_with_the_flag(capsys, pair, library):
+    if library.isa == "scalar":
         pytest.skip("no vectorised CPU kernel here, so hfspec loads models without it")
     seen = []
     for flags in ([], ["--no-fast-kernels"]):
@@ -509,6 +527,9 @@ def test_optional_commands_are_registered_when_present(capsys, name):
     pytest.importorskip(cli.OPTIONAL_COMMANDS[name])
     code, out, _ = run(capsys, name, "--help")
     assert code == 0 and f"usage: hfspec {name}" in out
+    # 'hfspec --help' lists it without importing its module, with the help line the module gives it
+    commands = next(a for a in cli.build_parser(name)._actions if isinstance(a, argparse._SubParsersAction))
+    assert {a.dest: a.help for a in commands._choices_actions}[name] == cli.OPTIONAL_HELP[name]
 
 
 # -- a real process -------------------------------------------------------------------------------

@@ -103,6 +103,25 @@ def test_a_row_gets_the_same_bits_alone_in_a_block_beside_padding_and_on_more_th
         assert torch.equal(bits(alone), bits(other))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_key_masked_with_a_finite_large_negative_is_left_out_as_a_hidden_one(dtype):
+    # A custom additive mask may hide keys with -1e9 (or -1e4) instead of -inf or the dtype's minimum: such a key's
+    # weight is exactly 0, and every row must come out in the bits it has with the key hidden, even where the
+    # hidden keys' values are NaN (their keys are finite: a NaN score is no large negative).
+    q, k, v = qkv(batch=1, heads=4, kv_heads=2, rows=20, length=20, dtype=dtype, seed=3)
+    seen = torch.rand(1, 1, 20, 20, generator=torch.Generator().manual_seed(4)) > 0.4
+    seen[..., 0], seen[..., [5, 11]] = True, False
+    v = v.clone()
+    v[:, :, [5, 11]] = float("nan")
+    hidden = cpu_attention.attention(q, k, v, seen)
+    assert torch.isfinite(hidden).all()
+    for value in (-1e9, -1e4):
+        for mask_dtype in (torch.float32, torch.bfloat16):
+            additive = torch.zeros(seen.shape).masked_fill(~seen, value).to(mask_dtype)
+            got = cpu_attention.attention(q, k, v, additive)
+            assert torch.equal(bits(got), bits(hidden)), (value, mask_dtype)
+
+
 def test_a_row_that_sees_no_key_gets_zeros():
     q, k, v = qkv(batch=1, rows=2, length=4)
     mask = torch.tensor([[False] * 4, [True] * 4])[None, None]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hfspec import SpeculativeGenerator, api
-from hfspec.cpu import draft_linear, fast, kernels
+from hfspec.cpu import draft_linear, fast
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import save_head
 from hfspec.loading import draft_module, load_pair, load_preset
@@ -20,13 +20,11 @@ PROMPTS = [[1, 10, 11, 12], [1, 30], [1, 20, 21, 22, 23, 24, 25]]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def library():
-    found = kernels.load()
-    if found is None:
-        pytest.skip(f"no C++ compiler: {kernels.build_failure()}")
-    if found.isa == "scalar":
+def library(library):
+    """The session's kernel (skipped where it cannot be built or is off), with vector instructions."""
+    if library.isa == "scalar":
         pytest.skip("the kernel has no vector instructions here, so hfspec loads models without it")
-    return found
+    return library
 
 
 def linear_count(model: nn.Module) -> int:

@@ -30,7 +30,9 @@ def test_kept_logits_are_the_heads_own_and_the_rest_have_no_probability(tiny_pai
     x = torch.tensor([[4, 7, 9, 11]])
     with torch.no_grad():
         full, kept = draft(x).logits, cut(x).logits
-    assert torch.equal(kept[..., ids], full[..., ids])
+    # torch's own linear over 6 rows of the head and over all 32 need not give the same bits (MKL picks its blocks
+    # from the shape): equal up to rounding here; the kernel's exact bits are the next test's.
+    torch.testing.assert_close(kept[..., ids], full[..., ids], rtol=1e-5, atol=1e-6)
     others = torch.ones(32, dtype=torch.bool)
     others[ids] = False
     assert (kept[..., others] == sampling.OUTSIDE).all()

@@ -140,6 +140,7 @@ def test_model_is_untouched_unless_the_caller_opts_in(library, tiny_pair):
 def test_without_a_compiler_the_model_keeps_torch_and_says_why(cxx, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HFSPEC_CXX", cxx)
     monkeypatch.setenv("HFSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("HFSPEC_KERNELS", raising=False)  # the build is tried, not switched off
     monkeypatch.setattr(kernels, "_LOADED", {})
     layer = nn.Linear(8, 4)
     with caplog.at_level(logging.WARNING, logger="hfspec.cpu.kernels"):

@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfspec import SpeculativeGenerator, assets
 from hfspec.assets import cache_dir, offline_target_path, shipped_draft_path, shipped_head_path
-from hfspec.cpu import kernels
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -129,10 +128,10 @@ def test_the_shipped_eagle3_head_is_exact_and_drafts_well(real_pair, reference):
 
 
 @pytest.mark.parametrize("draft", ["shipped", "shipped-eagle3"])
-def test_the_default_loaded_pair_runs_the_kernel_and_equals_its_own_generate(draft, request, monkeypatch):
+def test_the_default_loaded_pair_runs_the_kernel_and_equals_its_own_generate(draft, request, monkeypatch, library):
     # As users load it: on the CPU in fp32 both models run hfspec's kernel, and greedy output equals the loaded
     # target's own generate() (the same kernels).
-    if kernels.load() is None or kernels.load().isa == "scalar":
+    if library.isa == "scalar":
         pytest.skip("no vectorised CPU kernel here, so hfspec loads the pair without it")
     if not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():  # the session's build, not another
         use_session_build(monkeypatch, request)

@@ -10,12 +10,14 @@ finding what torch's own attention, activations and Conv1D do with the row count
 
 from __future__ import annotations
 
+import functools
 import random
 
 import invariance
 import pytest
 import tiny
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from hfspec.cpu import activations, conv1d, fast
@@ -29,6 +31,9 @@ ARCHS = {
     "gpt2": {},  # Conv1D layers, the tanh GELU built from torch ops
     "gemma2": SLIDING,  # eager attention with soft-capping, the tanh GELU, a sliding window
     "mistral": SLIDING,  # a sliding window counted in cache columns
+    # Gated attention, attn * torch.sigmoid(gate): an activation called as a function, 40 gate values per row (a
+    # tail in torch's vector loop); dense MLPs (the MoE's experts run torch's F.linear over 3-D weights).
+    "qwen3_next": dict(layer_types=["full_attention"] * 2, mlp_only_layers=[0, 1], head_dim=10),
 }
 
 
@@ -69,6 +74,23 @@ def test_every_schedule_gives_every_row_the_decoding_steps_bits(library, arch, d
     assert invariance.report(model, IDS, other=OTHER) == {
         name: None for name in invariance.schedules(model, IDS, other=OTHER) if name != "decode"
     }
+
+
+def test_activations_called_as_functions_run_the_kernel_where_the_models_code_calls_them(library):
+    llama, gated = model_of("llama", torch.float32), model_of("qwen3_next", torch.float32)
+    assert activations.use(llama, library) and "hfspec_functional" not in llama.__dict__  # calls none: no mode
+    fast.accelerate(gated)
+    assert "hfspec_functional" in gated.__dict__ and gated.model.layers[0].self_attn._forward_pre_hooks  # alone too
+    x = torch.randn(333, 83, generator=torch.Generator().manual_seed(0)) * 4
+    calls = (torch.sigmoid, torch.Tensor.sigmoid, F.silu, F.gelu, functools.partial(F.gelu, approximate="tanh"))
+    theirs = [f(x) for f in calls]
+    with activations.FunctionalActivations():
+        for f, torchs in zip(calls, theirs):
+            got = f(x)
+            assert torch.equal(got, torch.cat([f(row) for row in x.split(1)])), f  # the kernel's bits, row by row
+            torch.testing.assert_close(got, torchs, rtol=1e-5, atol=1e-5)
+    fast.restore(gated)
+    assert "hfspec_functional" not in gated.__dict__ and not gated._forward_pre_hooks and not gated._forward_hooks
 
 
 def differing(report: dict) -> set[str]:

@@ -9,7 +9,7 @@ vector tails fall from the shapes: the same row comes out in other bits, which i
 
 :func:`attention` is one kernel for all of them (``hfspec/cpu/csrc/attention.cpp``): per query row, the keys it
 sees are reduced in one fixed order that depends on those keys alone (masked keys are skipped, not weighted by
-zero), grouped key/value heads are read in place (no ``repeat_kv`` copy), float32 or bfloat16 in, float32
+zero, and so is a key whose weight is exactly 0, such as one an additive mask hides with -1e9), grouped key/value heads are read in place (no ``repeat_kv`` copy), float32 or bfloat16 in, float32
 arithmetic. It takes boolean or additive masks (causal, trees, padding, sliding windows: they come in the mask),
 ``is_causal`` without a mask, soft-capping (Gemma-2) and position biases (folded into the mask, as transformers
 does). A row that sees no key gets zeros.

@@ -6,8 +6,9 @@
 // 12% for GELU in float32). Here every element goes through the same vector code (vec.h: partial vectors masked,
 // one exponential): SiLU x / (1 + e^-x), quick GELU x / (1 + e^-1.702x), the tanh GELU written as the same logistic,
 // x / (1 + e^-2u) with u = sqrt(2/pi) (x + 0.044715 x^3), and the erf GELU 0.5 x (1 + erf(x / sqrt 2)) with the
-// erf of Abramowitz and Stegun 7.1.26 that torch's own vector path uses. float32 or bfloat16 in and out, float32
-// arithmetic, bfloat16 rounded to nearest even.
+// erf of Abramowitz and Stegun 7.1.26 that torch's own vector path uses, and the logistic sigmoid 1 / (1 + e^-x) (a
+// gate that models call as a function). float32 or bfloat16 in and out, float32 arithmetic, bfloat16 rounded to
+// nearest even.
 #include <stdint.h>
 
 #include <algorithm>
@@ -21,7 +22,7 @@ namespace {
 
 using namespace hfspec_vec;
 
-enum Kind { SILU = 0, QUICK_GELU = 1, GELU_TANH = 2, GELU_ERF = 3 };
+enum Kind { SILU = 0, QUICK_GELU = 1, GELU_TANH = 2, GELU_ERF = 3, SIGMOID = 4 };
 
 inline vec logistic_times(vec x, vec z) { return vdiv(x, vadd(vset(1.0f), vexp(vmul(z, vset(-1.0f))))); }
 
@@ -37,6 +38,7 @@ inline vec erf(vec x) {
 template <int K>
 inline vec apply(vec x) {
     if constexpr (K == SILU) return logistic_times(x, x);
+    if constexpr (K == SIGMOID) return logistic_times(vset(1.0f), x);
     if constexpr (K == QUICK_GELU) return logistic_times(x, vmul(x, vset(1.702f)));
     if constexpr (K == GELU_TANH) {
         vec u = vmul(vset(0.7978845608028654f), vfma(vmul(vset(0.044715f), vmul(x, x)), x, x));
@@ -67,6 +69,7 @@ void dispatch(int kind, const T* x, T* y, int64_t n, int threads) {
         case SILU: return run<SILU>(x, y, n, threads);
         case QUICK_GELU: return run<QUICK_GELU>(x, y, n, threads);
         case GELU_TANH: return run<GELU_TANH>(x, y, n, threads);
+        case SIGMOID: return run<SIGMOID>(x, y, n, threads);
         default: return run<GELU_ERF>(x, y, n, threads);
     }
 }

@@ -6,8 +6,9 @@
 // other bits. Here each row is reduced in one fixed order that depends on nothing but the keys it sees:
 //   - a score is one dot product over the head dimension (vector lanes over d, then one horizontal sum);
 //   - the keys a row cannot see (a false boolean mask, an additive -inf or the mask dtype's minimum, the causal
-//     future) are skipped, not multiplied by zero, and so are keys whose weight underflows to exactly 0: they
-//     change no sum and shift no lane, since the lanes run over d and the keys one after another;
+//     future) are skipped, not multiplied by zero, and so are keys whose weight comes out exactly 0 (a finite
+//     mask value such as -1e9, a score far below the row's top): they change no sum and shift no lane, so such a
+//     key gives the bits of a hidden one, and a NaN under it reaches no output;
 //   - every exponential is the same vector polynomial (lanes past the end are computed and dropped), so no
 //     element takes a scalar tail;
 //   - the weights are summed, and the values accumulated (lanes over d), key after key in key order.
@@ -201,34 +202,50 @@ void attend_group(const Args& a, int64_t b, int64_t g, int64_t h0, int rows, int
         s.keys[n] = j;
         s.add[n++] = add;
     }
-    // 2. Per row: scores and their maximum; weights exp(x - max), each through the same vector polynomial; their
-    //    sum, key after key.
+    // 2. Per row: scores and their maximum; weights exp(x - max), each through the same vector polynomial.
     const int64_t ldp = a.L + VW, ldq = a.D + VW, lda = a.Dv + VW;
-    float total[MAX_GROUP];
     for (int r = 0; r < rows; ++r) {
         const T* q = (const T*)a.q + b * a.qs[0] + (h0 + r) * a.qs[1] + i * a.qs[2];
         float* query = s.query.data() + r * ldq;
         for (int64_t d = 0; d < a.D; ++d) query[d] = widen(q[d]);
         float* p = s.score.data() + r * ldp;
         const float top = scores_any(query, kb, a.ks[2], s.keys.data(), s.add.data(), n, a.D, a.scale, a.softcap, p);
-        total[r] = 0.0f;
         if (!(top > -INFINITY)) {  // no key seen (or all at -inf): weights 0, the row comes out 0
             std::fill(p, p + n, 0.0f);
             continue;
         }
-        // The sum in lanes by key ordinal (lane l: keys l, l + VW, ...), then the lanes: it depends on the keys
-        // seen alone, not on where they sit in the cache.
         const vec shift = vset(top);
-        vec sum = vzero();
         for (int64_t t = 0; t < n; t += VW) {
             const int m = (int)std::min<int64_t>(VW, n - t);
-            const vec w = vexp(vsub(vload(p + t, m), shift));
-            vstore(p + t, w, m);
-            sum = vadd(sum, vkeep(w, m, 0.0f));
+            vstore(p + t, vexp(vsub(vload(p + t, m), shift)), m);
         }
+    }
+    // 3. Keys of weight exactly 0 in every row are left out, as hidden keys are.
+    int64_t kept = 0;
+    for (int64_t t = 0; t < n; ++t) {
+        bool counts = false;
+        for (int r = 0; r < rows; ++r) counts |= s.score[r * ldp + t] != 0.0f;
+        if (!counts) continue;
+        s.keys[kept] = s.keys[t];
+        for (int r = 0; r < rows; ++r) s.score[r * ldp + kept] = s.score[r * ldp + t];
+        ++kept;
+    }
+    n = kept;
+    // 4. Per row, the sum of its weights in lanes by the ordinal of its keys of nonzero weight (lane l: the l-th,
+    //    (l + VW)-th, ... of them), then the lanes: it depends on the keys that count alone, not on where they
+    //    sit in the cache nor on keys of weight 0 (in other rows a key of weight 0 adds exactly 0 below).
+    float total[MAX_GROUP];
+    float* nonzero = s.add.data();  // the mask values are read: scratch for one row's nonzero weights
+    for (int r = 0; r < rows; ++r) {
+        const float* p = s.score.data() + r * ldp;
+        int64_t m = 0;
+        for (int64_t t = 0; t < n; ++t)
+            if (p[t] != 0.0f) nonzero[m++] = p[t];
+        vec sum = vzero();
+        for (int64_t t = 0; t < m; t += VW) sum = vadd(sum, vload(nonzero + t, (int)std::min<int64_t>(VW, m - t)));
         total[r] = vsum(sum);
     }
-    // 3. The values weighed, a few vectors of d and a few rows per pass over the keys.
+    // 5. The values weighed, a few vectors of d and a few rows per pass over the keys.
     for (int64_t d0 = 0; d0 < a.Dv; d0 += MAX_NV * VW) {
         const int64_t width = std::min<int64_t>(MAX_NV * VW, a.Dv - d0);
         const int nv = (int)((width + VW - 1) / VW), tail = (int)(width - (int64_t)(nv - 1) * VW);
@@ -238,7 +255,7 @@ void attend_group(const Args& a, int64_t b, int64_t g, int64_t h0, int rows, int
                          s.acc.data() + r0 * lda + d0, lda);
         }
     }
-    // 4. Each row's output: its accumulators over its sum of weights, in the output dtype.
+    // 6. Each row's output: its accumulators over its sum of weights, in the output dtype.
     for (int r = 0; r < rows; ++r) {
         T* out = (T*)a.out + b * a.os[0] + (h0 + r) * a.os[1] + i * a.os[2];
         const float* acc = s.acc.data() + r * lda;
