@@ -21,7 +21,7 @@ def test_serve_without_its_extra_says_what_to_install(monkeypatch, capsys):
 
 
 def test_serve_flags(capsys):
-    parser = cli.build_parser()
+    parser = cli.build_parser("serve")  # an optional command's flags are built when it is the one named
     args = parser.parse_args(["serve", "--target", "t", "--draft", "d", "--gamma", "0", "--port", "0"])
     assert (args.host, args.port, args.gamma, args.max_batch, args.max_queue) == ("127.0.0.1", 0, 0, 8, 64)
     assert cli.main(["serve", "--port", "70000"]) == cli.EXIT_USAGE
