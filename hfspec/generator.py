@@ -184,7 +184,8 @@ class SpeculativeGenerator:
                 "isa": kernels["draft"]["isa"] or (dk.isa if dk else None),
                 "layers": kernels["draft"]["layers"] + integer["layers"],
             }
-        return {"drafter": self.drafter.describe(), "fast_kernels": kernels}
+        arithmetic = kernels["target"].get("quantized", {}).get("arithmetic")  # GGUF blocks: "int8" or "float32"
+        return {"drafter": self.drafter.describe(), "fast_kernels": kernels, "arithmetic": arithmetic}
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str, *, ngram: bool = False, **kwargs: Any) -> SpeculativeGenerator:
