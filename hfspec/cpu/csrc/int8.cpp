@@ -70,7 +70,11 @@ inline float half_to_float(uint16_t h) {
 inline float half_at(const uint8_t* p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#if defined(__F16C__) && (defined(HFSPEC_INT8_AVX512) || defined(HFSPEC_INT8_AVX2))
+    return _cvtsh_ss(h);  // exact, as half_to_float
+#else
     return half_to_float(h);
+#endif
 }
 // Float to half, to nearest even (finite f), and back: what torch's .to(float16) gives.
 inline float round_half(float f) {
@@ -100,7 +104,15 @@ struct Acts {
     std::vector<int8_t> q;
     std::vector<float> d, s;
     std::vector<int16_t> bsums;
+    // AVX-512, K-quants: per group of 16 rows and super-block, the rows' d in 16 lanes and 8 int32 lanes-vectors of
+    // int16 pairs (Q6_K: bsums 2i, 2i + 1; Q4_K/Q5_K: the 32-code sums 2i, 2i + 1 for i < 4), rows as lanes.
+    std::vector<float> dg;
+    std::vector<int32_t> pairs;
 };
+
+constexpr int GROUP = 16;  // rows per lane-vector in the grouped layout
+constexpr int ROWS = 32;   // input rows per pass: their codes of one super-block (8 KB) stay in L1
+constexpr int GROUPED_MIN = 3;  // from this many rows on, AVX-512 sums K-quant rows 16 at a time
 
 // Q8_K, as ggml's quantize_row_q8_K_ref.
 void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
@@ -187,6 +199,31 @@ void quantize(int type, const float* x, int64_t ldx, int64_t M, int64_t K, Acts&
                           a.s.data() + i * blocks);
         }
     }
+#if defined(HFSPEC_INT8_AVX512)
+    if (!is_k(type)) return;
+    const int64_t groups = (M + GROUP - 1) / GROUP;
+    a.dg.assign(groups * blocks * GROUP, 0.0f);
+    a.pairs.assign(groups * blocks * 8 * GROUP, 0);
+    for (int64_t i = 0; i < M; ++i) {
+        const int64_t g = i / GROUP, lane = i % GROUP;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int16_t* bs = a.bsums.data() + (i * blocks + b) * 16;
+            a.dg[(g * blocks + b) * GROUP + lane] = a.d[i * blocks + b];
+            int32_t* out = a.pairs.data() + (g * blocks + b) * 8 * GROUP + lane;
+            for (int j = 0; j < 8; ++j) {
+                int16_t pair[2];
+                if (type == Q6_K) {
+                    pair[0] = bs[2 * j];
+                    pair[1] = bs[2 * j + 1];
+                } else {
+                    pair[0] = j < 4 ? (int16_t)(bs[4 * j] + bs[4 * j + 1]) : 0;
+                    pair[1] = j < 4 ? (int16_t)(bs[4 * j + 2] + bs[4 * j + 3]) : 0;
+                }
+                memcpy(out + j * GROUP, pair, 4);
+            }
+        }
+    }
+#endif
 }
 
 // -- K-quants: A (and M) of one super-block for every row -------------------------------------------------------
@@ -205,8 +242,139 @@ inline void scale_min_k4(const uint8_t* s, int* sc, int* mn) {
 }
 
 #if defined(HFSPEC_INT8_AVX512)
-alignas(64) const int16_t EIGHTHS[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};  // lane k: k / 8
+// One super-block's codes as unsigned bytes and its sub-block scales as int16 lanes, for four 64-byte pieces that
+// meet a row's codes at offsets 0, 64, 128 and 192 (Q6_K in natural order; Q4_K/Q5_K in the paired order), and the
+// int16 pairs of multipliers for the grouped sums (Q6_K: sc 2i, 2i + 1; Q4_K/Q5_K: m 2i, 2i + 1, i < 4).
+struct KBlock {
+    __m512i u[4], s[4];
+    int32_t mult[8];
+    // The 16 int32 lanes whose sum is sum_j sc_j * sum over sub-block j of u * a.
+    inline __m512i dot(const int8_t* a) const {
+        __m512i acc = _mm512_setzero_si512();
+        for (int p = 0; p < 4; ++p)
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u[p], _mm512_loadu_si512((const void*)(a + 64 * p))),
+                                      s[p]);
+        return acc;
+    }
+};
+
+alignas(64) const int16_t SUB16[2][2][32] = {  // [t][low/high]: lane k -> scale 8t + 4 high + k / 8 (Q6_K)
+    {{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+     {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}},
+    {{8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+     {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13,
+      14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}}};
+alignas(64) const int16_t SUB32[4][32] = {  // piece p: lanes 0-15 scale a, 16-31 scale b (Q4_K/Q5_K, paired)
+    {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
+    {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6},
+    {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+
+template <int T>
+inline void kblock(const uint8_t* w, KBlock& kb) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    if constexpr (T == Q6_K) {
+        const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192))));
+        const __m512i three = _mm512_set1_epi8(3);
+        const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+        for (int t = 0; t < 2; ++t) {
+            const __m512i v = _mm512_loadu_si512((const void*)(w + 64 * t));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + 128 + 32 * t)));
+            // low nibbles: elements 128t + [0, 64), their bits 4-5 from qh bits 0-1 (first 32) and 2-3 (next 32)
+            const __m512i hl = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_lo), three), 4);
+            const __m512i hh = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_hi), three), 4);
+            kb.u[2 * t] = _mm512_or_si512(_mm512_and_si512(v, nib), hl);
+            kb.u[2 * t + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib), hh);
+            kb.s[2 * t] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB16[t][0]), sc);
+            kb.s[2 * t + 1] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB16[t][1]), sc);
+        }
+        for (int j = 0; j < 8; ++j)
+            kb.mult[j] = (int32_t)(uint16_t)(int16_t)(int8_t)w[192 + 2 * j] |
+                         (int32_t)((uint32_t)(uint16_t)(int16_t)(int8_t)w[192 + 2 * j + 1] << 16);
+    } else {
+        // ggml's unpacking of the 6-bit scales and mins: bytes 0-7 of ``m`` the scales, 8-15 the mins
+        uint32_t m[4];
+        memcpy(m, w + 4, 12);
+        m[3] = ((m[2] >> 4) & 0x0F0F0F0Fu) | (((m[1] >> 6) & 0x03030303u) << 4);
+        const uint32_t mins_low = m[1] & 0x3F3F3F3Fu;
+        m[1] = (m[2] & 0x0F0F0F0Fu) | (((m[0] >> 6) & 0x03030303u) << 4);
+        m[2] = mins_low;
+        m[0] &= 0x3F3F3F3Fu;
+        const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)m)));
+        const uint8_t* mn = (const uint8_t*)(m + 2);
+        const uint8_t* qs = w + (T == Q4_K ? 16 : 48);
+        __m512i qh = _mm512_setzero_si512();
+        if constexpr (T == Q5_K) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + 16)));
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        for (int i = 0; i < 2; ++i) {
+            const __m512i v = _mm512_loadu_si512((const void*)(qs + 64 * i));
+            kb.u[2 * i] = _mm512_and_si512(v, nib);
+            kb.u[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            if constexpr (T == Q5_K) {  // bit 2c of qh[l]: element 64c + l; bit 2c + 1: element 64c + 32 + l
+                const __m512i bl = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * i))),
+                                                      _mm256_set1_epi8((char)(1 << (4 * i + 2))), 1);
+                const __m512i bh = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * i + 1))),
+                                                      _mm256_set1_epi8((char)(1 << (4 * i + 3))), 1);
+                kb.u[2 * i] = _mm512_or_si512(kb.u[2 * i], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bl), sixteen));
+                kb.u[2 * i + 1] =
+                    _mm512_or_si512(kb.u[2 * i + 1], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bh), sixteen));
+            }
+            kb.s[2 * i] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB32[2 * i]), sc);
+            kb.s[2 * i + 1] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB32[2 * i + 1]), sc);
+        }
+        for (int j = 0; j < 8; ++j) kb.mult[j] = j < 4 ? (int32_t)mn[2 * j] | ((int32_t)mn[2 * j + 1] << 16) : 0;
+    }
+}
+
+// Lane r: the sum of v[r]'s 16 lanes (integer adds: exact in any order).
+inline __m512i reduce16(__m512i* v) {
+    __m512i b[8], c[4];
+    for (int i = 0; i < 8; ++i)
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
+                                _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+    const __m512i e01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88), _mm512_shuffle_i32x4(c[0], c[1], 0xDD));
+    const __m512i e23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x88), _mm512_shuffle_i32x4(c[2], c[3], 0xDD));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(e01, e23, 0x88), _mm512_shuffle_i32x4(e01, e23, 0xDD));
+}
+
+// acc[c][r] += the reference's steps for super-block b, output column c < C, rows r < R (m0 a multiple of GROUP):
+// A, M and the float steps for 16 rows at a time, rows as lanes; each lane runs the reference's order.
+template <int T>
+void k_block_grouped(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
+                     int64_t b, float (*acc)[ROWS]) {
+    const int64_t blocks = K / 256;
+    for (int c = 0; c < C; ++c) {
+        const uint8_t* wb = w + c * ldw + b * (T == Q4_K ? 144 : T == Q5_K ? 176 : 210);
+        KBlock kb;
+        kblock<T>(wb, kb);
+        const __m512 d = _mm512_set1_ps(half_at(wb + (T == Q6_K ? 208 : 0)));
+        const __m512 dmin = _mm512_set1_ps(T == Q6_K ? 0.0f : half_at(wb + 2));
+        for (int g0 = 0; g0 < R; g0 += GROUP) {
+            const int rows = R - g0 < GROUP ? R - g0 : GROUP;
+            const int64_t g = (m0 + g0) / GROUP;
+            __m512i v[GROUP];
+            for (int r = 0; r < GROUP; ++r)
+                v[r] = r < rows ? kb.dot(a.q.data() + (m0 + g0 + r) * K + b * 256) : _mm512_setzero_si512();
+            __m512i dots = reduce16(v), mins = _mm512_setzero_si512();
+            const int32_t* pairs = a.pairs.data() + (g * blocks + b) * 8 * GROUP;
+            for (int j = 0; j < (T == Q6_K ? 8 : 4); ++j)
+                mins = _mm512_add_epi32(mins, _mm512_madd_epi16(_mm512_loadu_si512((const void*)(pairs + j * GROUP)),
+                                                                _mm512_set1_epi32(kb.mult[j])));
+            if constexpr (T == Q6_K) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(mins, 5));
+            const __m512 da = _mm512_loadu_ps(a.dg.data() + (g * blocks + b) * GROUP);
+            float* out = acc[c] + g0;
+            __m512 sum = _mm512_loadu_ps(out);
+            sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d, da)));
+            if constexpr (T != Q6_K)
+                sum = _mm512_sub_ps(sum, _mm512_mul_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dmin, da)));
+            _mm512_storeu_ps(out, sum);
+        }
+    }
+}
 #endif
 
 // For rows r < R of a super-block: A[r] = sum_j sc_j * S_j (signed weights) and, Q4_K/Q5_K, M[r] = sum_j m_j *
@@ -230,79 +398,18 @@ void k_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, const int16_t* 
         }
     }
 #if defined(HFSPEC_INT8_AVX512)
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    if constexpr (T == Q6_K) {
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192)));
-        const __m512i sc512 = _mm512_castsi256_si512(sc16);
-        const __m512i three = _mm512_set1_epi8(3);
-        __m512i lo[2], hi[2], sl[2], sh[2];
-        for (int t = 0; t < 2; ++t) {
-            const __m512i v = _mm512_loadu_si512((const void*)(w + 64 * t));
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + 128 + 32 * t)));
-            // low nibbles: elements 128t + [0, 64), fifth and sixth bits from qh bits 0-1 (first 32) and 2-3
-            const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-            const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-            const __m512i hl = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_lo), three), 4);
-            const __m512i hh = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_hi), three), 4);
-            lo[t] = _mm512_or_si512(_mm512_and_si512(v, nib), hl);
-            hi[t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib), hh);
-            // int16 pair k of the low codes is elements 128t + 2k, +1: sub-block 8t + k / 8
-            __m512i idx_lo = _mm512_set1_epi16((short)(8 * t)), idx_hi = _mm512_set1_epi16((short)(8 * t + 4));
-            const __m512i step = _mm512_loadu_si512((const void*)EIGHTHS);
-            idx_lo = _mm512_add_epi16(idx_lo, step);
-            idx_hi = _mm512_add_epi16(idx_hi, step);
-            sl[t] = _mm512_permutexvar_epi16(idx_lo, sc512);
-            sh[t] = _mm512_permutexvar_epi16(idx_hi, sc512);
-        }
-        for (int r = 0; r < R; ++r) {
-            const int8_t* a = q + r * K;
-            __m512i acc = _mm512_setzero_si512();
-            for (int t = 0; t < 2; ++t) {
-                acc = _mm512_dpwssd_epi32(
-                    acc, _mm512_maddubs_epi16(lo[t], _mm512_loadu_si512((const void*)(a + 128 * t))), sl[t]);
-                acc = _mm512_dpwssd_epi32(
-                    acc, _mm512_maddubs_epi16(hi[t], _mm512_loadu_si512((const void*)(a + 128 * t + 64))), sh[t]);
-            }
-            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(bs + r * ldb)));
+    KBlock kb;
+    kblock<T>(w, kb);
+    for (int r = 0; r < R; ++r) {
+        __m512i acc = kb.dot(q + r * K);
+        if constexpr (T == Q6_K) {
+            const __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192))),
+                                                  _mm256_loadu_si256((const __m256i*)(bs + r * ldb)));
             acc = _mm512_sub_epi32(acc, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_slli_epi32(off, 5), 0));
-            A[r] = _mm512_reduce_add_epi32(acc);
         }
-        return;
-    } else {
-        const uint8_t* qs = w + (T == Q4_K ? 16 : 48);
-        __m512i lo[2], hi[2], sl[2], sh[2];
-        __m512i qh;
-        if constexpr (T == Q5_K) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + 16)));
-        for (int i = 0; i < 2; ++i) {
-            const __m512i v = _mm512_loadu_si512((const void*)(qs + 64 * i));
-            lo[i] = _mm512_and_si512(v, nib);
-            hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-            if constexpr (T == Q5_K) {  // bit 2c of qh[l]: element 64c + l; bit 2c + 1: element 64c + 32 + l
-                const __m512i bl = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * i))),
-                                                      _mm256_set1_epi8((char)(1 << (4 * i + 2))), 1);
-                const __m512i bh = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * i + 1))),
-                                                      _mm256_set1_epi8((char)(1 << (4 * i + 3))), 1);
-                const __m512i sixteen = _mm512_set1_epi8(16);
-                lo[i] = _mm512_or_si512(lo[i], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bl), sixteen));
-                hi[i] = _mm512_or_si512(hi[i], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bh), sixteen));
-            }
-            sl[i] = _mm512_inserti64x4(_mm512_set1_epi16((short)sc[4 * i]), _mm256_set1_epi16((short)sc[4 * i + 2]), 1);
-            sh[i] = _mm512_inserti64x4(_mm512_set1_epi16((short)sc[4 * i + 1]),
-                                       _mm256_set1_epi16((short)sc[4 * i + 3]), 1);
-        }
-        for (int r = 0; r < R; ++r) {
-            const int8_t* a = q + r * K;  // paired order (PAIRED_K4)
-            __m512i acc = _mm512_setzero_si512();
-            for (int i = 0; i < 2; ++i) {
-                acc = _mm512_dpwssd_epi32(
-                    acc, _mm512_maddubs_epi16(lo[i], _mm512_loadu_si512((const void*)(a + 128 * i))), sl[i]);
-                acc = _mm512_dpwssd_epi32(
-                    acc, _mm512_maddubs_epi16(hi[i], _mm512_loadu_si512((const void*)(a + 128 * i + 64))), sh[i]);
-            }
-            A[r] = _mm512_reduce_add_epi32(acc);
-        }
-        return;
+        A[r] = _mm512_reduce_add_epi32(acc);
     }
+    return;
 #elif defined(HFSPEC_INT8_AVX2)
     const __m256i nib = _mm256_set1_epi8(0x0F);
     __m256i u[8], s[8];  // codes and int16 scales for elements [32p, 32p + 32), natural order
@@ -426,7 +533,6 @@ void block_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, int32_t* S)
 
 // -- the layer ---------------------------------------------------------------------------------------------------
 
-constexpr int ROWS = 32;  // input rows per pass: their codes of one super-block (8 KB) stay in L1
 constexpr int COLS = 4;   // output columns per tile: each block of activations is used for all of them
 
 template <int T>
@@ -443,8 +549,15 @@ void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R
     const int64_t blocks = K / E;
     int32_t dots[ROWS], mins[ROWS];
     for (int c = 0; c < C; ++c)
-        for (int r = 0; r < R; ++r) acc[c][r] = 0.0f;
+        for (int r = 0; r < ROWS; ++r) acc[c][r] = 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {
+#if defined(HFSPEC_INT8_AVX512)
+        if constexpr (k)
+            if (R >= GROUPED_MIN) {
+                k_block_grouped<T>(w, ldw, C, a, m0, R, K, b, acc);
+                continue;
+            }
+#endif
         const int8_t* q = a.q.data() + m0 * K + b * E;
         const float* da = a.d.data() + b;
         for (int c = 0; c < C; ++c) {
