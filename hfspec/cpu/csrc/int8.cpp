@@ -112,7 +112,7 @@ struct Acts {
 
 constexpr int GROUP = 16;  // rows per lane-vector in the grouped layout
 constexpr int ROWS = 32;   // input rows per pass: their codes of one super-block (8 KB) stay in L1
-constexpr int GROUPED_MIN = 3;  // from this many rows on, AVX-512 sums K-quant rows 16 at a time
+constexpr int GROUPED_MIN = 9;  // from this many rows on, AVX-512 sums K-quant rows 16 at a time
 
 // Q8_K, as ggml's quantize_row_q8_K_ref.
 void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
@@ -247,7 +247,7 @@ inline void scale_min_k4(const uint8_t* s, int* sc, int* mn) {
 // int16 pairs of multipliers for the grouped sums (Q6_K: sc 2i, 2i + 1; Q4_K/Q5_K: m 2i, 2i + 1, i < 4).
 struct KBlock {
     __m512i u[4], s[4];
-    int32_t mult[8];
+    alignas(32) int32_t mult[8];  // int16 pairs: Q6_K sc 2i, 2i + 1; Q4_K/Q5_K m 2i, 2i + 1 (i < 4, then 0)
     // The 16 int32 lanes whose sum is sum_j sc_j * sum over sub-block j of u * a.
     inline __m512i dot(const int8_t* a) const {
         __m512i acc = _mm512_setzero_si512();
@@ -289,9 +289,7 @@ inline void kblock(const uint8_t* w, KBlock& kb) {
             kb.s[2 * t] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB16[t][0]), sc);
             kb.s[2 * t + 1] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB16[t][1]), sc);
         }
-        for (int j = 0; j < 8; ++j)
-            kb.mult[j] = (int32_t)(uint16_t)(int16_t)(int8_t)w[192 + 2 * j] |
-                         (int32_t)((uint32_t)(uint16_t)(int16_t)(int8_t)w[192 + 2 * j + 1] << 16);
+        _mm256_store_si256((__m256i*)kb.mult, _mm512_castsi512_si256(sc));
     } else {
         // ggml's unpacking of the 6-bit scales and mins: bytes 0-7 of ``m`` the scales, 8-15 the mins
         uint32_t m[4];
@@ -323,7 +321,7 @@ inline void kblock(const uint8_t* w, KBlock& kb) {
             kb.s[2 * i] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB32[2 * i]), sc);
             kb.s[2 * i + 1] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB32[2 * i + 1]), sc);
         }
-        for (int j = 0; j < 8; ++j) kb.mult[j] = j < 4 ? (int32_t)mn[2 * j] | ((int32_t)mn[2 * j + 1] << 16) : 0;
+        _mm256_store_si256((__m256i*)kb.mult, _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)mn))));
     }
 }
 
@@ -373,6 +371,62 @@ void k_block_grouped(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_
                 sum = _mm512_sub_ps(sum, _mm512_mul_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dmin, da)));
             _mm512_storeu_ps(out, sum);
         }
+    }
+}
+
+// The whole tile for a few rows (R < GROUPED_MIN): output columns as lanes, 16 at a time, so one transposing
+// reduction serves 16 columns and the float steps run 16 columns per instruction, each lane in the reference's order.
+template <int T>
+void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
+                  float (*acc)[ROWS]) {
+    constexpr int NB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+    const int64_t blocks = K / 256;
+    __m512 sum[GROUPED_MIN - 1];
+    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m512i v[GROUPED_MIN - 1][GROUP];
+        alignas(64) int32_t mins[GROUPED_MIN - 1][GROUP] = {};
+        alignas(64) float d[GROUP] = {}, dmin[GROUP] = {};
+        for (int c = 0; c < GROUP; ++c) {
+            if (c >= C) {
+                for (int r = 0; r < R; ++r) v[r][c] = _mm512_setzero_si512();
+                continue;
+            }
+            const uint8_t* wb = w + c * ldw + b * NB;
+            KBlock kb;
+            kblock<T>(wb, kb);
+            d[c] = half_at(wb + (T == Q6_K ? 208 : 0));
+            if constexpr (T != Q6_K) dmin[c] = half_at(wb + 2);
+            const __m256i mult = _mm256_load_si256((const __m256i*)kb.mult);
+            for (int r = 0; r < R; ++r) {
+                const int16_t* bs = a.bsums.data() + ((m0 + r) * blocks + b) * 16;
+                v[r][c] = kb.dot(a.q.data() + (m0 + r) * K + b * 256);
+                const __m256i b16 = _mm256_loadu_si256((const __m256i*)bs);
+                if constexpr (T == Q6_K) {  // the offset 32: minus 32 * sum_j sc_j * bsum_j
+                    const __m256i off = _mm256_madd_epi16(mult, b16);
+                    v[r][c] = _mm512_sub_epi32(v[r][c],
+                                               _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_slli_epi32(off, 5), 0));
+                } else {  // M = sum_j m_j * (bsum 2j + bsum 2j + 1)
+                    const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(b16), _mm256_extracti128_si256(b16, 1));
+                    const __m128i prod = _mm_madd_epi16(_mm256_castsi256_si128(mult), pairs);
+                    const __m128i h = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0x4E));
+                    mins[r][c] = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+                }
+            }
+        }
+        const __m512 dv = _mm512_load_ps(d), dminv = _mm512_load_ps(dmin);
+        for (int r = 0; r < R; ++r) {
+            const __m512 da = _mm512_set1_ps(a.d[(m0 + r) * blocks + b]);
+            sum[r] = _mm512_add_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16(v[r])), _mm512_mul_ps(dv, da)));
+            if constexpr (T != Q6_K)
+                sum[r] = _mm512_sub_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)mins[r])),
+                                                             _mm512_mul_ps(dminv, da)));
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        alignas(64) float out[GROUP];
+        _mm512_store_ps(out, sum[r]);
+        for (int c = 0; c < C; ++c) acc[c][r] = out[c];
     }
 }
 #endif
@@ -533,7 +587,7 @@ void block_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, int32_t* S)
 
 // -- the layer ---------------------------------------------------------------------------------------------------
 
-constexpr int COLS = 4;   // output columns per tile: each block of activations is used for all of them
+constexpr int COLS = 16;  // output columns per tile: each block of activations is used for all of them
 
 template <int T>
 constexpr int nbytes() {
@@ -550,6 +604,10 @@ void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R
     int32_t dots[ROWS], mins[ROWS];
     for (int c = 0; c < C; ++c)
         for (int r = 0; r < ROWS; ++r) acc[c][r] = 0.0f;
+#if defined(HFSPEC_INT8_AVX512)
+    if constexpr (k)
+        if (R < GROUPED_MIN) return tile_columns<T>(w, ldw, C, a, m0, R, K, acc);
+#endif
     for (int64_t b = 0; b < blocks; ++b) {
 #if defined(HFSPEC_INT8_AVX512)
         if constexpr (k)
