@@ -16,8 +16,12 @@
 // signed activation codes a (|a| <= 127) with maddubs into int16 pairs -- at most 2 * 63 * 127 = 16002, so never
 // saturated -- then scaled per sub-block and summed into int32 with madd (AVX2) or vpdpwssd (AVX-512 VNNI). A code
 // offset (Q6_K's 32) comes off as 32 * sum_j sc_j * bsum_j. Each super-block's codes and scales are unpacked once and
-// used for every input row, so M rows cost little more than one until the integer units fill. The 32-weight formats
-// take a portable path (integer loops the compiler vectorizes) in this version.
+// used for every input row. On AVX-512 the per-output sums of 16 outputs are gathered into the lanes of one vector by
+// a transposing reduction, so the float steps run 16 outputs per instruction, each lane in the reference's order:
+// up to 8 rows take 16 output columns as lanes, more rows take 16 rows as lanes. (512-bit maddubs and vpdpwssd both
+// issue on one port, so this is 32 multiply-adds per cycle, as two fp32 FMA ports: vpdpbusd with the sub-block
+// scales applied after the reduction would double it.) The 32-weight formats take a portable path (integer loops
+// the compiler vectorizes) in this version.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
