@@ -233,6 +233,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "and int8 activations: a cheaper drafting step, exact output all the same (q is whatever the "
         "draft computes); 'off' keeps the draft's own weights and arithmetic",
     )
+    pair.add_argument(
+        "--arithmetic",
+        choices=("int8", "float32"),
+        default=None,
+        help="what a GGUF target kept in blocks on CPU computes: 'int8', llama.cpp's integer arithmetic "
+        "(faster; speculation stays exact to that model), or 'float32' (default), the dequantized model's",
+    )
 
 
 def _add_generate_flags(p: argparse.ArgumentParser) -> None:
@@ -516,6 +523,8 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["draft_vocab"] = args.draft_vocab
     if getattr(args, "draft_bits", None) is not None:
         kwargs["draft_bits"] = None if args.draft_bits == "off" else int(args.draft_bits)
+    if getattr(args, "arithmetic", None) is not None:
+        kwargs["arithmetic"] = args.arithmetic
     if args.device == "auto":
         kwargs["device_map"] = "auto"
     elif args.device is not None:

@@ -211,7 +211,13 @@ class SpeculativeGenerator:
                 "layers": kernels["draft"]["layers"] + integer["layers"],
             }
         threads = self.threads if self.threads is not None else torch.get_num_threads()
-        return {"drafter": self.drafter.describe(), "fast_kernels": kernels, "threads": threads}
+        arithmetic = kernels["target"].get("quantized", {}).get("arithmetic")  # GGUF blocks: "int8" or "float32"
+        return {
+            "drafter": self.drafter.describe(),
+            "fast_kernels": kernels,
+            "threads": threads,
+            "arithmetic": arithmetic,
+        }
 
     @classmethod
     def from_pretrained(

@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from hfspec import gguf_meta
 from hfspec.cpu import quant
+from hfspec.cpu.int8 import check_arithmetic
 from hfspec.errors import HfspecError
 
 __all__ = ["GgufTensor", "file_problem", "load", "local_file", "read_tensors", "resolve_file"]
@@ -225,13 +226,18 @@ def load(
     dtype: torch.dtype | str = "auto",
     revision: str | None = None,
     trust_remote_code: bool = False,
+    arithmetic: str = "float32",
 ) -> PreTrainedModel | None:
     """The causal LM in ``gguf_file`` (inside the directory or repository ``source``) with its quantized linears and
     embeddings kept in blocks, or None (one log line says why) where they cannot be.
 
     Activations, norms and biases are float32 (``dtype`` ``"auto"`` or float32; another float dtype is honoured,
-    but exactness against the dequantized model is stated for float32).
+    but exactness against the dequantized model is stated for float32). ``arithmetic`` is what the quantized linears
+    compute, the tied head included: ``"float32"``, the dequantized model's products; ``"int8"``, llama.cpp's
+    integer arithmetic on the blocks (:mod:`hfspec.cpu.int8`), a slightly different model that every row computes
+    alike. Embedding lookups return the dequantized rows in both.
     """
+    check_arithmetic(arithmetic)
     why = quant.unavailable()
     helpers = _helpers() if why is None else why
     if isinstance(helpers, str):
@@ -291,9 +297,9 @@ def load(
                 if order is not None:
                     blocks = blocks[torch.from_numpy(order)]
                 if type(module) is nn.Linear:
-                    replacement = quant.QuantLinear(blocks, fmt, module.in_features, module.bias)
+                    replacement = quant.QuantLinear(blocks, fmt, module.in_features, module.bias, arithmetic)
                 else:
-                    replacement = quant.QuantEmbedding(blocks, fmt, module.embedding_dim, act)
+                    replacement = quant.QuantEmbedding(blocks, fmt, module.embedding_dim, act, arithmetic)
                 model.set_submodule(module_name, replacement)
                 kept[fmt.name] += 1
                 continue
@@ -321,7 +327,13 @@ def load(
             f"initialise at random ({shown}): {gguf_file} is incomplete; pass a complete GGUF file"
         )
     model.config.name_or_path = source
-    log.info("%s %s: kept in GGUF blocks (%s)", role, gguf_file, ", ".join(f"{n} {k}" for k, n in sorted(kept.items())))
+    log.info(
+        "%s %s: kept in GGUF blocks (%s), %s arithmetic",
+        role,
+        gguf_file,
+        ", ".join(f"{n} {k}" for k, n in sorted(kept.items())),
+        arithmetic,
+    )
     return model.eval()
 
 
@@ -332,6 +344,8 @@ def _tie_head(model: PreTrainedModel) -> None:
         return
     if isinstance(embedding, quant.QuantEmbedding) and type(head) is nn.Linear and head.weight.is_meta:
         bias = None if head.bias is None else head.bias
-        model.set_output_embeddings(quant.QuantLinear(embedding.weight, embedding.fmt, embedding.embedding_dim, bias))
+        model.set_output_embeddings(
+            quant.QuantLinear(embedding.weight, embedding.fmt, embedding.embedding_dim, bias, embedding.arithmetic)
+        )
     elif type(head) is nn.Linear and head.weight.is_meta:
         model.tie_weights()

@@ -51,7 +51,9 @@ class FrequentHead(nn.Module):
         self.vocab_size = vocab
         bias = None if head.bias is None else head.bias.detach().index_select(0, ids)
         if isinstance(head, QuantLinear):
-            self.kept = QuantLinear(head.weight.detach().index_select(0, ids), head.fmt, head.in_features, bias)
+            self.kept = QuantLinear(
+                head.weight.detach().index_select(0, ids), head.fmt, head.in_features, bias, head.arithmetic
+            )
         else:
             self.kept = nn.Linear(
                 head.in_features,

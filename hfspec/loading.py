@@ -30,6 +30,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import assets, gguf_meta, gguf_native, head_cut
 from hfspec.cpu import draft_linear, fast
+from hfspec.cpu.int8 import ARITHMETICS
 from hfspec.drafters import Drafter
 from hfspec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from hfspec.drafters.eagle3 import Eagle3Drafter
@@ -63,6 +64,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+ARITHMETIC = "float32"  # what a GGUF target kept in blocks computes, by default (hfspec.cpu.int8)
 DRAFT_BITS = 4  # a draft model's weights in integer arithmetic on CPU, by default (hfspec.cpu.draft_linear)
 
 
@@ -123,6 +125,7 @@ def load_pair(
     fast_kernels: bool = True,
     draft_vocab: int | None = None,
     draft_bits: int | None = DRAFT_BITS,
+    arithmetic: str = ARITHMETIC,
 ) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
     """Load ``(target, draft, tokenizer)`` by hub name, local directory or GGUF file (``hfspec.sources.locate``); the
     draft may be a ``Drafter``.
@@ -145,12 +148,17 @@ def load_pair(
     the output exact); None (the default) keeps the whole head. ``draft_bits`` (4, the default, or 8) runs a draft
     model that sits on CPU with fast kernels on in integer arithmetic (``hfspec.cpu.draft_linear``: weights of that
     many bits, int8 activations): its step streams fewer bytes and computes cheaply, while the output stays
-    exact, since q is whatever the draft computes; None keeps its own weights and arithmetic.
+    exact, since q is whatever the draft computes; None keeps its own weights and arithmetic. ``arithmetic`` is what
+    a target kept in GGUF blocks computes: ``"float32"`` (the default), the dequantized model's products, token for
+    token as transformers loads the file; ``"int8"``, llama.cpp's integer arithmetic on the blocks
+    (``hfspec.cpu.int8``), every row computed alike, so speculation stays exact to that model. A target without
+    blocks ignores it.
     """
     _check_fast_kernels(fast_kernels)
     _check_bool("gguf_native", gguf_native, "False dequantizes GGUF weights as transformers does")
     _check_draft_vocab(draft_vocab)
     _check_draft_bits(draft_bits)
+    _check_arithmetic(arithmetic)
     if device is not None and device_map is not None:
         raise HfspecError("pass device or device_map, not both (device_map='auto' places the target itself)")
     target_dev = _check_device(device, "target")
@@ -177,7 +185,14 @@ def load_pair(
         and _on_cpu(target_dev)
     ):
         target_gguf = assets.offline_target_gguf().name  # the offline target's own GGUF, kept beside its copy
-    target_model = _load_lm(target_path, "target", target_gguf, native=native and _on_cpu(target_dev), **target_kwargs)
+    target_model = _load_lm(
+        target_path,
+        "target",
+        target_gguf,
+        native=native and _on_cpu(target_dev),
+        arithmetic=arithmetic,
+        **target_kwargs,
+    )
     if target_dev is not None:
         target_model.to(target_dev)
 
@@ -233,6 +248,14 @@ def _cut_draft_head(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase |
         report.vocab,
         report.bytes_saved / 1e6,
     )
+
+
+def _check_arithmetic(value: Any) -> None:
+    if value not in ARITHMETICS:
+        raise HfspecError(
+            f"arithmetic must be 'int8' (llama.cpp's integer arithmetic on a GGUF target's blocks) or 'float32' "
+            f"(the dequantized model's), got {value!r}"
+        )
 
 
 def _check_draft_bits(value: Any) -> None:
@@ -301,9 +324,11 @@ def _on_cpu(device: torch.device | None) -> bool:
     return device is None or device.type == "cpu"
 
 
-def _load_lm(path: str, role: str, gguf_file: str | None, *, native: bool, **kwargs: Any) -> PreTrainedModel:
+def _load_lm(
+    path: str, role: str, gguf_file: str | None, *, native: bool, arithmetic: str = "float32", **kwargs: Any
+) -> PreTrainedModel:
     """A causal LM by path or hub name; a GGUF one with its blocks kept where ``native`` and hfspec can
-    (``hfspec.gguf_native``), else dequantized by transformers."""
+    (``hfspec.gguf_native``, its quantized linears in ``arithmetic``), else dequantized by transformers."""
     if gguf_file is not None and native:
         model = gguf_native.load(
             path,
@@ -312,10 +337,13 @@ def _load_lm(path: str, role: str, gguf_file: str | None, *, native: bool, **kwa
             dtype=kwargs.get("dtype", "auto"),
             revision=kwargs.get("revision"),
             trust_remote_code=kwargs.get("trust_remote_code", False),
+            arithmetic=arithmetic,
         )
         if model is not None:
             check_causal_lm(model, role)
             return model
+    if arithmetic != "float32":
+        log.info("%s: %s arithmetic applies to GGUF blocks kept on CPU; this %s has none", role, arithmetic, role)
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
     return load_model(path, role, **kwargs)

@@ -70,6 +70,7 @@ class Preset:
     fast_kernels: bool = True  # run both models on hfspec's CPU kernel where they sit on CPU (hfspec.fast)
     draft_bits: int | str | None = None  # the draft's integer arithmetic on CPU: 4, 8 or "off" (None: load_pair's 4)
     draft_vocab: int | None = None  # keep the draft's head to the N most frequent tokens (None: the whole vocabulary)
+    arithmetic: str | None = None  # a GGUF target's on CPU: "int8" or "float32" (None: load_pair's "float32")
     source: str = ""  # the file it was read from (filled in by load_preset)
 
     def load_kwargs(self) -> dict[str, Any]:
@@ -81,7 +82,7 @@ class Preset:
             kwargs["gguf_native"] = False
         if self.draft_bits is not None:
             kwargs["draft_bits"] = None if self.draft_bits == "off" else self.draft_bits
-        for name in ("draft_dtype", "gguf_file", "draft_gguf_file", "revision", "draft_vocab"):
+        for name in ("draft_dtype", "gguf_file", "draft_gguf_file", "revision", "draft_vocab", "arithmetic"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         return kwargs
@@ -112,6 +113,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "gguf_native": (bool,),
     "draft_bits": (int, str),
     "draft_vocab": (int,),
+    "arithmetic": (str,),
 }
 ALLOWED_KEYS = tuple(_TYPES)
 
@@ -184,6 +186,8 @@ def _check_values(path: Path, data: dict[str, Any]) -> None:
         raise bad("repetition_penalty", "> 0")
     if data.get("draft_bits") is not None and data["draft_bits"] not in (4, 8, "off"):
         raise bad("draft_bits", '4, 8 or "off"')
+    if data.get("arithmetic") is not None and data["arithmetic"] not in ("int8", "float32"):
+        raise bad("arithmetic", '"int8" or "float32"')
     if data.get("draft_vocab") is not None and data["draft_vocab"] < 1:
         raise bad("draft_vocab", "an integer >= 1 (a number of tokens)")
     for key in ("name", "target", "draft"):

@@ -64,9 +64,11 @@ def write(
     tied: bool = False,
     seed: int = 0,
     name: str = "model.gguf",
+    sharpness: float = 1.0,
 ) -> Path:
     """Write ``directory/name`` (and the tiny tokenizer beside it); ``fmt`` is one format for every linear and the
-    embedding, or a format per GGUF tensor kind (``"ffn_down"``, ``"token_embd"``, ..., ``"*"`` for the rest)."""
+    embedding, or a format per GGUF tensor kind (``"ffn_down"``, ``"token_embd"``, ..., ``"*"`` for the rest).
+    ``sharpness`` scales an untied output layer, so that next-token distributions are far from uniform."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = tiny.make_config(arch, vocab, hidden=hidden, layers=layers)
@@ -105,7 +107,7 @@ def write(
     add("token_embd.weight", sd["model.embed_tokens.weight"], "token_embd")
     add("output_norm.weight", sd["model.norm.weight"])
     if not tied:
-        add("output.weight", sd["lm_head.weight"], "output")
+        add("output.weight", sd["lm_head.weight"] * sharpness, "output")
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     for i in range(layers):
         p = f"model.layers.{i}."

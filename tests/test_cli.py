@@ -56,6 +56,7 @@ GENERATE_FLAGS = [
     "--draft-vocab",
     "--draft-bits",
     "--threads",
+    "--arithmetic",
 ]
 PROMPTS = ["w10 w11 w12", "w30", "w20 w21 w22 w23 w24 w25 w26"]  # different lengths, so batches are padded
 
@@ -123,6 +124,14 @@ def test_draft_vocab_takes_a_count(capsys):
     assert code == 2 and "expected a number of tokens >= 1" in err
     assert cli._load_kwargs(parser.parse_args(["generate", "x", "--draft-bits", "off"]))["draft_bits"] is None
     assert cli._load_kwargs(parser.parse_args(["generate", "x", "--draft-bits", "8"]))["draft_bits"] == 8
+
+
+def test_arithmetic_is_passed_on_only_when_given(capsys):
+    parser = cli.build_parser()
+    assert "arithmetic" not in cli._load_kwargs(parser.parse_args(["generate", "x"]))
+    assert cli._load_kwargs(parser.parse_args(["generate", "x", "--arithmetic", "int8"]))["arithmetic"] == "int8"
+    code, _, err = run(capsys, "generate", "x", "--arithmetic", "int4")
+    assert code == 2 and "invalid choice" in err
 
 
 def test_no_command_prints_help_and_fails(capsys):

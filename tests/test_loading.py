@@ -208,6 +208,16 @@ def test_preset_sets_the_drafts_arithmetic_and_vocabulary(tmp_path, bits, want):
     }
 
 
+def test_preset_sets_the_targets_arithmetic(tmp_path):
+    path = write(tmp_path / "p.json", json.dumps({"name": "p", "target": "t", "draft": "d", "arithmetic": "int8"}))
+    assert load_preset(path).load_kwargs()["arithmetic"] == "int8"
+
+
+def test_load_pair_refuses_an_unknown_arithmetic():
+    with pytest.raises(HfspecError, match="arithmetic must be 'int8'"):
+        load_pair("t", "d", arithmetic="int4")
+
+
 def test_preset_unknown_key_is_named_with_the_allowed_ones(tmp_path):
     path = write(tmp_path / "p.json", '{"name": "p", "target": "t", "draft": "d", "gama": 3}')
     with pytest.raises(HfspecError) as err:
@@ -243,6 +253,7 @@ def test_preset_bad_json_names_file_and_line(tmp_path):
         ("draft_bits", "on", '4, 8 or "off"'),
         ("draft_vocab", 0, ">= 1"),
         ("draft_vocab", 1.5, "int"),
+        ("arithmetic", "int4", '"int8" or "float32"'),
     ],
 )
 def test_preset_bad_values(tmp_path, key, value, rule):

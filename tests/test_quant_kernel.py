@@ -136,4 +136,9 @@ def test_quantize_linear_builds_the_gguf_packages_blocks(library, qk, name):
 def test_quantized_layers_are_described(qk):
     fmt, k, blocks = case("Q8_0")
     model = nn.Sequential(quant.QuantEmbedding(blocks, fmt, k), quant.QuantLinear(blocks, fmt, k))
-    assert quant.describe(model) == {"layers": 1, "formats": {"Q8_0": 1, "Q8_0 embedding": 1}, "bytes": blocks.numel()}
+    assert quant.describe(model) == {
+        "layers": 1,
+        "formats": {"Q8_0": 1, "Q8_0 embedding": 1},
+        "bytes": blocks.numel(),
+        "arithmetic": "float32",
+    }

@@ -71,6 +71,9 @@ HEADERS = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.h"))) 
 # -march=native picks AVX-512 or AVX2+FMA for this CPU (the cache key holds the CPU's flags);
 # no -ffast-math, so every sum is IEEE fp32 (FMA contraction aside).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# Sources whose float steps are a definition to match bit for bit, each product and sum rounded on its own: the
+# compiler may not fuse them into FMAs (GCC's default -ffp-contract=fast would).
+SOURCE_FLAGS = {"int8.cpp": ("-ffp-contract=off",)}
 BUILD_TIMEOUT_S = 120
 
 # Weight dtypes the kernel reads; inputs, bias and output are fp32 (bf16 activations are widened).
@@ -141,6 +144,7 @@ def library_path(cxx: str | None = None) -> Path:
                 *(s.read_bytes() for s in SOURCES + HEADERS),
                 cxx.encode(),
                 " ".join(FLAGS).encode(),
+                json.dumps(SOURCE_FLAGS, sort_keys=True).encode(),
                 _cpu_flags().encode(),
             ]
         )
@@ -205,7 +209,10 @@ def _compile(cxx: str, out: Path) -> None:
     one is ended with everything it started; all share one deadline."""
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     objects = [out.with_name(f"{out.name}.{source.stem}.o") for source in SOURCES]
-    jobs = [[cxx, *FLAGS, "-c", "-o", str(obj), str(source)] for source, obj in zip(SOURCES, objects)]
+    jobs = [
+        [cxx, *FLAGS, *SOURCE_FLAGS.get(source.name, ()), "-c", "-o", str(obj), str(source)]
+        for source, obj in zip(SOURCES, objects)
+    ]
     try:
         running: list[subprocess.Popen] = []
         for job in jobs:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hfspec.cpu import kernels
+from hfspec.cpu import int8, kernels
 from hfspec.cpu import plan as kernel_plan
 
 __all__ = [
@@ -108,6 +108,7 @@ class QuantKernel:
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _KERNEL: QuantKernel | None = None  # what kernel() bound, read on every forward
+_INT8: int8.Int8Kernel | None = None  # the int8 entry of the same library, read on every int8 forward
 
 
 @functools.cache
@@ -136,11 +137,12 @@ def _bind(library: kernels.KernelLibrary) -> QuantKernel | str:
 def kernel() -> QuantKernel | None:
     """The quantized kernel (built with the fp32 one on first use), or None where it is off: ``HFSPEC_KERNELS=0``,
     no compiler, or no vector instructions (:func:`unavailable` says why)."""
-    global _KERNEL
+    global _KERNEL, _INT8
     if unavailable() is not None:
         return None
     found = _bind(kernels.load())
     _KERNEL = found if isinstance(found, QuantKernel) else None
+    _INT8 = int8.kernel() if _KERNEL is not None else None
     return _KERNEL
 
 
@@ -261,12 +263,23 @@ def _blocks_parameter(blocks: torch.Tensor) -> nn.Parameter:
 class QuantLinear(nn.Module):
     """``nn.Linear`` whose weight stays in GGUF blocks: ``weight`` (out_features, bytes per row) uint8.
 
-    Its forward runs the quantized kernel on CPU (inputs of any float dtype are summed in fp32 and cast back), and
-    torch's path (dequantize, then ``F.linear``) where the kernel is off or autograd needs the graph.
+    ``arithmetic`` says what its forward computes. ``"float32"``: the dequantized weight times the input, on the
+    quantized kernel on CPU (inputs of any float dtype are summed in fp32 and cast back), and torch's path
+    (dequantize, then ``F.linear``) where the kernel is off or autograd needs the graph. ``"int8"``: llama.cpp's
+    integer arithmetic (:mod:`hfspec.cpu.int8`), on the int8 kernel, or its torch reference where the kernel is
+    off; it has no gradient.
     """
 
-    def __init__(self, blocks: torch.Tensor, fmt: Format | str, in_features: int, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        fmt: Format | str,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        arithmetic: str = "float32",
+    ):
         super().__init__()
+        self.arithmetic = int8.check_arithmetic(arithmetic)
         fmt = fmt if isinstance(fmt, Format) else format_of(fmt)
         if fmt is None:
             raise ValueError(f"no quantized kernel for this format; use one of {', '.join(FORMATS)}")
@@ -298,6 +311,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         qk, b, k = _KERNEL, self.bias, self.in_features
+        if self.arithmetic == "int8":
+            kernel = _INT8 if input.is_cpu and self.weight.is_cpu else None
+            bias = None if b is None else b.to(input.device)
+            return int8.linear(input, self.weight, self.fmt.name, self.fmt.type, bias, kernel).to(input.dtype)
         if (
             qk is None
             or not input.is_cpu
@@ -318,15 +335,27 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}, "
-            f"bias={self.bias is not None}"
+            f"bias={self.bias is not None}, arithmetic={self.arithmetic}"
         )
 
 
 class QuantEmbedding(nn.Module):
-    """``nn.Embedding`` whose table stays in GGUF blocks; a lookup dequantizes only the rows it returns (exactly)."""
+    """``nn.Embedding`` whose table stays in GGUF blocks; a lookup dequantizes only the rows it returns (exactly).
 
-    def __init__(self, blocks: torch.Tensor, fmt: Format | str, embedding_dim: int, dtype: torch.dtype = torch.float32):
+    A lookup is a gather, not a product, so it returns the dequantized rows in either arithmetic (llama.cpp's
+    get_rows does the same); ``arithmetic`` is what a head tied to this table computes in (:class:`QuantLinear`).
+    """
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        fmt: Format | str,
+        embedding_dim: int,
+        dtype: torch.dtype = torch.float32,
+        arithmetic: str = "float32",
+    ):
         super().__init__()
+        self.arithmetic = int8.check_arithmetic(arithmetic)
         fmt = fmt if isinstance(fmt, Format) else format_of(fmt)
         if fmt is None or embedding_dim % fmt.elements or blocks.shape[-1] != fmt.row_bytes(embedding_dim):
             raise ValueError(
@@ -343,7 +372,7 @@ class QuantEmbedding(nn.Module):
         return rows.to(self.out_dtype).reshape(*input.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt.name}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt.name}, arithmetic={self.arithmetic}"
 
 
 def quantized_layers(model: nn.Module) -> list[QuantLinear]:
@@ -352,32 +381,45 @@ def quantized_layers(model: nn.Module) -> list[QuantLinear]:
 
 
 def plan_layers(model: nn.Module, *, progress: bool | None = None) -> int:
-    """Give ``model``'s quantized linears the block shape per row count timed on them (:mod:`hfspec.cpu.plan`: once
-    per machine, threads and model, cached); the number of layers planned (0 where the kernel is off)."""
-    layers = quantized_layers(model)
+    """Give ``model``'s quantized linears in float32 arithmetic the block shape per row count timed on them
+    (:mod:`hfspec.cpu.plan`: once per machine, threads and model, cached); the number of quantized layers on the
+    kernel (0 where it is off; int8 layers have one shape and are counted without timing)."""
+    layers = [layer for layer in quantized_layers(model) if layer.arithmetic == "float32"]
+    integer = len(quantized_layers(model)) - len(layers)
     qk = kernel()
-    if qk is None or not layers:
+    if qk is None:
         return 0
-    plan = kernel_plan.plan_for(qk.library, layers, progress=progress, shapes=qk.shapes, default=default_plan(qk))
-    for layer in layers:
-        layer.plan, layer.plan_threads = plan, torch.get_num_threads()
-    return len(layers)
+    if layers:
+        plan = kernel_plan.plan_for(qk.library, layers, progress=progress, shapes=qk.shapes, default=default_plan(qk))
+        for layer in layers:
+            layer.plan, layer.plan_threads = plan, torch.get_num_threads()
+    return len(layers) + integer
 
 
 def describe(model: nn.Module | None) -> dict[str, object]:
     """What of ``model`` stays quantized: ``layers`` (quantized linears), ``formats`` (layers per format, with a
-    quantized embedding counted as ``"embedding"``), and ``bytes`` of blocks held (a shared table counted once)."""
+    quantized embedding counted as ``"embedding"``), ``bytes`` of blocks held (a shared table counted once), and
+    the ``arithmetic`` its quantized linears run in (``"int8"``, ``"float32"``, ``"mixed"``; None without any)."""
     if model is None:
-        return {"layers": 0, "formats": {}, "bytes": 0}
+        return {"layers": 0, "formats": {}, "bytes": 0, "arithmetic": None}
     formats: Counter[str] = Counter()
     held: dict[int, int] = {}
+    arithmetics: set[str] = set()
     layers = 0
     for m in model.modules():
         if isinstance(m, (QuantLinear, QuantEmbedding)):
             formats[m.fmt.name if isinstance(m, QuantLinear) else f"{m.fmt.name} embedding"] += 1
-            layers += isinstance(m, QuantLinear)
+            if isinstance(m, QuantLinear):
+                layers += 1
+                arithmetics.add(m.arithmetic)
             held[m.weight.data_ptr()] = m.weight.numel()
-    return {"layers": layers, "formats": dict(sorted(formats.items())), "bytes": sum(held.values())}
+    arithmetic = None if not arithmetics else arithmetics.pop() if len(arithmetics) == 1 else "mixed"
+    return {
+        "layers": layers,
+        "formats": dict(sorted(formats.items())),
+        "bytes": sum(held.values()),
+        "arithmetic": arithmetic,
+    }
 
 
 # The formats the gguf package can quantize to (its quantize_blocks); the K-quants it only dequantizes.

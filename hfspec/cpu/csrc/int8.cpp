@@ -1,0 +1,715 @@
+// Linear layers over GGUF blocks in llama.cpp's integer arithmetic: y[M, N] = x[M, K] @ w[N, K]^T (+ b[N]), fp32 x,
+// y and b, the weights as the file stores them (N rows of K / QK blocks).
+//
+// What is computed is defined by hfspec/cpu/int8_reference.py, bit for bit: each input row is quantized on its own
+// into ggml's activation format (Q8_K beside the K-quants, Q8_0 beside Q4_0/Q5_0/Q8_0, Q8_1 beside Q4_1/Q5_1),
+// every block's integer dot product is taken exactly, and the fp32 steps per output run in the reference's order,
+// one rounding each:
+//   32-weight formats:  R = R + float(S) * (dw * da)   [Q4_1/Q5_1: R = R + (float(S) * (dw * da) + mw * sa)]
+//   K-quants:           R = R + float(A) * (d * da)    [Q4_K/Q5_K: then R = R - float(M) * (dmin * da)]
+// R starting at 0 and walking the blocks in order; then y = R + b. This file is compiled with -ffp-contract=off
+// (kernels.py), so no product and sum are fused into an FMA. The integer sums are exact, so their lanes, order and
+// instructions are free: a row's output depends only on that row, whatever the row count, the thread count (threads
+// split the output columns, never K) or the ISA.
+//
+// Integer dots: weight codes are read as unsigned bytes u (Q6_K's 0..63, Q4_K's 0..15, ...), multiplied by the
+// signed activation codes a (|a| <= 127) with maddubs into int16 pairs -- at most 2 * 63 * 127 = 16002, so never
+// saturated -- then scaled per sub-block and summed into int32 with madd (AVX2) or vpdpwssd (AVX-512 VNNI). A code
+// offset (Q6_K's 32) comes off as 32 * sum_j sc_j * bsum_j. Each super-block's codes and scales are unpacked once and
+// used for every input row. On AVX-512 the per-output sums of 16 outputs are gathered into the lanes of one vector by
+// a transposing reduction, so the float steps run 16 outputs per instruction, each lane in the reference's order:
+// up to 8 rows take 16 output columns as lanes, more rows take 16 rows as lanes. (512-bit maddubs and vpdpwssd both
+// issue on one port, so this is 32 multiply-adds per cycle, as two fp32 FMA ports: vpdpbusd with the sub-block
+// scales applied after the reduction would double it.) The 32-weight formats take a portable path (integer loops
+// the compiler vectorizes) in this version.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX2__)
+#define HFSPEC_INT8_AVX512 1
+#elif defined(__AVX2__)
+#define HFSPEC_INT8_AVX2 1
+#endif
+#if defined(HFSPEC_INT8_AVX512) || defined(HFSPEC_INT8_AVX2)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+enum Type { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+inline bool is_k(int t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
+inline int block_elements(int t) { return is_k(t) ? 256 : 32; }
+inline int block_bytes(int t) {
+    switch (t) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q5_0: return 22;
+        case Q5_1: return 24;
+        case Q8_0: return 34;
+        case Q4_K: return 144;
+        case Q5_K: return 176;
+        case Q6_K: return 210;
+    }
+    return 0;
+}
+
+// IEEE half to float, exactly (subnormals included).
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    if (exp == 0) {
+        const float f = (float)man * (1.0f / 16777216.0f);  // zero or subnormal: man * 2^-24, exact
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (exp == 0x1F ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+inline float half_at(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__) && (defined(HFSPEC_INT8_AVX512) || defined(HFSPEC_INT8_AVX2))
+    return _cvtsh_ss(h);  // exact, as half_to_float
+#else
+    return half_to_float(h);
+#endif
+}
+// Float to half, to nearest even (finite f), and back: what torch's .to(float16) gives.
+inline float round_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (x >> 16) & 0x8000;
+    x &= 0x7FFFFFFFu;
+    uint16_t h;
+    if (x >= 0x477FF000u) {
+        h = sign | 0x7C00;  // 65520 and above round to infinity
+    } else if (x < 0x38800000u) {  // below 2^-14: a subnormal half, |f| * 2^24 rounded to nearest even
+        float a;
+        memcpy(&a, &x, 4);
+        h = sign | (uint16_t)nearbyintf(a * 16777216.0f);
+    } else {
+        x += 0xFFFu + ((x >> 13) & 1);
+        h = sign | (uint16_t)((x - (112u << 23)) >> 13);
+    }
+    return half_to_float(h);
+}
+
+// -- activations: each row on its own ---------------------------------------------------------------------------
+
+// The quantized rows of one call: codes (M x K, K apart, in the layout the weight format's dots read), per block
+// the fp32 scale d and (Q8_1) the fp32 value of s, and per 16 codes their sum (Q8_K's bsums).
+struct Acts {
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+    std::vector<int16_t> bsums;
+    // AVX-512, K-quants: per group of 16 rows and super-block, the rows' d in 16 lanes and 8 int32 lanes-vectors of
+    // int16 pairs (Q6_K: bsums 2i, 2i + 1; Q4_K/Q5_K: the 32-code sums 2i, 2i + 1 for i < 4), rows as lanes.
+    std::vector<float> dg;
+    std::vector<int32_t> pairs;
+};
+
+constexpr int GROUP = 16;  // rows per lane-vector in the grouped layout
+constexpr int ROWS = 32;   // input rows per pass: their codes of one super-block (8 KB) stay in L1
+constexpr int GROUPED_MIN = 9;  // from this many rows on, AVX-512 sums K-quant rows 16 at a time
+
+// Q8_K, as ggml's quantize_row_q8_K_ref.
+void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
+    for (int64_t b = 0; b < K / 256; ++b, x += 256, q += 256, bsums += 16) {
+        float amax = 0.0f, top = 0.0f;
+        for (int j = 0; j < 256; ++j) {
+            const float ax = fabsf(x[j]);
+            if (ax > amax) {
+                amax = ax;
+                top = x[j];
+            }
+        }
+        if (amax == 0.0f) {
+            d[b] = 0.0f;
+            memset(q, 0, 256);
+            memset(bsums, 0, 32);
+            continue;
+        }
+        const float iscale = -127.0f / top;
+        for (int j = 0; j < 256; ++j) {
+            const int v = (int)nearbyintf(iscale * x[j]);  // to nearest even in the default rounding mode
+            q[j] = (int8_t)(v > 127 ? 127 : v);
+        }
+        for (int g = 0; g < 16; ++g) {
+            int sum = 0;
+            for (int j = 0; j < 16; ++j) sum += q[16 * g + j];
+            bsums[g] = (int16_t)sum;
+        }
+        d[b] = 1.0f / iscale;
+    }
+}
+
+// Q8_0 as ggml's x86 quantizer makes it (d = amax / 127 stored as fp16; codes from 127 / amax, nearest even), and
+// for Q8_1 s = fp16(d * sum(q)) with the unrounded d. d and s are kept widened to fp32.
+void quantize_q8_0(const float* x, int64_t K, bool with_s, int8_t* q, float* d, float* s) {
+    for (int64_t b = 0; b < K / 32; ++b, x += 32, q += 32) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
+        const float scale = amax / 127.0f, inverse = amax != 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; ++j) {
+            q[j] = (int8_t)(int)nearbyintf(x[j] * inverse);
+            sum += q[j];
+        }
+        d[b] = round_half(scale);
+        if (with_s) s[b] = round_half(scale * (float)sum);
+    }
+}
+
+#if defined(HFSPEC_INT8_AVX512)
+// Q4_K/Q5_K codes of 64 bytes hold elements [64c, +32) in their low nibbles and [64c + 32, +32) in their high ones
+// for c = 2i, 2i + 1; their rows' codes are stored so that one 64-byte load meets each: per 128 elements,
+// [0, 32), [64, 96), [32, 64), [96, 128).
+constexpr bool PAIRED_K4 = true;
+#else
+constexpr bool PAIRED_K4 = false;
+#endif
+
+void pair_k4(int8_t* q, int64_t K) {
+    int8_t tmp[128];
+    for (int64_t o = 0; o < K; o += 128) {
+        memcpy(tmp, q + o, 128);
+        memcpy(q + o + 32, tmp + 64, 32);
+        memcpy(q + o + 64, tmp + 32, 32);
+    }
+}
+
+void quantize(int type, const float* x, int64_t ldx, int64_t M, int64_t K, Acts& a, int threads) {
+    const int64_t blocks = K / block_elements(type);
+    a.q.resize(M * K);
+    a.d.resize(M * blocks);
+    if (is_k(type))
+        a.bsums.resize(M * blocks * 16);
+    else
+        a.s.resize(M * blocks);
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 1 << 16)
+    for (int64_t i = 0; i < M; ++i) {
+        int8_t* q = a.q.data() + i * K;
+        if (is_k(type)) {
+            quantize_q8_k(x + i * ldx, K, q, a.d.data() + i * blocks, a.bsums.data() + i * blocks * 16);
+            if (PAIRED_K4 && type != Q6_K) pair_k4(q, K);
+        } else {
+            quantize_q8_0(x + i * ldx, K, type == Q4_1 || type == Q5_1, q, a.d.data() + i * blocks,
+                          a.s.data() + i * blocks);
+        }
+    }
+#if defined(HFSPEC_INT8_AVX512)
+    if (!is_k(type)) return;
+    const int64_t groups = (M + GROUP - 1) / GROUP;
+    a.dg.assign(groups * blocks * GROUP, 0.0f);
+    a.pairs.assign(groups * blocks * 8 * GROUP, 0);
+    for (int64_t i = 0; i < M; ++i) {
+        const int64_t g = i / GROUP, lane = i % GROUP;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int16_t* bs = a.bsums.data() + (i * blocks + b) * 16;
+            a.dg[(g * blocks + b) * GROUP + lane] = a.d[i * blocks + b];
+            int32_t* out = a.pairs.data() + (g * blocks + b) * 8 * GROUP + lane;
+            for (int j = 0; j < 8; ++j) {
+                int16_t pair[2];
+                if (type == Q6_K) {
+                    pair[0] = bs[2 * j];
+                    pair[1] = bs[2 * j + 1];
+                } else {
+                    pair[0] = j < 4 ? (int16_t)(bs[4 * j] + bs[4 * j + 1]) : 0;
+                    pair[1] = j < 4 ? (int16_t)(bs[4 * j + 2] + bs[4 * j + 3]) : 0;
+                }
+                memcpy(out + j * GROUP, pair, 4);
+            }
+        }
+    }
+#endif
+}
+
+// -- K-quants: A (and M) of one super-block for every row -------------------------------------------------------
+
+// Q4_K/Q5_K's eight 6-bit scales and mins (ggml's get_scale_min_k4).
+inline void scale_min_k4(const uint8_t* s, int* sc, int* mn) {
+    for (int j = 0; j < 8; ++j) {
+        if (j < 4) {
+            sc[j] = s[j] & 63;
+            mn[j] = s[j + 4] & 63;
+        } else {
+            sc[j] = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+            mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+    }
+}
+
+#if defined(HFSPEC_INT8_AVX512)
+// One super-block's codes as unsigned bytes and its sub-block scales as int16 lanes, for four 64-byte pieces that
+// meet a row's codes at offsets 0, 64, 128 and 192 (Q6_K in natural order; Q4_K/Q5_K in the paired order), and the
+// int16 pairs of multipliers for the grouped sums (Q6_K: sc 2i, 2i + 1; Q4_K/Q5_K: m 2i, 2i + 1, i < 4).
+struct KBlock {
+    __m512i u[4], s[4];
+    alignas(32) int32_t mult[8];  // int16 pairs: Q6_K sc 2i, 2i + 1; Q4_K/Q5_K m 2i, 2i + 1 (i < 4, then 0)
+    // The 16 int32 lanes whose sum is sum_j sc_j * sum over sub-block j of u * a.
+    inline __m512i dot(const int8_t* a) const {
+        __m512i acc = _mm512_setzero_si512();
+        for (int p = 0; p < 4; ++p)
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u[p], _mm512_loadu_si512((const void*)(a + 64 * p))),
+                                      s[p]);
+        return acc;
+    }
+};
+
+alignas(64) const int16_t SUB16[2][2][32] = {  // [t][low/high]: lane k -> scale 8t + 4 high + k / 8 (Q6_K)
+    {{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+     {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}},
+    {{8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+     {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13,
+      14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}}};
+alignas(64) const int16_t SUB32[4][32] = {  // piece p: lanes 0-15 scale a, 16-31 scale b (Q4_K/Q5_K, paired)
+    {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
+    {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6},
+    {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+
+template <int T>
+inline void kblock(const uint8_t* w, KBlock& kb) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    if constexpr (T == Q6_K) {
+        const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192))));
+        const __m512i three = _mm512_set1_epi8(3);
+        const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+        for (int t = 0; t < 2; ++t) {
+            const __m512i v = _mm512_loadu_si512((const void*)(w + 64 * t));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + 128 + 32 * t)));
+            // low nibbles: elements 128t + [0, 64), their bits 4-5 from qh bits 0-1 (first 32) and 2-3 (next 32)
+            const __m512i hl = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_lo), three), 4);
+            const __m512i hh = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_hi), three), 4);
+            kb.u[2 * t] = _mm512_or_si512(_mm512_and_si512(v, nib), hl);
+            kb.u[2 * t + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib), hh);
+            kb.s[2 * t] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB16[t][0]), sc);
+            kb.s[2 * t + 1] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB16[t][1]), sc);
+        }
+        _mm256_store_si256((__m256i*)kb.mult, _mm512_castsi512_si256(sc));
+    } else {
+        // ggml's unpacking of the 6-bit scales and mins: bytes 0-7 of ``m`` the scales, 8-15 the mins
+        uint32_t m[4];
+        memcpy(m, w + 4, 12);
+        m[3] = ((m[2] >> 4) & 0x0F0F0F0Fu) | (((m[1] >> 6) & 0x03030303u) << 4);
+        const uint32_t mins_low = m[1] & 0x3F3F3F3Fu;
+        m[1] = (m[2] & 0x0F0F0F0Fu) | (((m[0] >> 6) & 0x03030303u) << 4);
+        m[2] = mins_low;
+        m[0] &= 0x3F3F3F3Fu;
+        const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)m)));
+        const uint8_t* mn = (const uint8_t*)(m + 2);
+        const uint8_t* qs = w + (T == Q4_K ? 16 : 48);
+        __m512i qh = _mm512_setzero_si512();
+        if constexpr (T == Q5_K) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + 16)));
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        for (int i = 0; i < 2; ++i) {
+            const __m512i v = _mm512_loadu_si512((const void*)(qs + 64 * i));
+            kb.u[2 * i] = _mm512_and_si512(v, nib);
+            kb.u[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            if constexpr (T == Q5_K) {  // bit 2c of qh[l]: element 64c + l; bit 2c + 1: element 64c + 32 + l
+                const __m512i bl = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * i))),
+                                                      _mm256_set1_epi8((char)(1 << (4 * i + 2))), 1);
+                const __m512i bh = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * i + 1))),
+                                                      _mm256_set1_epi8((char)(1 << (4 * i + 3))), 1);
+                kb.u[2 * i] = _mm512_or_si512(kb.u[2 * i], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bl), sixteen));
+                kb.u[2 * i + 1] =
+                    _mm512_or_si512(kb.u[2 * i + 1], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bh), sixteen));
+            }
+            kb.s[2 * i] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB32[2 * i]), sc);
+            kb.s[2 * i + 1] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB32[2 * i + 1]), sc);
+        }
+        _mm256_store_si256((__m256i*)kb.mult, _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)mn))));
+    }
+}
+
+// Lane r: the sum of v[r]'s 16 lanes (integer adds: exact in any order).
+inline __m512i reduce16(__m512i* v) {
+    __m512i b[8], c[4];
+    for (int i = 0; i < 8; ++i)
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
+                                _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+    const __m512i e01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88), _mm512_shuffle_i32x4(c[0], c[1], 0xDD));
+    const __m512i e23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x88), _mm512_shuffle_i32x4(c[2], c[3], 0xDD));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(e01, e23, 0x88), _mm512_shuffle_i32x4(e01, e23, 0xDD));
+}
+
+// acc[c][r] += the reference's steps for super-block b, output column c < C, rows r < R (m0 a multiple of GROUP):
+// A, M and the float steps for 16 rows at a time, rows as lanes; each lane runs the reference's order.
+template <int T>
+void k_block_grouped(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
+                     int64_t b, float (*acc)[ROWS]) {
+    const int64_t blocks = K / 256;
+    for (int c = 0; c < C; ++c) {
+        const uint8_t* wb = w + c * ldw + b * (T == Q4_K ? 144 : T == Q5_K ? 176 : 210);
+        KBlock kb;
+        kblock<T>(wb, kb);
+        const __m512 d = _mm512_set1_ps(half_at(wb + (T == Q6_K ? 208 : 0)));
+        const __m512 dmin = _mm512_set1_ps(T == Q6_K ? 0.0f : half_at(wb + 2));
+        for (int g0 = 0; g0 < R; g0 += GROUP) {
+            const int rows = R - g0 < GROUP ? R - g0 : GROUP;
+            const int64_t g = (m0 + g0) / GROUP;
+            __m512i v[GROUP];
+            for (int r = 0; r < GROUP; ++r)
+                v[r] = r < rows ? kb.dot(a.q.data() + (m0 + g0 + r) * K + b * 256) : _mm512_setzero_si512();
+            __m512i dots = reduce16(v), mins = _mm512_setzero_si512();
+            const int32_t* pairs = a.pairs.data() + (g * blocks + b) * 8 * GROUP;
+            for (int j = 0; j < (T == Q6_K ? 8 : 4); ++j)
+                mins = _mm512_add_epi32(mins, _mm512_madd_epi16(_mm512_loadu_si512((const void*)(pairs + j * GROUP)),
+                                                                _mm512_set1_epi32(kb.mult[j])));
+            if constexpr (T == Q6_K) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(mins, 5));
+            const __m512 da = _mm512_loadu_ps(a.dg.data() + (g * blocks + b) * GROUP);
+            float* out = acc[c] + g0;
+            __m512 sum = _mm512_loadu_ps(out);
+            sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d, da)));
+            if constexpr (T != Q6_K)
+                sum = _mm512_sub_ps(sum, _mm512_mul_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dmin, da)));
+            _mm512_storeu_ps(out, sum);
+        }
+    }
+}
+
+// The whole tile for a few rows (R < GROUPED_MIN): output columns as lanes, 16 at a time, so one transposing
+// reduction serves 16 columns and the float steps run 16 columns per instruction, each lane in the reference's order.
+template <int T>
+void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
+                  float (*acc)[ROWS]) {
+    constexpr int NB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+    const int64_t blocks = K / 256;
+    __m512 sum[GROUPED_MIN - 1];
+    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m512i v[GROUPED_MIN - 1][GROUP];
+        alignas(64) int32_t mins[GROUPED_MIN - 1][GROUP] = {};
+        alignas(64) float d[GROUP] = {}, dmin[GROUP] = {};
+        for (int c = 0; c < GROUP; ++c) {
+            if (c >= C) {
+                for (int r = 0; r < R; ++r) v[r][c] = _mm512_setzero_si512();
+                continue;
+            }
+            const uint8_t* wb = w + c * ldw + b * NB;
+            KBlock kb;
+            kblock<T>(wb, kb);
+            d[c] = half_at(wb + (T == Q6_K ? 208 : 0));
+            if constexpr (T != Q6_K) dmin[c] = half_at(wb + 2);
+            const __m256i mult = _mm256_load_si256((const __m256i*)kb.mult);
+            for (int r = 0; r < R; ++r) {
+                const int16_t* bs = a.bsums.data() + ((m0 + r) * blocks + b) * 16;
+                v[r][c] = kb.dot(a.q.data() + (m0 + r) * K + b * 256);
+                const __m256i b16 = _mm256_loadu_si256((const __m256i*)bs);
+                if constexpr (T == Q6_K) {  // the offset 32: minus 32 * sum_j sc_j * bsum_j
+                    const __m256i off = _mm256_madd_epi16(mult, b16);
+                    v[r][c] = _mm512_sub_epi32(v[r][c],
+                                               _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_slli_epi32(off, 5), 0));
+                } else {  // M = sum_j m_j * (bsum 2j + bsum 2j + 1)
+                    const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(b16), _mm256_extracti128_si256(b16, 1));
+                    const __m128i prod = _mm_madd_epi16(_mm256_castsi256_si128(mult), pairs);
+                    const __m128i h = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0x4E));
+                    mins[r][c] = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+                }
+            }
+        }
+        const __m512 dv = _mm512_load_ps(d), dminv = _mm512_load_ps(dmin);
+        for (int r = 0; r < R; ++r) {
+            const __m512 da = _mm512_set1_ps(a.d[(m0 + r) * blocks + b]);
+            sum[r] = _mm512_add_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16(v[r])), _mm512_mul_ps(dv, da)));
+            if constexpr (T != Q6_K)
+                sum[r] = _mm512_sub_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)mins[r])),
+                                                             _mm512_mul_ps(dminv, da)));
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        alignas(64) float out[GROUP];
+        _mm512_store_ps(out, sum[r]);
+        for (int c = 0; c < C; ++c) acc[c][r] = out[c];
+    }
+}
+#endif
+
+// For rows r < R of a super-block: A[r] = sum_j sc_j * S_j (signed weights) and, Q4_K/Q5_K, M[r] = sum_j m_j *
+// (sum of the row's codes over sub-block j). q: the rows' codes of this super-block, K apart; bs: their bsums,
+// ldb apart.
+template <int T>
+void k_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, const int16_t* bs, int64_t ldb, int32_t* A,
+            int32_t* M) {
+    int sc[16], mn[8] = {0};
+    if constexpr (T == Q6_K) {
+        for (int j = 0; j < 16; ++j) sc[j] = (int8_t)w[192 + j];
+    } else {
+        scale_min_k4(w + 4, sc, mn);
+    }
+    if constexpr (T != Q6_K) {
+        for (int r = 0; r < R; ++r) {
+            const int16_t* b = bs + r * ldb;
+            int32_t m = 0;
+            for (int j = 0; j < 8; ++j) m += mn[j] * (b[2 * j] + b[2 * j + 1]);
+            M[r] = m;
+        }
+    }
+#if defined(HFSPEC_INT8_AVX512)
+    KBlock kb;
+    kblock<T>(w, kb);
+    for (int r = 0; r < R; ++r) {
+        __m512i acc = kb.dot(q + r * K);
+        if constexpr (T == Q6_K) {
+            const __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192))),
+                                                  _mm256_loadu_si256((const __m256i*)(bs + r * ldb)));
+            acc = _mm512_sub_epi32(acc, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_slli_epi32(off, 5), 0));
+        }
+        A[r] = _mm512_reduce_add_epi32(acc);
+    }
+    return;
+#elif defined(HFSPEC_INT8_AVX2)
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    __m256i u[8], s[8];  // codes and int16 scales for elements [32p, 32p + 32), natural order
+    if constexpr (T == Q6_K) {
+        const __m256i three = _mm256_set1_epi8(3);
+        for (int t = 0; t < 2; ++t) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i*)(w + 128 + 32 * t));
+            for (int g = 0; g < 2; ++g) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * t + 32 * g));
+                const __m256i hl = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), three), 4);
+                const __m256i hh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4 + 2 * g), three), 4);
+                u[4 * t + g] = _mm256_or_si256(_mm256_and_si256(v, nib), hl);
+                u[4 * t + 2 + g] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), hh);
+            }
+        }
+        for (int p = 0; p < 8; ++p)
+            s[p] = _mm256_set_m128i(_mm_set1_epi16((short)sc[2 * p + 1]), _mm_set1_epi16((short)sc[2 * p]));
+    } else {
+        const uint8_t* qs = w + (T == Q4_K ? 16 : 48);
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(w + 16));
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+            u[2 * c] = _mm256_and_si256(v, nib);
+            u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            if constexpr (T == Q5_K) {
+                u[2 * c] = _mm256_or_si256(
+                    u[2 * c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+                u[2 * c + 1] = _mm256_or_si256(
+                    u[2 * c + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+            }
+        }
+        for (int p = 0; p < 8; ++p) s[p] = _mm256_set1_epi16((short)sc[p]);
+    }
+    __m256i sc16 = _mm256_setzero_si256();
+    if constexpr (T == Q6_K) sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192)));
+    for (int r = 0; r < R; ++r) {
+        const int8_t* a = q + r * K;
+        __m256i acc = _mm256_setzero_si256();
+        for (int p = 0; p < 8; ++p)
+            acc = _mm256_add_epi32(
+                acc, _mm256_madd_epi16(
+                         _mm256_maddubs_epi16(u[p], _mm256_loadu_si256((const __m256i*)(a + 32 * p))), s[p]));
+        if constexpr (T == Q6_K) {
+            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(bs + r * ldb)));
+            acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(off, 5));
+        }
+        const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+        const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+        A[r] = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
+    }
+    return;
+#else
+    int8_t wv[256];
+    if constexpr (T == Q6_K) {
+        for (int t = 0; t < 2; ++t)
+            for (int l = 0; l < 32; ++l) {
+                const uint8_t* ql = w + 64 * t;
+                const uint8_t qh = w[128 + 32 * t + l];
+                wv[128 * t + l] = (int8_t)(((ql[l] & 15) | ((qh & 3) << 4)) - 32);
+                wv[128 * t + l + 32] = (int8_t)(((ql[l + 32] & 15) | (((qh >> 2) & 3) << 4)) - 32);
+                wv[128 * t + l + 64] = (int8_t)(((ql[l] >> 4) | (((qh >> 4) & 3) << 4)) - 32);
+                wv[128 * t + l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh >> 6) & 3) << 4)) - 32);
+            }
+    } else {
+        const uint8_t* qs = w + (T == Q4_K ? 16 : 48);
+        for (int c = 0; c < 4; ++c)
+            for (int l = 0; l < 32; ++l) {
+                int lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
+                if constexpr (T == Q5_K) {
+                    lo |= ((w[16 + l] >> (2 * c)) & 1) << 4;
+                    hi |= ((w[16 + l] >> (2 * c + 1)) & 1) << 4;
+                }
+                wv[64 * c + l] = (int8_t)lo;
+                wv[64 * c + 32 + l] = (int8_t)hi;
+            }
+    }
+    constexpr int sub = T == Q6_K ? 16 : 32;
+    for (int r = 0; r < R; ++r) {
+        const int8_t* a = q + r * K;
+        int32_t total = 0;
+        for (int j = 0; j < 256 / sub; ++j) {
+            int32_t dot = 0;
+            for (int e = 0; e < sub; ++e) dot += wv[sub * j + e] * a[sub * j + e];
+            total += sc[j] * dot;
+        }
+        A[r] = total;
+    }
+#endif
+}
+
+// -- 32-weight formats: S of one block for every row -------------------------------------------------------------
+
+template <int T>
+void block_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, int32_t* S) {
+    int8_t wv[32];
+    if constexpr (T == Q8_0) {
+        memcpy(wv, w + 2, 32);
+    } else {
+        const uint8_t* qs = w + (T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8);
+        uint32_t qh = 0;
+        if constexpr (T == Q5_0 || T == Q5_1) memcpy(&qh, w + (T == Q5_0 ? 2 : 4), 4);
+        const int offset = T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0;
+        for (int j = 0; j < 16; ++j) {
+            int lo = qs[j] & 15, hi = qs[j] >> 4;
+            if constexpr (T == Q5_0 || T == Q5_1) {
+                lo |= ((qh >> j) & 1) << 4;
+                hi |= ((qh >> (j + 16)) & 1) << 4;
+            }
+            wv[j] = (int8_t)(lo - offset);
+            wv[j + 16] = (int8_t)(hi - offset);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const int8_t* a = q + r * K;
+        int32_t dot = 0;
+        for (int e = 0; e < 32; ++e) dot += wv[e] * a[e];
+        S[r] = dot;
+    }
+}
+
+// -- the layer ---------------------------------------------------------------------------------------------------
+
+constexpr int COLS = 16;  // output columns per tile: each block of activations is used for all of them
+
+template <int T>
+constexpr int nbytes() {
+    return T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : T == Q8_0 ? 34 : T == Q4_K ? 144
+         : T == Q5_K ? 176 : 210;
+}
+
+// acc[c][r] = the reference's R for output column c < C of the tile at w (ldw bytes apart) and input row m0 + r.
+template <int T>
+void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K, float (*acc)[ROWS]) {
+    constexpr bool k = T == Q4_K || T == Q5_K || T == Q6_K;
+    constexpr int E = k ? 256 : 32;
+    const int64_t blocks = K / E;
+    int32_t dots[ROWS], mins[ROWS];
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < ROWS; ++r) acc[c][r] = 0.0f;
+#if defined(HFSPEC_INT8_AVX512)
+    if constexpr (k)
+        if (R < GROUPED_MIN) return tile_columns<T>(w, ldw, C, a, m0, R, K, acc);
+#endif
+    for (int64_t b = 0; b < blocks; ++b) {
+#if defined(HFSPEC_INT8_AVX512)
+        if constexpr (k)
+            if (R >= GROUPED_MIN) {
+                k_block_grouped<T>(w, ldw, C, a, m0, R, K, b, acc);
+                continue;
+            }
+#endif
+        const int8_t* q = a.q.data() + m0 * K + b * E;
+        const float* da = a.d.data() + b;
+        for (int c = 0; c < C; ++c) {
+            const uint8_t* wb = w + c * ldw + b * nbytes<T>();
+            float* out = acc[c];
+            if constexpr (k) {
+                k_dots<T>(wb, R, q, K, a.bsums.data() + (m0 * blocks + b) * 16, blocks * 16, dots, mins);
+                const float d = half_at(wb + (T == Q6_K ? 208 : 0));
+                const float dmin = T == Q6_K ? 0.0f : half_at(wb + 2);
+                for (int r = 0; r < R; ++r) {
+                    const float row_d = da[(m0 + r) * blocks];
+                    const float scale = d * row_d;
+                    const float step = (float)dots[r] * scale;
+                    out[r] = out[r] + step;
+                    if constexpr (T != Q6_K) {
+                        const float mscale = dmin * row_d;
+                        const float mstep = (float)mins[r] * mscale;
+                        out[r] = out[r] - mstep;
+                    }
+                }
+            } else {
+                block_dots<T>(wb, R, q, K, dots);
+                const float d = half_at(wb);
+                const float m = T == Q4_1 || T == Q5_1 ? half_at(wb + 2) : 0.0f;
+                for (int r = 0; r < R; ++r) {
+                    const float scale = d * da[(m0 + r) * blocks];
+                    float step = (float)dots[r] * scale;
+                    if constexpr (T == Q4_1 || T == Q5_1) {
+                        const float mstep = m * a.s[(m0 + r) * blocks + b];
+                        step = step + mstep;
+                    }
+                    out[r] = out[r] + step;
+                }
+            }
+        }
+    }
+}
+
+template <int T>
+void linear(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const float* bias, float* y, int64_t ldy,
+            int64_t M, int64_t N, int64_t K, int threads) {
+    Acts a;
+    quantize(T, x, ldx, M, K, a, threads);
+    const int64_t tiles = (N + COLS - 1) / COLS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t n0 = t * COLS;
+        const int C = (int)(N - n0 < COLS ? N - n0 : COLS);
+        float acc[COLS][ROWS];
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const int R = (int)(M - m0 < ROWS ? M - m0 : ROWS);
+            tile<T>(w + n0 * ldw, ldw, C, a, m0, R, K, acc);
+            for (int c = 0; c < C; ++c)
+                for (int r = 0; r < R; ++r)
+                    y[(m0 + r) * ldy + n0 + c] = bias ? acc[c][r] + bias[n0 + c] : acc[c][r];
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* hfspec_int8_isa() {
+#if defined(HFSPEC_INT8_AVX512)
+    return "avx512vnni";
+#elif defined(HFSPEC_INT8_AVX2)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
+
+// y (M rows, ldy apart) = x (M rows, ldx apart) @ w^T + bias in the arithmetic above, for w N rows (ldw bytes apart)
+// of ggml type ``type`` blocks over K. Returns 0 (and computes nothing) for a type it does not read or a K that is
+// not a whole number of blocks.
+int hfspec_int8_linear(int type, const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const float* bias,
+                       float* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    if (block_bytes(type) == 0 || K % block_elements(type) != 0) return 0;
+    switch (type) {
+        case Q4_0: linear<Q4_0>(x, ldx, w, ldw, bias, y, ldy, M, N, K, threads); break;
+        case Q4_1: linear<Q4_1>(x, ldx, w, ldw, bias, y, ldy, M, N, K, threads); break;
+        case Q5_0: linear<Q5_0>(x, ldx, w, ldw, bias, y, ldy, M, N, K, threads); break;
+        case Q5_1: linear<Q5_1>(x, ldx, w, ldw, bias, y, ldy, M, N, K, threads); break;
+        case Q8_0: linear<Q8_0>(x, ldx, w, ldw, bias, y, ldy, M, N, K, threads); break;
+        case Q4_K: linear<Q4_K>(x, ldx, w, ldw, bias, y, ldy, M, N, K, threads); break;
+        case Q5_K: linear<Q5_K>(x, ldx, w, ldw, bias, y, ldy, M, N, K, threads); break;
+        case Q6_K: linear<Q6_K>(x, ldx, w, ldw, bias, y, ldy, M, N, K, threads); break;
+    }
+    return 1;
+}
+
+}

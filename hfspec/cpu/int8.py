@@ -1,0 +1,96 @@
+"""GGUF linears in llama.cpp's integer arithmetic on hfspec's CPU kernel (``csrc/int8.cpp``).
+
+Each input row is quantized on its own to 8-bit codes (Q8_K beside the K-quants, Q8_0/Q8_1 beside the others, as
+ggml pairs them), multiplied with the file's weight codes in integers, and scaled in fp32 in one fixed order per
+output (:mod:`hfspec.cpu.int8_reference` defines every bit). So a row's output does not depend on the rows beside
+it, their count or the thread count, and speculative decoding over such a target gives exactly its plain
+decoding. Where the kernel cannot run, :func:`linear` computes the reference in torch (the same bits, slowly).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from hfspec.cpu import int8_reference, kernels
+
+__all__ = ["ARITHMETICS", "Int8Kernel", "check_arithmetic", "kernel", "linear"]
+
+# The arithmetics a quantized layer runs in: llama.cpp's integer one, or float32 on the dequantized weights.
+ARITHMETICS = ("int8", "float32")
+
+
+def check_arithmetic(arithmetic: str) -> str:
+    """``arithmetic`` if it is one of :data:`ARITHMETICS`, else a ``ValueError`` that names them."""
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(
+            f"arithmetic must be 'int8' (llama.cpp's integer arithmetic on the GGUF blocks) or 'float32' (the "
+            f"dequantized model's), got {arithmetic!r}"
+        )
+    return arithmetic
+
+
+class Int8Kernel:
+    """The library's int8 entry and the ISA it was built for."""
+
+    def __init__(self, library: kernels.KernelLibrary):
+        self.isa = library.function("hfspec_int8_isa", [], ctypes.c_char_p)().decode()
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.entry = library.function(
+            "hfspec_int8_linear",
+            [ctypes.c_int, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int],
+            ctypes.c_int,
+        )
+
+    def __deepcopy__(self, memo: dict) -> Int8Kernel:
+        return self  # process state, as the library
+
+
+@functools.cache
+def _bind(library: kernels.KernelLibrary) -> Int8Kernel:
+    return Int8Kernel(library)
+
+
+def kernel() -> Int8Kernel | None:
+    """The int8 kernel, or None where hfspec's CPU kernel is off or cannot be built."""
+    library = kernels.load()
+    return None if library is None else _bind(library)
+
+
+def linear(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    fmt: str,
+    ggml_type: int,
+    bias: torch.Tensor | None = None,
+    kernel: Int8Kernel | None = None,
+) -> torch.Tensor:
+    """``x`` (..., K) times the ``fmt`` weight in ``blocks`` (N, bytes per row, unit stride along a row) in integer
+    arithmetic, plus ``bias`` (fp32, N): fp32 (..., N). On ``kernel`` where given, else in torch."""
+    k, n = x.shape[-1], blocks.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+        x2 = x2.float().contiguous()
+    if kernel is None or not (x2.is_cpu and blocks.is_cpu) or blocks.stride(1) != 1:
+        out = int8_reference.linear(x2.cpu(), blocks.cpu(), fmt, None if bias is None else bias.cpu())
+        return out.to(x.device).reshape(*x.shape[:-1], n)
+    out = torch.empty((x2.shape[0], n), dtype=torch.float32)
+    done = kernel.entry(
+        ggml_type,
+        x2.data_ptr(),
+        x2.stride(0),
+        blocks.data_ptr(),
+        blocks.stride(0),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        x2.shape[0],
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    if not done:
+        raise ValueError(f"the int8 kernel does not read {fmt} rows of {k} weights")
+    return out.reshape(*x.shape[:-1], n)

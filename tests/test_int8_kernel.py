@@ -1,0 +1,116 @@
+"""The int8 kernel: every format's output equals the torch reference of llama.cpp's integer arithmetic, bit for bit.
+
+Random blocks of every format, their fp16 scales signed, subnormal or zero; input rows with a zero row, a zero
+block and rows a thousand times larger; rows 1-17, 33, 65 and 200, odd N, one and two threads. The reference is
+computed once on all rows: it is a function of each row alone, so every prefix of the kernel's rows must match it,
+which is also the kernel's row-count invariance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from hfspec.cpu import int8, int8_reference
+
+FORMATS = list(int8_reference.BLOCK)
+ROWS = [*range(1, 18), 33, 65, 200]
+# Where each block holds its fp16 scales (the rest is codes).
+HALVES = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+HALVES["Q6_K"] = (208,)
+
+
+@pytest.fixture(scope="module")
+def ik(library):
+    found = int8.kernel()
+    if found is None:
+        pytest.skip("no CPU kernel here")
+    return found
+
+
+def blocks(fmt: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """(n, bytes per row) random blocks; each scale a signed normal, a signed subnormal or a zero fp16."""
+    rng = np.random.default_rng(seed)
+    nb, size = k // int8_reference.BLOCK[fmt], int8_reference.NBYTES[fmt]
+    out = rng.integers(0, 256, size=(n, nb, size), dtype=np.uint8)
+    for offset in HALVES[fmt]:
+        normal = (rng.standard_normal((n, nb)) * 0.01).astype(np.float16).view(np.uint16)
+        subnormal = rng.integers(1, 1024, size=(n, nb), dtype=np.uint16) | (rng.integers(0, 2, (n, nb)) << 15)
+        kind = rng.integers(0, 8, size=(n, nb))
+        halves = np.where(kind == 0, subnormal, np.where(kind == 1, np.uint16(0x8000), normal)).astype(np.uint16)
+        out[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(n, nb, 2)
+    return torch.from_numpy(out.reshape(n, -1))
+
+
+def inputs(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[3] = 0.0  # an all-zero row: zero scales, zero codes
+    x[5, :256] = 0.0  # an all-zero block
+    x[7::9] *= 1000.0
+    x[11, 17] = -x[11].abs().max() * 2  # the largest magnitude negative
+    return x
+
+
+def kernel_out(ik, x, w, fmt, bias, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return int8.linear(x, w, fmt, GGMLQuantizationType[fmt].value, bias, ik)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_row_count_and_thread_count_gives_the_references_bits(ik, fmt):
+    k = 512
+    w = blocks(fmt, 11, k)
+    x = inputs(max(ROWS), k)
+    bias = torch.randn(11, generator=torch.Generator().manual_seed(2))
+    with_bias = int8_reference.linear(x, w, fmt, bias).view(torch.int32)
+    without = int8_reference.linear(x, w, fmt).view(torch.int32)
+    assert torch.isfinite(without.view(torch.float32)).all()
+    for threads in (1, 2):
+        for m in ROWS:
+            got = kernel_out(ik, x[:m], w, fmt, bias if m % 2 else None, threads)
+            expect = (with_bias if m % 2 else without)[:m]
+            assert torch.equal(got.view(torch.int32), expect), f"{fmt}: {m} rows on {threads} threads"
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
+def test_a_row_alone_gives_the_bits_it_gives_among_others(ik, fmt):
+    k = 768 if fmt != "Q8_0" else 96
+    w = blocks(fmt, 37, k, seed=3)
+    x = inputs(20, k, seed=4)
+    together = kernel_out(ik, x, w, fmt, None, 2)
+    for i in range(x.shape[0]):
+        alone = kernel_out(ik, x[i : i + 1], w, fmt, None, 1)
+        assert torch.equal(alone.view(torch.int32), together[i : i + 1].view(torch.int32)), f"{fmt} row {i}"
+
+
+def test_activation_quantizers_follow_ggml():
+    # Q8_K: the first element of largest magnitude sets the scale (here the negative one), rounding half to even.
+    x = torch.zeros(1, 256)
+    x[0, :6] = torch.tensor([-127.0, 127.0, 0.5, 1.5, 2.5, -0.5])
+    q, d, bsums = int8_reference.quantize_q8_k(x)
+    assert d.item() == 1.0  # iscale = -127 / -127
+    assert q[0, :6].tolist() == [-127, 127, 0, 2, 2, 0] and bsums[0, 0, 0].item() == 4
+    # Q8_0: d = amax / 127 in fp16; Q8_1's s = fp16(d * sum(q)).
+    x = torch.linspace(-1, 2, 32).reshape(1, 32)
+    q, hd, _ = int8_reference.quantize_q8_0(x)
+    assert q.max().item() == 127 and hd.item() == torch.tensor(2 / 127).half().float().item()
+    _, _, hs = int8_reference.quantize_q8_1(x)
+    assert hs.item() == (torch.tensor(2.0) / 127 * q.sum().float()).half().float().item()
+
+
+def test_the_reference_is_close_to_the_dequantized_product():
+    from gguf import quants
+
+    w = blocks("Q4_K", 16, 512, seed=5)
+    values = torch.from_numpy(quants.dequantize(w.numpy(), GGMLQuantizationType.Q4_K).reshape(16, 512))
+    ok = torch.isfinite(values).all(-1)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(6))
+    got, want = int8_reference.linear(x, w[ok], "Q4_K"), x @ values[ok].T
+    assert (got - want).norm() <= 0.05 * want.norm()
