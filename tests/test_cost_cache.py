@@ -1,0 +1,112 @@
+"""gamma="auto"'s costs are measured once per machine, pair, dtype and thread count, kept on disk, and reused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+import torch
+
+from hfspec import SpeculativeGenerator, cost_cache, costs, generator
+from hfspec.costs import Costs
+
+PROMPT = torch.tensor([[1, 5, 9, 14, 3, 7]])
+
+
+@pytest.fixture
+def measures(monkeypatch):
+    """How many times ``costs.measure`` ran."""
+    calls = []
+    real = costs.measure
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(costs, "measure", counted)
+    return calls
+
+
+def run(gen: SpeculativeGenerator, tree: str | None = None) -> torch.Tensor:
+    return gen.generate(PROMPT, max_new_tokens=6, gamma="auto", tree=tree, eos_token_id=[]).sequences
+
+
+def test_a_second_generator_for_the_same_pair_reuses_the_kept_costs(tiny_pair, measures, kept_costs, caplog):
+    target, draft, tok = tiny_pair("llama")
+    with caplog.at_level(logging.INFO, logger="hfspec.generator"):
+        first = run(SpeculativeGenerator(target, draft, tok))
+    assert len(measures) == 1
+    notices = [r for r in caplog.records if "measuring this machine's costs" in r.getMessage()]
+    assert len(notices) == 1 and notices[0].levelno == logging.INFO and str(kept_costs) in notices[0].getMessage()
+    [kept] = kept_costs.glob("costs-*.json")
+    record = json.loads(kept.read_text())
+    assert record["key"]["machine"]["threads"] == torch.get_num_threads()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hfspec.generator"):
+        second = run(SpeculativeGenerator(target, draft, tok))  # a new generator: nothing in memory
+    assert len(measures) == 1, "the kept costs were measured again"
+    assert not [r for r in caplog.records if "measuring" in r.getMessage()]
+    assert torch.equal(first, second)
+
+
+def test_the_call_writes_back_the_costs_its_steps_refined(tiny_pair, kept_costs):
+    target, draft, tok = tiny_pair("llama")
+    gen = SpeculativeGenerator(target, draft, tok)
+    run(gen)
+    [kept] = kept_costs.glob("costs-*.json")
+    back = Costs.from_record(json.loads(kept.read_text())["costs"])
+    assert back.observed_verify and back.observed_verify == gen.tuning.costs.observed_verify
+    assert back.verify == gen.tuning.costs.verify and back.draft == gen.tuning.costs.draft
+
+
+def test_another_thread_count_dtype_or_pair_misses_the_cache(tiny_pair, measures):
+    target, draft, tok = tiny_pair("llama")
+    gen = SpeculativeGenerator(target, draft, tok)
+    run(gen)
+    assert cost_cache.kept(gen.costs_key()).costs is not None
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert cost_cache.kept(SpeculativeGenerator(target, draft, tok).costs_key()).costs is None
+    finally:
+        torch.set_num_threads(threads)
+    other_draft = tiny_pair("llama", draft_seed=2)[1]
+    assert cost_cache.kept(SpeculativeGenerator(target, other_draft, tok).costs_key()).costs is None
+    half = copy.deepcopy(target).to(torch.bfloat16)
+    assert cost_cache.path(SpeculativeGenerator(half, draft, tok).costs_key()) != cost_cache.path(gen.costs_key())
+    assert len(measures) == 1
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"key": 1}', "[]", ""])
+def test_a_corrupt_file_is_ignored_and_measured_again(tiny_pair, measures, caplog, content):
+    target, draft, tok = tiny_pair("llama")
+    gen = SpeculativeGenerator(target, draft, tok)
+    where = cost_cache.path(gen.costs_key())
+    where.parent.mkdir(parents=True, exist_ok=True)
+    where.write_text(content)
+    with caplog.at_level(logging.DEBUG, logger="hfspec"):
+        run(gen)
+    assert len(measures) == 1
+    assert any("ignoring" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+    assert cost_cache.kept(gen.costs_key()).costs is not None  # written over with a whole record
+
+
+def test_a_record_with_a_bad_time_is_refused():
+    good = Costs({1: 0.01, 2: 0.012}, 0.002, observed_verify={(1, 2): 0.013}).to_record()
+    assert Costs.from_record(good).observed_verify == {(1, 2): 0.013}
+    for bad in ({**good, "draft": -1.0}, {**good, "verify": [[2, 0.01]]}, {**good, "verify": [[1, "x"]]}):
+        with pytest.raises(ValueError):
+            Costs.from_record(bad)
+
+
+def test_the_tree_probe_is_kept_beside_the_costs(tiny_pair, monkeypatch):
+    target, draft, tok = tiny_pair("llama")
+    probes = []
+    monkeypatch.setattr(generator, "reads_trees", lambda model: probes.append(1) or True)
+    first = SpeculativeGenerator(target, draft, tok)
+    run(first, tree="auto")
+    assert probes == [1] and cost_cache.kept(first.costs_key()).reads_trees is True
+    run(SpeculativeGenerator(target, draft, tok), tree="auto")
+    assert probes == [1]
