@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import TextStreamer
 from transformers.utils import logging as hf_logging
 
-from hfspec import __version__, api
+from hfspec import __version__, api, cache_command
 from hfspec.config import settings
 from hfspec.errors import HfspecError, NumericalFault
 from hfspec.policy import CostModelGamma, GammaPolicy, HeuristicGamma
@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_generate(sub)
+    cache_command.add_parser(sub)
     for name in OPTIONAL_COMMANDS:
         _add_optional(sub, name)
     return parser

@@ -309,11 +309,15 @@ def _check_bool(name: str, value: Any, meaning: str) -> None:
         raise HfspecError(f"{name} must be True or False ({meaning}), got {value!r}")
 
 
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
+
+
 def lone_gguf(path: str) -> str | None:
-    """The GGUF file of a local directory that holds one and no ``config.json`` (a model fetched by name, or a user's
-    folder with a single GGUF): it is the model, so it needs no ``gguf_file=``. None otherwise."""
+    """The GGUF file of a local directory that holds one and no other weights (a model fetched by name, a user's
+    folder with a single GGUF, the offline target beside its config and tokenizer): it is the model, so it needs no
+    ``gguf_file=``. None otherwise."""
     local = Path(path).expanduser()
-    if not local.is_dir() or (local / "config.json").is_file():
+    if not local.is_dir() or any(next(local.glob(pattern), None) for pattern in _WEIGHTS):
         return None
     found = sorted(local.glob("*.gguf"))
     return found[0].name if len(found) == 1 else None
