@@ -87,6 +87,14 @@ def identity(module: nn.Module | None) -> str | None:
     return digest.hexdigest()[:32]
 
 
+def _dtype(module: nn.Module | None) -> str | None:
+    """A model's dtype, or its first parameter's for a module without one (an EAGLE-3 head)."""
+    if module is None:
+        return None
+    dtype = getattr(module, "dtype", None) or next((p.dtype for p in module.parameters()), None)
+    return None if dtype is None else str(dtype)
+
+
 def key(target: nn.Module, draft: nn.Module | None, drafter: dict[str, Any], fast_kernels: dict[str, Any]) -> dict:
     """What the costs of ``target`` verifying for a drafter (``describe()``: ``drafter``) with ``draft`` as its
     model depend on; ``fast_kernels`` is ``SpeculativeGenerator.describe()``'s (which kernel each model runs)."""
@@ -97,8 +105,8 @@ def key(target: nn.Module, draft: nn.Module | None, drafter: dict[str, Any], fas
         "machine": machine(device),
         "kernel": kernels.library_path().name if on else None,
         "fast_kernels": fast_kernels,
-        "target": {"model": identity(target), "dtype": str(target.dtype)},
-        "draft": {"model": identity(draft), "dtype": None if draft is None else str(draft.dtype)},
+        "target": {"model": identity(target), "dtype": _dtype(target)},
+        "draft": {"model": identity(draft), "dtype": _dtype(draft)},
         "drafter": drafter,
     }
 

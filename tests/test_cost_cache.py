@@ -110,3 +110,22 @@ def test_the_tree_probe_is_kept_beside_the_costs(tiny_pair, monkeypatch):
     assert probes == [1] and cost_cache.kept(first.costs_key()).reads_trees is True
     run(SpeculativeGenerator(target, draft, tok), tree="auto")
     assert probes == [1]
+
+
+def test_a_module_without_a_dtype_has_a_key():
+    head = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert cost_cache._dtype(head) == "torch.float32" and cost_cache._dtype(None) is None
+    assert cost_cache.identity(head) != cost_cache.identity(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_an_eagle3_head_keeps_its_costs(model_dir, measures):
+    import eagle3_heads
+    import tiny
+
+    from hfspec.drafters.eagle3 import Eagle3Drafter
+
+    target, tok = tiny.load(model_dir("llama", vocab_size=64, layers=8, hidden=32, seed=0, sharpness=8.0))
+    head = eagle3_heads.random_head(target, list(range(3, 43)), seed=3)
+    run(SpeculativeGenerator(target, Eagle3Drafter(head, target), tok))
+    run(SpeculativeGenerator(target, Eagle3Drafter(head, target), tok))
+    assert len(measures) == 1
