@@ -18,8 +18,9 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 import transformers
 from torch import nn
 
+from hfspec.acceptance import Acceptance
 from hfspec.assets import cache_dir
 from hfspec.costs import Costs
 from hfspec.cpu import kernels, records
@@ -124,11 +126,15 @@ def path(key: dict[str, Any]) -> Path:
 
 @dataclass(frozen=True)
 class Kept:
-    """What was kept for a key: the costs (None: none, or not a whole record of them) and whether the target reads
-    a draft tree exactly (``hfspec.tree.probe``; None: not probed)."""
+    """What was kept for a key: the costs (None: none, or not a whole record of them), whether the target reads
+    a draft tree exactly (``hfspec.tree.probe``; None: not probed), and the acceptance seen by sampling setting (a new
+    process drafts from it rather than from the prior)."""
 
     costs: Costs | None = None
     reads_trees: bool | None = None
+    acceptance: dict[Any, tuple[float, float]] = field(
+        default_factory=dict
+    )  # (accepted, trials) by ``Tuning.memory`` key
 
 
 def kept(key: dict[str, Any]) -> Kept:
@@ -147,11 +153,37 @@ def kept(key: dict[str, Any]) -> Kept:
         log.debug("ignoring %s: %s", where, err)
         return Kept()
     reads = record.get("reads_trees")
-    return Kept(costs, reads if isinstance(reads, bool) else None)
+    return Kept(costs, reads if isinstance(reads, bool) else None, _acceptance(record.get("acceptance")))
 
 
-def keep(key: dict[str, Any], costs: Costs, reads_trees: bool | None = None) -> bool:
-    """Write ``costs`` (and the tree probe's answer, if known) for ``key``, atomically; False where the cache cannot
-    be written."""
-    record = {"key": _plain(key), "costs": costs.to_record(), "reads_trees": reads_trees}
+def keep(
+    key: dict[str, Any], costs: Costs, reads_trees: bool | None = None, acceptance: dict[Any, Acceptance] | None = None
+) -> bool:
+    """Write ``costs`` (the tree probe's answer and the acceptance by setting, if known) for ``key``, atomically;
+    False where the cache cannot be written."""
+    record = {
+        "key": _plain(key),
+        "costs": costs.to_record(),
+        "reads_trees": reads_trees,
+        "acceptance": [[setting, a.accepted, a.trials] for setting, a in (acceptance or {}).items()],
+    }
     return records.keep(path(key), record)
+
+
+def _tuples(value: Any) -> Any:
+    """A sampling setting as JSON gave it back: its lists as the tuples it was."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _acceptance(rows: Any) -> dict[Any, tuple[float, float]]:
+    """The acceptance by setting kept by :func:`keep`; a row that is not [setting, accepted, trials] is dropped."""
+    found = {}
+    for row in rows if isinstance(rows, list) else []:
+        try:
+            setting, accepted, trials = row
+            if not 0 <= float(accepted) <= float(trials) < math.inf:
+                continue
+            found[_tuples(setting)] = (float(accepted), float(trials))
+        except (TypeError, ValueError):
+            continue
+    return found

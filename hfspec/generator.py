@@ -161,11 +161,14 @@ class SpeculativeGenerator:
             found = None if force else self._kept().costs
             if found is not None and found.max_gamma >= self.tuning.maximum:
                 self.tuning.costs = found
+                # The acceptance seen before too: a new process drafts from it, not from the prior (α = 0.5).
+                self.tuning.remember(self._kept().acceptance)
                 log.debug("costs for gamma='auto' kept in %s", cost_cache.path(self.costs_key()))
             else:
                 log.info(
                     "measuring this machine's costs for gamma='auto' (target forwards over 1..%d tokens and a drafting "
-                    "step, a few seconds once per model pair, dtype and thread count; kept in %s)",
+                    "step: a few seconds, once per model pair, dtype and thread count; kept in %s with the acceptance "
+                    "seen, so that only this first run drafts short, from a prior acceptance of 0.5)",
                     self.tuning.maximum + 1,
                     cost_cache.directory(),
                 )
@@ -199,7 +202,7 @@ class SpeculativeGenerator:
     def keep_costs(self) -> None:
         """Write the costs, refined by the steps taken so far, back where the next process finds them."""
         if self.tuning.costs is not None:
-            cost_cache.keep(self.costs_key(), self.tuning.costs, self._reads_trees)
+            cost_cache.keep(self.costs_key(), self.tuning.costs, self._reads_trees, self.tuning.memory)
 
     @property
     def draft(self) -> PreTrainedModel | None:

@@ -129,3 +129,15 @@ def test_an_eagle3_head_keeps_its_costs(model_dir, measures):
     run(SpeculativeGenerator(target, Eagle3Drafter(head, target), tok))
     run(SpeculativeGenerator(target, Eagle3Drafter(head, target), tok))
     assert len(measures) == 1
+
+
+def test_a_new_generator_starts_from_the_acceptance_seen_before(tiny_pair):
+    target, draft, tok = tiny_pair("llama")
+    first = SpeculativeGenerator(target, draft, tok)
+    run(first)
+    seen = first.tuning.evidence()
+    assert seen.trials > 2.0, "the first call learnt nothing"
+    second = SpeculativeGenerator(target, draft, tok)
+    second.measure_costs(PROMPT[0].tolist())
+    second.tuning.setting = first.tuning.setting
+    assert (second.tuning.evidence().accepted, second.tuning.evidence().trials) == (seen.accepted, seen.trials)
