@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.initialization import no_init_weights
 
 from hfspec import gguf_meta
 from hfspec.cpu import quant
@@ -239,7 +240,9 @@ def load(
     )
     import accelerate
 
-    with accelerate.init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed
+    # Parameters on meta, buffers (rotary) computed; no weight initialisation (as transformers' own from_pretrained):
+    # initialising meta parameters ran torch's Python reference of normal_ per layer, a second of a 135M model's load.
+    with accelerate.init_empty_weights(include_buffers=False), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=act, trust_remote_code=trust_remote_code)
     processor = processor_class(config=config.to_dict())
     names = gguf_meta.names(path, lambda: weights_map(model, processor))
@@ -261,9 +264,8 @@ def load(
                 and tensor.shape[-1] % fmt.elements == 0
             ):
                 order = _row_order(processor, tensor, names)
-                blocks = torch.from_numpy(tensor.rows)
-                if order is not None:
-                    blocks = blocks[torch.from_numpy(order)]
+                # Rows gathered by numpy: torch's row gather of uint8 took 40 ms a tensor, numpy's 0.1 ms.
+                blocks = torch.from_numpy(tensor.rows if order is None else np.take(tensor.rows, order, axis=0))
                 if type(module) is nn.Linear:
                     replacement = quant.QuantLinear(blocks, fmt, module.in_features, module.bias)
                 else:
