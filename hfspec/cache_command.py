@@ -160,9 +160,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "cache",
         help="list or clear what hfspec keeps (models, kernels, plans, costs, GGUF metadata)",
-        description=__doc__.split("\n\n", 1)[0] + " Groups: " + ", ".join(GROUPS) + ".",
-        epilog="'hfspec cache clear GROUP...' is a dry run that lists what it would delete; add --yes to delete. "
-        "The root is $HFSPEC_CACHE, else ~/.cache/hfspec.",
+        description="List what hfspec keeps under $HFSPEC_CACHE (else ~/.cache/hfspec), by group with sizes, or "
+        "clear groups of it. Groups: models (fetched models), kernels (the CPU kernel built for this machine), plans "
+        "(its block shapes timed per model), costs (what gamma='auto' measured), gguf (metadata read from GGUF "
+        "files). Whatever is cleared is fetched, built or measured again when next needed.",
+        epilog="'hfspec cache clear GROUP...' is a dry run that lists what it would delete; add --yes to delete.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
