@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -141,3 +142,18 @@ def test_a_new_generator_starts_from_the_acceptance_seen_before(tiny_pair):
     second.measure_costs(PROMPT[0].tolist())
     second.tuning.setting = first.tuning.setting
     assert (second.tuning.evidence().accepted, second.tuning.evidence().trials) == (seen.accepted, seen.trials)
+
+
+def test_records_are_replaced_whole_and_a_read_only_cache_is_no_error(tmp_path):
+    from hfspec.cpu import records
+
+    where = tmp_path / "c" / "r.json"
+    assert records.keep(where, {"a": 1}) and records.read(where) == {"a": 1}
+    assert records.keep(where, {"a": 2}) and records.read(where) == {"a": 2}
+    assert [p.name for p in where.parent.iterdir()] == ["r.json"]  # no temporary file left beside it
+    where.parent.chmod(0o555)
+    try:
+        assert not records.keep(where, {"a": 3}) or os.geteuid() == 0  # root writes anywhere
+    finally:
+        where.parent.chmod(0o755)
+    assert records.read(where)["a"] in (2, 3)
