@@ -203,6 +203,14 @@ class Costs:
         """A target forward over γ+1 new tokens ÷ one over 1 token."""
         return self.verify_seconds(batch, gamma + 1) / self.verify_seconds(batch, 1)
 
+    def fastest(self) -> Costs:
+        """The fastest time seen of each single-row forward and drafting step, measured or observed in a real step:
+        what a process keeps for the next one (``hfspec.cost_cache``). Load on a CPU only ever slows a call down
+        (``hfspec.cpu.plan`` keeps its fastest round for the same reason), so the fastest is the machine's own cost,
+        and a measurement taken under load heals at the next quiet run; the running averages stay this process's."""
+        verify = {k: min(s, self.observed_verify.get((1, k), s)) for k, s in self.verify.items()}
+        return Costs(verify, min(self.draft, self.observed_draft.get(1, self.draft)))
+
     def to_record(self) -> dict[str, Any]:
         """The measured and the refined times, as JSON (``from_record`` reads it back): what a process keeps for
         the next one (``hfspec.cost_cache``)."""

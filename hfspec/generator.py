@@ -200,9 +200,10 @@ class SpeculativeGenerator:
         return self._kept_record
 
     def keep_costs(self) -> None:
-        """Write the costs, refined by the steps taken so far, back where the next process finds them."""
+        """Write the costs, refined by the steps taken so far (the fastest seen, ``Costs.fastest``), back where the
+        next process finds them."""
         if self.tuning.costs is not None:
-            cost_cache.keep(self.costs_key(), self.tuning.costs, self._reads_trees, self.tuning.memory)
+            cost_cache.keep(self.costs_key(), self.tuning.costs.fastest(), self._reads_trees, self.tuning.memory)
 
     @property
     def draft(self) -> PreTrainedModel | None:
