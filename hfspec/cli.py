@@ -22,7 +22,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from hfspec import __version__
+from hfspec import __version__, cache_command
 from hfspec.errors import HfspecError, NumericalFault
 from hfspec.presets import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRESET, DTYPES, Preset, preset_names
 
@@ -124,6 +124,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_generate(sub)
+    cache_command.add_parser(sub)
     for name in OPTIONAL_COMMANDS:
         if name == command:
             _add_optional(sub, name)

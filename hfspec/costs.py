@@ -17,6 +17,7 @@ as a change of v(γ). Every time here is taken with ``hfspec.timing``.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -213,6 +214,59 @@ class Costs:
     def v(self, gamma: int, batch: int = 1) -> float:
         """A target forward over γ+1 new tokens ÷ one over 1 token."""
         return self.verify_seconds(batch, gamma + 1) / self.verify_seconds(batch, 1)
+
+    def fastest(self) -> Costs:
+        """The fastest time seen of each single-row forward and drafting step, measured or observed in a real step:
+        what a process keeps for the next one (``hfspec.cost_cache``). Load on a CPU only ever slows a call down
+        (``hfspec.cpu.plan`` keeps its fastest round for the same reason), so the fastest is the machine's own cost,
+        and a measurement taken under load heals at the next quiet run; the running averages stay this process's."""
+        verify = {k: min(s, self.observed_verify.get((1, k), s)) for k, s in self.verify.items()}
+        return Costs(verify, min(self.draft, self.observed_draft.get(1, self.draft)))
+
+    def to_record(self) -> dict[str, Any]:
+        """The measured and the refined times, as JSON (``from_record`` reads it back): what a process keeps for
+        the next one (``hfspec.cost_cache``)."""
+        return {
+            "verify": [[k, s] for k, s in sorted(self.verify.items())],
+            "draft": self.draft,
+            "observed_verify": [[b, k, s] for (b, k), s in sorted(self.observed_verify.items())],
+            "observed_draft": [[b, s] for b, s in sorted(self.observed_draft.items())],
+            "observed_lookup": [[b, s] for b, s in sorted(self.observed_lookup.items())],
+            "observed_tree_draft": [[b, n, s] for (b, n), s in sorted(self.observed_tree_draft.items())],
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Costs:
+        """Costs from ``to_record``'s JSON; ``ValueError`` where it is not such a record (a finite time of at
+        least 0 for each entry, a timed single-token forward among the measured ones)."""
+
+        def seconds(value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"not a time in seconds: {value!r}")
+            return float(value)
+
+        def table(rows: Any, width: int) -> dict:
+            out = {}
+            for row in rows:
+                if len(row) != width or not all(isinstance(i, int) and i > 0 for i in row[:-1]):
+                    raise ValueError(f"not a row of {width - 1} counts and a time: {row!r}")
+                out[row[0] if width == 2 else tuple(row[:-1])] = seconds(row[-1])
+            return out
+
+        try:
+            costs = cls(
+                table(record["verify"], 2),
+                seconds(record["draft"]),
+                observed_verify=table(record["observed_verify"], 3),
+                observed_draft=table(record["observed_draft"], 2),
+                observed_lookup=table(record["observed_lookup"], 2),
+                observed_tree_draft=table(record["observed_tree_draft"], 3),
+            )
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"not a record of costs: {err!r}") from None
+        if not costs.verify.get(1):
+            raise ValueError("no single-token forward among the measured costs")
+        return costs
 
     def to_dict(self) -> dict[str, Any]:
         return {

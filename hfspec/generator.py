@@ -36,7 +36,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import config as cfg
-from hfspec import costs, recurrent, sampling
+from hfspec import cost_cache, costs, recurrent, sampling
 from hfspec import tree as trees
 from hfspec.cache import KVState
 from hfspec.costs import Costs, Price
@@ -159,6 +159,8 @@ class SpeculativeGenerator:
             recurrent.check(self.draft, "draft")
         self.check_invariants = True
         self.tuning = Tuning()  # gamma="auto": the costs measured here and the acceptance seen so far
+        self._costs_key: dict[str, Any] | None = None  # what the costs depend on (``costs_key``)
+        self._kept_record: cost_cache.Kept | None = None  # what an earlier process kept of them (``_kept``)
         self._reads_trees: bool | None = None  # whether the target reads a tree exactly (probed once)
         self._lock = threading.RLock()  # one call at a time (``_one_at_a_time``)
         self._running = False  # a call holds the lock and runs
@@ -181,13 +183,52 @@ class SpeculativeGenerator:
                 self.tuning.maximum = max(1, min(self.tuning.maximum, window // 2 - 1))
             ids = ids[-(window - max((self.tuning.maximum, *self.tuning.trees)) - 1) :]
         if measuring:
-            self.tuning.costs = costs.measure(
-                self.target, self.drafter, ids, self.tuning.maximum, device, extra=[n + 1 for n in self.tuning.trees]
-            )
-            log.info("measured costs: %s", self.tuning.costs.to_dict())
-        elif self.tuning.trees:  # trees asked for after the chain's costs were measured
+            found = None if force else self._kept().costs
+            if found is not None and found.max_gamma >= self.tuning.maximum:
+                self.tuning.costs = found
+                # The acceptance seen before too: a new process drafts from it, not from the prior (α = 0.5).
+                self.tuning.remember(self._kept().acceptance)
+                log.debug("costs for gamma='auto' kept in %s", cost_cache.path(self.costs_key()))
+            else:
+                log.info(
+                    "measuring this machine's costs for gamma='auto' (target forwards over 1..%d tokens and a drafting "
+                    "step: a few seconds, once per model pair, dtype and thread count; kept in %s with the acceptance "
+                    "seen, so that only this first run drafts short, from a prior acceptance of 0.5)",
+                    self.tuning.maximum + 1,
+                    cost_cache.directory(),
+                )
+                self.tuning.costs = costs.measure(
+                    self.target,
+                    self.drafter,
+                    ids,
+                    self.tuning.maximum,
+                    device,
+                    extra=[n + 1 for n in self.tuning.trees],
+                )
+                log.debug("measured costs: %s", self.tuning.costs.to_dict())
+        if self.tuning.trees:  # trees asked for after the chain's costs were measured (nothing to do if they were)
             self.tuning.costs.measure_more(self.target, ids, [n + 1 for n in self.tuning.trees], device)
         return self.tuning.costs
+
+    def costs_key(self) -> dict[str, Any]:
+        """What this generator's costs for gamma="auto" depend on (``hfspec.cost_cache.key``), computed once."""
+        if self._costs_key is None:
+            self._costs_key = cost_cache.key(
+                self.target, draft_module(self.drafter), self.drafter.describe(), self.describe()["fast_kernels"]
+            )
+        return self._costs_key
+
+    def _kept(self) -> cost_cache.Kept:
+        """What an earlier process kept of this pair on this machine (``hfspec.cost_cache``), read once."""
+        if self._kept_record is None:
+            self._kept_record = cost_cache.kept(self.costs_key())
+        return self._kept_record
+
+    def keep_costs(self) -> None:
+        """Write the costs, refined by the steps taken so far (the fastest seen, ``Costs.fastest``), back where the
+        next process finds them."""
+        if self.tuning.costs is not None:
+            cost_cache.keep(self.costs_key(), self.tuning.costs.fastest(), self._reads_trees, self.tuning.memory)
 
     @property
     def draft(self) -> PreTrainedModel | None:
@@ -342,6 +383,8 @@ class SpeculativeGenerator:
         finally:
             if streamer is not None:
                 streamer.end()
+        if isinstance(gamma, str) and gamma == "auto":
+            self.keep_costs()
         return _stack(ids.to(device), parts, _pad_id(conf)) if alone else parts[0]
 
     def _tree_nodes(self, tree: int | str | None, needs_context: bool) -> int:
@@ -373,8 +416,9 @@ class SpeculativeGenerator:
 
     def target_reads_trees(self) -> bool:
         """Whether the target reads a tree's 4-D mask and positions exactly (``hfspec.tree.probe``; once)."""
-        if self._reads_trees is None:
-            self._reads_trees = reads_trees(self.target)
+        if self._reads_trees is None:  # kept beside the costs: the probe is a few forwards
+            kept = self._kept().reads_trees
+            self._reads_trees = reads_trees(self.target) if kept is None else kept
             if not self._reads_trees:
                 log.warning(
                     "the target %s does not read draft trees exactly; it verifies chains only",

@@ -4,7 +4,7 @@ Every place that takes a model by name (``--target``/``--draft``, ``SpeculativeG
 ``hfspec.generate``, ``hfspec.loading``, presets) resolves it with :func:`locate`, once, to a :class:`ModelSource`:
 the directory or hub name transformers loads from and the GGUF file in it, if any. A path to a GGUF file is its
 directory with that file as ``gguf_file`` (how llama.cpp users name a model, ``-m model.gguf``); so is a local
-directory that holds a single ``.gguf`` and no ``config.json``. A local file that is not a whole GGUF model (a
+directory that holds a single ``.gguf`` and no other weights. A local file that is not a whole GGUF model (a
 text file, an empty or a truncated file) is refused here, in one line naming it and the forms accepted.
 
 Four names are special: ``"offline"`` as the target is SmolLM2-135M-Instruct, built without a model hub
@@ -89,11 +89,15 @@ def locate(name: str | Path, role: str, gguf_file: str | None = None) -> ModelSo
     return ModelSource(path, gguf_file)
 
 
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
+
+
 def lone_gguf(path: str) -> str | None:
-    """The GGUF file of a local directory that holds one and no ``config.json`` (a model fetched by name, or a user's
-    folder with a single GGUF): it is the model, so it needs no ``gguf_file=``. None otherwise."""
+    """The GGUF file of a local directory that holds one and no other weights (a model fetched by name, a user's
+    folder with a single GGUF, the offline target beside its config and tokenizer): it is the model, so it needs no
+    ``gguf_file=``. None otherwise."""
     local = Path(path).expanduser()
-    if not local.is_dir() or (local / "config.json").is_file():
+    if not local.is_dir() or any(next(local.glob(pattern), None) for pattern in _WEIGHTS):
         return None
     found = sorted(local.glob("*.gguf"))
     return found[0].name if len(found) == 1 else None

@@ -120,7 +120,7 @@ with torch.inference_mode():
     logits = head.unroll(head.fuse(features[:, :16]), target.get_input_embeddings()(tokens[:, 1:]), 1)[0]
 torch.save({"hidden_states": features[:, :16].clone(), "input_ids": tokens[:, 1:].clone(), "logits": logits.clone()},
            work / "hfspec-head-logits.pt")
-offline = assets.offline_target_path()
+offline = assets.offline_target_float32()
 json.dump({"target": str(work / "target"), "hfspec_head": str(work / "hfspec-head"),
            "hfspec_head_embedded": str(work / "hfspec-head-embedded"),
            "layer_ids": list(default_layer_ids(N)), "shipped_head": str(assets.shipped_head_path()),

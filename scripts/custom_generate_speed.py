@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hfspec  # noqa: E402
 from hfspec import fast  # noqa: E402
-from hfspec.assets import offline_target_path, shipped_draft_path, shipped_head_path  # noqa: E402
+from hfspec.assets import offline_target_float32, shipped_draft_path, shipped_head_path  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parents[1] / "hfspec" / "prompts" / "bench.jsonl"
 HOOK = {"custom_generate": hfspec.CUSTOM_GENERATE, "trust_remote_code": True}
@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target_dir = offline_target_path(progress=False)
+    target_dir = offline_target_float32(progress=False)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(shipped_draft_path(), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)

@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = assets.offline_target_path()
+    path = assets.offline_target_float32()
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
     config = AutoModelForCausalLM.from_pretrained(assets.shipped_draft_path()).config

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hfspec import SpeculativeGenerator  # noqa: E402
-from hfspec.assets import offline_target_path  # noqa: E402
+from hfspec.assets import offline_target_float32  # noqa: E402
 from hfspec.bench import encode  # noqa: E402
 from hfspec.cache import KVState  # noqa: E402
 from hfspec.costs import forward_seconds  # noqa: E402
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)  # the kernel runs torch.get_num_threads() threads as well
-    path = offline_target_path()
+    path = offline_target_float32()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]

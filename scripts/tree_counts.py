@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hfspec import SpeculativeGenerator  # noqa: E402
-from hfspec.assets import offline_target_path, shipped_draft_path, shipped_head_path  # noqa: E402
+from hfspec.assets import offline_target_float32, shipped_draft_path, shipped_head_path  # noqa: E402
 from hfspec.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parents[1] / "hfspec" / "prompts" / "bench.jsonl"
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--drafter", choices=["model", "eagle3"], default="model")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    target_dir = offline_target_path(progress=False)
+    target_dir = offline_target_float32(progress=False)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)
     if args.drafter == "model":

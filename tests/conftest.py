@@ -21,6 +21,23 @@ os.environ.setdefault("HFSPEC_KERNEL_PLAN", "default")
 
 
 @pytest.fixture(scope="session")
+def costs_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("costs")
+
+
+@pytest.fixture(autouse=True)
+def kept_costs(costs_root, request, monkeypatch):
+    """gamma="auto"'s costs are kept per test (``hfspec.cost_cache``), never in the user's cache: a test measures
+    as a first run does, whatever ran before it. The kernels stay where they were built."""
+    from hfspec import cost_cache
+
+    where = costs_root / f"{len(list(costs_root.iterdir())):05d}"
+    where.mkdir()
+    monkeypatch.setattr(cost_cache, "directory", lambda: where)
+    return where
+
+
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """``model_dir(arch, seed=0, **kw)`` -> path of a saved tiny model, built once per session."""
     built: dict[tuple, Path] = {}

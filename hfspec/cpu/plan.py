@@ -21,7 +21,6 @@ passes that kernel's shapes and default plan.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import time
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from hfspec.cpu import kernels
+from hfspec.cpu import kernels, records
 
 __all__ = [
     "MARGIN",
@@ -217,11 +216,11 @@ def plan_for(
 
 def _cached(path: Path, default: Sequence[int], shapes: int) -> tuple[int, ...] | None:
     """The plan kept at ``path``, if there is a valid one (of this user's, naming shapes the library has)."""
+    found = (records.read(path) or {}).get("plan")
     try:
-        found = json.loads(path.read_text())["plan"]
-        if len(found) == len(default) and all(0 <= s < shapes for s in found) and kernels.unsafe(path) is None:
+        if len(found) == len(default) and all(0 <= s < shapes for s in found):
             return tuple(found)
-    except (OSError, ValueError, KeyError, TypeError):
+    except TypeError:
         pass
     return None
 
@@ -255,11 +254,5 @@ def _time_and_keep(
         "seconds": round(time.perf_counter() - t0, 2),
         "ms": {m: [round(s * 1e3, 3) for s in times] for m, times in best.items()},
     }
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(record))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a read-only cache: the plan still serves this process
+    records.keep(path, record)  # in a read-only cache the plan still serves this process
     return plan

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, PreTrainedModel
 from transformers.activations import ACT2FN
+from transformers.initialization import no_init_weights
 
 from hfspec.errors import HfspecError
 from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head
@@ -180,7 +181,8 @@ def load_head(
             f"{where}: the config sets target_hidden_size, so the head carries its own embedding, "
             "but the checkpoint has no embed_tokens.weight"
         )
-    head = Eagle3Head(config, own_embedding="embed_tokens.weight" in state)
+    with no_init_weights():  # every tensor comes from the checkpoint (checked below): random init is wasted time
+        head = Eagle3Head(config, own_embedding="embed_tokens.weight" in state)
     expected = head.state_dict()
     if "d2t" not in state:
         if config.draft_vocab_size != config.vocab_size:

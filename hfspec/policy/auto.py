@@ -61,6 +61,11 @@ class Calibration:
                 self.accepted[i] += 1.0 if j < kept else 0.0
 
 
+def _evidence() -> Acceptance:
+    """A generator's memory of one setting's acceptance: α = 0.5 until steps say otherwise, slowly forgotten."""
+    return Acceptance(prior=0.5, weight=2.0, decay=0.995)
+
+
 @dataclass
 class Tuning:
     """What a generator learns across calls: its measured costs and how well its drafter does.
@@ -83,7 +88,15 @@ class Tuning:
         """Acceptance of ``source``'s proposals: "draft", or beside a hybrid's draft model "lookup" (its
         proposals) and "match" (how often it makes one)."""
         key = self.setting if source == "draft" else (self.setting, source)
-        return self.memory.setdefault(key, Acceptance(prior=0.5, weight=2.0, decay=0.995))
+        return self.memory.setdefault(key, _evidence())
+
+    def remember(self, seen: dict[Any, tuple[float, float]]) -> None:
+        """Start from the acceptance an earlier process saw (``hfspec.cost_cache``): (accepted, trials) by key of
+        ``memory``. What this generator has seen itself stays."""
+        for key, (accepted, trials) in seen.items():
+            if key not in self.memory:
+                self.memory[key] = _evidence()
+                self.memory[key].accepted, self.memory[key].trials = accepted, trials
 
     def tree_probe(self) -> bool:
         """Count a probe step; True when this one should draft the smallest tree (every other probe)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec.assets import offline_target_path
+from hfspec.assets import offline_target_float32
 from hfspec.errors import HfspecError
 
 OFFLINE = "offline"  # the word that names SmolLM2-135M-Instruct from hfspec.assets
@@ -21,7 +21,7 @@ OFFLINE = "offline"  # the word that names SmolLM2-135M-Instruct from hfspec.ass
 def resolve_target(target: str | Path, progress: bool) -> Path:
     """A local target directory; the word ``"offline"`` names SmolLM2-135M-Instruct from hfspec.assets."""
     if str(target) == OFFLINE:
-        target = offline_target_path(progress=progress)
+        target = offline_target_float32(progress=progress)  # trained against in float32: its weights on disk
     path = Path(target)
     if not (path / "config.json").is_file():
         raise HfspecError(f"target must be a local model directory with a config.json (or 'offline'), got {target!s}")
