@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
+import threading
 import time
 
 import torch
@@ -91,7 +92,7 @@ def main() -> None:
         ]
 
     engine = BatchEngine.from_generator(gen, model_name=args.config, max_batch=16, max_queue=64)
-    engine.start()
+    engine.run_here = True  # the loop on the main thread, as hfspec serve runs it; the clients on another
 
     async def measure() -> dict[str, tuple[list[Usage], float]]:
         await run(engine, requests("auto", 2), concurrent=True)  # warm-up: costs measured, kernels touched
@@ -101,10 +102,18 @@ def main() -> None:
             "16 at γ = 0": await run(engine, requests(0), concurrent=True),
         }
 
-    try:
-        results = asyncio.run(measure())
-    finally:
-        engine.stop()
+    results: dict[str, tuple[list[Usage], float]] = {}
+
+    def clients() -> None:
+        try:
+            results.update(asyncio.run(measure()))
+        finally:
+            engine.stop()
+
+    thread = threading.Thread(target=clients)
+    thread.start()
+    engine.run()
+    thread.join()
     rate = {name: sum(u.completion_tokens for u in usages) / seconds for name, (usages, seconds) in results.items()}
     print(f"{args.config}: {platform.processor() or platform.machine()}, {args.threads} torch threads")
     for name, (usages, seconds) in results.items():

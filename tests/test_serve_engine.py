@@ -9,6 +9,7 @@ models run hfspec's kernels, which give a row the same bits whatever rows share 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import eagle3_heads as eh
 import numpy as np
@@ -371,3 +372,29 @@ def test_a_failed_step_ends_its_rows_with_an_error_and_the_engine_serves_on(gen,
     (_, failed), (tokens, done) = asyncio.run(main())
     assert failed.finish_reason == "error" and "broken step" in failed.error
     assert done.finish_reason == "length" and len(tokens) == 5
+
+
+def test_the_loop_runs_in_the_callers_thread_until_stopped(gen):
+    # hfspec serve runs the loop on the main thread (OpenMP's regions start cheaply only there), clients beside it.
+    engine = BatchEngine.from_generator(gen, model_name="tiny")
+    engine.run_here = True
+    engine.start()  # as the app's lifespan calls it: nothing starts
+    request = mixed_requests()[0]
+    answers = []
+
+    def client():
+        async def one():
+            async for event in engine.submit(request, asyncio.get_running_loop()).events():
+                if isinstance(event, Done):
+                    return event
+
+        try:
+            answers.append(asyncio.run(one()))
+        finally:
+            engine.stop()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    engine.run()  # returns once the client's stop() ends the loop
+    thread.join(10)
+    assert answers and answers[0].finish_reason in ("stop", "length")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +20,9 @@ from hfspec.cli import _load_kwargs, _number, add_model_flags
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.presets import Preset
+from hfspec.serve.engine import BatchEngine
 from hfspec.serve.events import Engine
 from hfspec.serve.sequential import SequentialEngine
-
-try:
-    from hfspec.serve.engine import BatchEngine
-except ImportError:  # the batching engine is not in this tree: every pair is served one request at a time
-    BatchEngine = None
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +88,7 @@ def default_model_name(preset: Preset, gen: SpeculativeGenerator) -> str:
 
 def make_engine(gen: SpeculativeGenerator, name: str, args: argparse.Namespace) -> Engine:
     """The batching engine where it is there and takes the pair; else one request at a time."""
-    if BatchEngine is not None and not args.sequential:
+    if not args.sequential:
         try:
             return BatchEngine(gen, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue)
         except HfspecError as exc:
@@ -101,7 +99,7 @@ def make_engine(gen: SpeculativeGenerator, name: str, args: argparse.Namespace) 
 def run(args: argparse.Namespace) -> int:
     try:  # imported here: the extra may be absent, and the other commands must not need it
         from hfspec.serve.app import create_app
-        from hfspec.serve.server import Server
+        from hfspec.serve.server import SHUTDOWN_SECONDS, Server
     except ModuleNotFoundError:
         raise HfspecError(EXTRA) from None
     preset = api.resolve_preset(args.target, args.draft, args.config)
@@ -114,5 +112,19 @@ def run(args: argparse.Namespace) -> int:
         f"hfspec: serving {engine.model_name} ({type(engine).__name__}) at http://{args.host}:{args.port}/v1; "
         f"the page at http://{args.host}:{args.port}/\n"
     )
-    server.run()
+    if not isinstance(engine, BatchEngine):
+        server.run()
+        return 0
+    # The engine's loop on the main thread (BatchEngine.run says why), uvicorn on a thread beside it; the signals
+    # reach the main thread, and uvicorn's own handler stops the engine, which ends the loop.
+    engine.run_here = True
+    http = threading.Thread(target=server.run, name="hfspec-http", daemon=True)
+    handlers = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        engine.run()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    http.join(SHUTDOWN_SECONDS + 5)
     return 0
