@@ -16,17 +16,20 @@ import stat_utils
 import tiny
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
+from test_serve_engine import serve
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import hfspec
 from hfspec import SpeculativeGenerator, cli, sampling
 from hfspec.bench import Bench, Contender, Mode
+from hfspec.cpu import fast
 from hfspec.drafters import Proposal
 from hfspec.drafters.cross_tokenizer import PRIME, REWORK, CrossTokenizerDrafter
 from hfspec.drafters.vocabulary import byte_decoder, vocab_map
 from hfspec.errors import HfspecError
 from hfspec.loading import load_pair
+from hfspec.serve.events import Request
 
 WORDS = (
     "the a cat dog sat on mat ran to house big small red blue tree under over quick brown fox jumps lazy "
@@ -397,6 +400,25 @@ def test_with_ngram_lookup_added(pair):
     slem = CrossTokenizerDrafter(draft, draft_tok, target_tok, greedy="slem")
     gen = SpeculativeGenerator(target, slem, target_tok, ngram=True)
     assert rows_of(gen.generate(prompts, max_new_tokens=20, gamma=3)) == [alone(target, p, 20) for p in prompts]
+
+
+@pytest.mark.parametrize("greedy", ["tli", "slem"])
+def test_served_in_company_greedy_equals_the_target_and_seeded_equals_alone(pair, greedy, library):
+    gen = generator(pair, greedy=greedy)
+    fast.accelerate(gen.target)  # hfspec's kernels: a row's bits whatever rows share the forward
+    fast.accelerate(gen.drafter.model)
+    prompts = [gen.tokenizer(t)["input_ids"] for t in TEXTS + ["Red", "The bird sang a song in the morning"]]
+    settings = [dict(temperature=0.0), dict(temperature=0.8, top_k=20)]
+    requests = [
+        Request(f"c{i}", tuple(p), 12 + 2 * i, gamma=3, seed=i, **settings[i % 2]) for i, p in enumerate(prompts)
+    ]
+    together = serve(gen, requests, stagger=0.003)
+    for request, (tokens, *_) in zip(requests, together):
+        if request.temperature == 0:
+            assert tokens == alone(gen.target, list(request.prompt_ids), request.max_new_tokens)
+        else:
+            assert tokens == serve(gen, [request])[0][0], f"{request.request_id} differs in company"
+    assert sum(done.usage.accepted for *_, done in together) > 0
 
 
 def test_a_call_cut_short_after_a_spelled_proposal_leaves_nothing_behind(pair):

@@ -2,8 +2,10 @@
 
 Requests join a running batch at step boundaries and leave it when they finish; a greedy answer equals the same
 request served alone (a fresh engine with only it) and the target's own ``generate()``, a seeded sampled answer is
-the same alone and in company, and a sampled row in company still follows the target's exact distribution. The
-models run hfspec's kernels, which give a row the same bits whatever rows share the forward.
+the same alone and in company, and a sampled row in company still follows the target's exact distribution; with
+a draft model, an EAGLE-3 head, n-gram lookup (whose store of earlier outputs a seeded sampled row does not read)
+and the hybrid of a model and lookup. The models run hfspec's kernels, which give a row the same bits whatever
+rows share the forward.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ import tiny
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import SpeculativeGenerator, sampling
+from hfspec import SpeculativeGenerator, cli, sampling
 from hfspec.cpu import fast
 from hfspec.drafters.eagle3 import Eagle3Drafter
+from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError
 from hfspec.serve import batch as serve_batch
+from hfspec.serve import command
 from hfspec.serve.engine import BatchEngine
 from hfspec.serve.events import Delta, Done, QueueFull, Request
+from hfspec.serve.sequential import SequentialEngine
 from hfspec.serve.text import TextStream
 
 V = 64
@@ -45,6 +50,12 @@ def pair(model_dir, library):
 @pytest.fixture
 def gen(pair, scripted_auto):
     return scripted_auto(SpeculativeGenerator(*pair), "cheap")
+
+
+@pytest.fixture
+def ngram_gen(pair, scripted_auto):
+    """The same target drafting by n-gram lookup, with a store of earlier outputs shared by every request."""
+    return scripted_auto(SpeculativeGenerator(pair[0], "ngram", pair[2]), "cheap")
 
 
 def serve(gen, requests, *, stagger: float = 0.0, **engine):
@@ -103,7 +114,9 @@ def mixed_requests() -> list[Request]:
     return out
 
 
-def test_sixteen_staggered_requests_each_equal_alone(gen, pair, monkeypatch):
+@pytest.mark.parametrize("drafter", ["gen", "ngram_gen"])
+def test_sixteen_staggered_requests_each_equal_alone(drafter, pair, monkeypatch, request):
+    gen = request.getfixturevalue(drafter)
     joined = []  # rows already running, and steps already taken, when each request joined
     merge, step, steps = serve_batch.Batch.merge, serve_batch.Batch.step, [0]
 
@@ -166,6 +179,43 @@ def test_an_eagle3_head_in_company_greedy_equals_the_target_and_seeded_equals_al
             assert tokens == target_greedy(target, list(request.prompt_ids), request.max_new_tokens, [tiny.EOS])
         else:
             assert tokens == serve(gen, [request])[0][0], f"{request.request_id} differs in company"
+
+
+def test_a_hybrid_in_company_greedy_equals_the_target_and_seeded_equals_alone(pair, scripted_auto):
+    gen = scripted_auto(SpeculativeGenerator(*pair, ngram=True), "cheap")
+    settings = [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95)]
+    requests = [Request(f"y{i}", (7 + i, 9, 7 + i, 9) * 2, 16, gamma=3, seed=i, **settings[i % 2]) for i in range(6)]
+    together = serve(gen, requests, stagger=0.003)
+    for request, (tokens, *_) in zip(requests, together):
+        if request.temperature == 0:
+            assert tokens == target_greedy(pair[0], list(request.prompt_ids), request.max_new_tokens, [tiny.EOS])
+        else:
+            assert tokens == serve(gen, [request])[0][0], f"{request.request_id} differs in company"
+    assert sum(done.usage.accepted for *_, done in together) > 0
+
+
+def test_a_seeded_row_drafts_from_its_own_context_not_the_store(ngram_gen, monkeypatch):
+    # The store holds what earlier requests answered; a seeded sampled row that read it would draft from it, and
+    # its tokens would depend on what ran before it.
+    requests = [Request(f"n{i}", (9 + i, 12, 9 + i, 12, 9 + i), 24, temperature=0.9, seed=i, gamma=3) for i in range(4)]
+    ngram_gen.drafter.clear_history()
+    first = [tokens for tokens, *_ in serve(ngram_gen, requests, stagger=0.003)]
+    assert ngram_gen.drafter.history.size > 24, "their outputs should be in the store"
+    assert [serve(ngram_gen, [r])[0][0] for r in requests] == first
+    fork = NgramDrafter.fork  # the control: every row reads the store, and some row's tokens change
+    monkeypatch.setattr(NgramDrafter, "fork", lambda self, own_context=False: fork(self, False))
+    assert [serve(ngram_gen, [r])[0][0] for r in requests] != first
+
+
+def test_the_serve_command_batches_lookup_and_the_hybrid(pair):
+    for flags, draft, engine in (
+        (["--draft", "ngram"], "ngram", BatchEngine),
+        ([], pair[1], BatchEngine),
+        (["--draft", "ngram", "--sequential"], "ngram", SequentialEngine),
+    ):
+        args = cli.build_parser("serve").parse_args(["serve", *flags])
+        gen = SpeculativeGenerator(pair[0], draft, pair[2], ngram=draft != "ngram")
+        assert type(command.make_engine(gen, "tiny", args)) is engine, flags
 
 
 def test_a_cancelled_request_leaves_within_one_step(gen, monkeypatch):
@@ -295,7 +345,9 @@ def test_text_never_splits_a_character():
 # -- the distribution in company ----------------------------------------------------------------
 
 NEW, SAMPLES = 2, 1000
-PROMPT = (7,)  # one token: nothing to prefill, so thousands of requests join in seconds
+# Per drafter, the prompt: one token for the draft model (nothing to prefill, so thousands of requests join in
+# seconds); for n-gram lookup a repeat it drafts from (its drafts' q is one-hot: a path of its own at verification).
+PROMPTS = {"model": (7,), "ngram": (3, 7, 3, 7, 3)}
 SETTINGS = {"temperature": 0.8, "top_k": 6}
 
 
@@ -309,16 +361,18 @@ def small_pair(model_dir, library):
     return target, draft, tok
 
 
-def sampled_in_company(small_pair, seed: int) -> tuple[np.ndarray, float]:
-    """Counts of the first tokens of SAMPLES seeded requests for PROMPT, each sampled beside greedy and other
-    sampled rows (other prompts and settings); and the share of drafts accepted."""
-    requests, g = [], np.random.default_rng(seed)
+def sampled_in_company(small_pair, drafter: str, seed: int) -> tuple[np.ndarray, float]:
+    """Counts of the first tokens of SAMPLES seeded requests for the drafter's prompt, each sampled beside greedy
+    and other sampled rows (other prompts and settings); and the share of drafts accepted."""
+    requests, g, prompt = [], np.random.default_rng(seed), PROMPTS[drafter]
     for i in range(SAMPLES):
-        requests.append(Request(f"x{i}", PROMPT, NEW, seed=int(g.integers(1 << 62)), gamma=2, **SETTINGS))
+        requests.append(Request(f"x{i}", prompt, NEW, seed=int(g.integers(1 << 62)), gamma=2, **SETTINGS))
         if i % 8 == 0:
             requests.append(Request(f"g{i}", (8,), 5, temperature=0.0, gamma=3))
             requests.append(Request(f"h{i}", (7,), 4, temperature=1.3, top_p=0.7, gamma=1))
-    out = serve(SpeculativeGenerator(*small_pair), requests, max_batch=48, max_queue=len(requests))
+    target, draft, tok = small_pair
+    gen = SpeculativeGenerator(target, draft if drafter == "model" else "ngram", tok)
+    out = serve(gen, requests, max_batch=48, max_queue=len(requests))
     counts = np.zeros([9] * NEW)
     drafted = accepted = 0
     for request, (tokens, _, _, done) in zip(requests, out):
@@ -328,18 +382,20 @@ def sampled_in_company(small_pair, seed: int) -> tuple[np.ndarray, float]:
     return counts, accepted / drafted
 
 
-def test_a_sampled_row_in_company_follows_the_target_exactly(small_pair):
-    counts, rate = sampled_in_company(small_pair, seed=1)
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_a_sampled_row_in_company_follows_the_target_exactly(small_pair, drafter):
+    counts, rate = sampled_in_company(small_pair, drafter, seed=1)
     assert 0.2 < rate < 0.9, f"the draft should disagree with the target sometimes (accepted {rate:.2f})"
-    exact = stat_utils.exact_joint(small_pair[0], list(PROMPT), SETTINGS, 9, NEW)
+    exact = stat_utils.exact_joint(small_pair[0], list(PROMPTS[drafter]), SETTINGS, 9, NEW)
     pv = chi_square_pvalue(counts, exact)
     assert pv > ALPHA, f"samples in company differ from the target (p-value {pv:.3g})"
 
 
-def test_negative_control_a_wrong_residual_is_detected_in_company(small_pair, monkeypatch):
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_negative_control_a_wrong_residual_is_detected_in_company(small_pair, drafter, monkeypatch):
     monkeypatch.setattr(sampling, "residual", lambda p, q: p)
-    counts, _ = sampled_in_company(small_pair, seed=2)
-    exact = stat_utils.exact_joint(small_pair[0], list(PROMPT), SETTINGS, 9, NEW)
+    counts, _ = sampled_in_company(small_pair, drafter, seed=2)
+    exact = stat_utils.exact_joint(small_pair[0], list(PROMPTS[drafter]), SETTINGS, 9, NEW)
     assert chi_square_pvalue(counts, exact) < ALPHA
 
 

@@ -158,9 +158,12 @@ class Drafter:
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only rows ``keep`` (1-D long) of the batch, in that order."""
 
-    def fork(self) -> Drafter:
+    def fork(self, own_context: bool = False) -> Drafter:
         """A drafter sharing this one's models with per-row state of its own (``start`` gives it some): rows
-        prefilled apart from a running batch, which ``merge`` then appends to it."""
+        prefilled apart from a running batch, which ``merge`` then appends to it. ``own_context``: its rows draft
+        from their own context alone, never from what other requests left behind (a seeded sampled row, whose
+        tokens must not depend on what ran before or beside it); a drafter that learns nothing across rows
+        ignores it."""
         return copy.copy(self)
 
     def prefill(self, ctx: Context) -> None:

@@ -30,6 +30,12 @@ draft's context only shapes q; the committed target tokens never change.
 Cache invariant (checked every step): a row's unmasked cached positions are exactly its
 draft tokens ``seq``. Drafts fed during a step are kept when the target accepted them and the
 committed text begins with them.
+
+Rows join a running batch (``fork``, ``prefill``, ``merge``: the server's continuous batching) with
+their own text and cache rows; nothing is learnt across rows, so a row's q depends on its own text
+alone where the draft runs on hfspec's kernels. Drafting ends early for every row when one drew a
+token outside the shared vocabulary, which happens only where processing removed every shared
+token (never under temperature, top-k, top-p or min-p: the top token left is a shared one).
 """
 
 from __future__ import annotations
@@ -172,6 +178,21 @@ class CrossTokenizerDrafter(Drafter):
     def select_rows(self, keep: torch.Tensor) -> None:
         self.kv.select_rows(keep)
         self.rows = [self.rows[i] for i in keep.tolist()]
+
+    def prefill(self, ctx: Context) -> None:
+        """Read the committed text and feed its draft tokens but the last, which the next proposal feeds."""
+        feed, valid, positions = self._catch_up(ctx, 0)
+        if feed.shape[1] > 1:
+            self._forward(feed[:, :-1], valid[:, :-1], positions[:, :-1])
+        for row in self.rows:  # the cache holds every draft token but the last of each row
+            row.seq = row.seq[:-1]
+            row.ends = row.ends[: len(row.seq)]
+
+    def merge(self, other: Drafter) -> None:
+        assert isinstance(other, CrossTokenizerDrafter) and self.drafts is None and other.drafts is None
+        assert not (self.spelled_step or other.spelled_step), "rows join between steps"
+        self.kv.merge(other.kv)
+        self.rows = self.rows + other.rows
 
     def check(self, ctx: Context) -> None:
         fed = torch.tensor([len(r.seq) for r in self.rows], device=self.kv.mask.device)

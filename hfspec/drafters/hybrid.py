@@ -34,6 +34,12 @@ resamples from p without it), so comparing the n-gram proposal with the main dra
 accepted tokens is the same Bernoulli trial; where those run out the comparison stops
 without a failure.
 
+Rows join a running batch (``fork``, ``prefill``, ``merge``: the server's continuous batching) with
+state of their own in both drafters. The running records are learnt from every row, so a row's
+choice between the two proposals depends on what else ran; a row forked with ``own_context``
+(the server's seeded sampled rows, whose tokens must be the same alone or in company) always
+takes the main drafter's proposal, which depends on its own context alone.
+
 Mixed batches carry one-hot q rows and the main drafter's q rows in one (B, γ, V)
 tensor; verification is the usual one (Leviathan et al., arXiv 2211.17192), so the
 output is distributed exactly as the target's. A ``ModelDrafter`` keeps none of its drafts
@@ -43,6 +49,7 @@ the committed tokens in its next forward.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -138,7 +145,10 @@ class HybridDrafter(Drafter):
         buckets = [bucket(m) for m in self.ngram.match_lengths.tolist()]
         e_ngram = [self.ngram_rates[j].expected(k) if k else 0.0 for k, j in zip(ng_counts.tolist(), buckets)]
         e_main = self.main_rate.expected(gamma)
-        use = torch.tensor([k > 0 and e >= e_main for k, e in zip(ng_counts.tolist(), e_ngram)], dtype=torch.bool)
+        use = torch.tensor(
+            [k > 0 and e >= e_main and not own for k, e, own in zip(ng_counts.tolist(), e_ngram, self.ngram.own)],
+            dtype=torch.bool,
+        )
         if not bool(use.all()) and not (model and self._model_pays(costs, e_ngram, e_main, ng.gamma, gamma)):
             use = ng_counts > 0  # the lookup alone: rows without a proposal draft nothing
             model = False
@@ -247,6 +257,20 @@ class HybridDrafter(Drafter):
     def check(self, ctx: Context) -> None:
         self.main.check(ctx)
         self.ngram.check(ctx)
+
+    def fork(self, own_context: bool = False) -> HybridDrafter:
+        other = copy.copy(self)
+        other.main, other.ngram = self.main.fork(own_context), self.ngram.fork(own_context)
+        return other
+
+    def prefill(self, ctx: Context) -> None:
+        self.main.prefill(ctx)
+        self.ngram.prefill(ctx)
+
+    def merge(self, other: Drafter) -> None:
+        assert isinstance(other, HybridDrafter) and self._step is None and other._step is None
+        self.main.merge(other.main)
+        self.ngram.merge(other.ngram)
 
     def step_seconds(self, context: list[int], device: torch.device) -> float:
         return self.main.step_seconds(context, device)

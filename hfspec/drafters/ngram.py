@@ -24,10 +24,21 @@ rule of Leviathan et al. (arXiv 2211.17192), exact at any temperature.
 The index of each row grows with the tokens committed since the last step (O(new tokens)
 per step) and reads nothing past ``ctx.lengths``: it learns only committed text, and the
 store only whole outputs of finished rows.
+
+Rows join a running batch (``fork``, ``prefill``, ``merge``: the server's continuous batching) with
+their own index; the store stays shared, so a row may copy what an earlier request answered. That
+store holds what finished before, in the order it finished, so with it a row's drafts depend on
+what else ran. A greedy row's output cannot change with its drafts, nor a sampled row's
+distribution; but a seeded sampled row must give the same tokens alone or in company, and its
+drafts decide which of its random draws decide what. So a row forked with ``own_context`` (the
+server's seeded sampled rows) looks up its own context only: its drafts, cut to its γ, are then a
+function of its own tokens and γ (a proposal cut short is the prefix of a longer one). Its output
+still enters the store when it finishes.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from typing import Any
 
@@ -243,11 +254,28 @@ class NgramDrafter(Drafter):
         settings = (min_match, max_match, candidates)
         self.history = History(history_tokens, *settings) if history else None
         self.rows: list[TokenIndex] = []
+        self.own_context = False  # rows of this drafter look up their own context only (``fork``)
+        self.own: list[bool] = []  # per row: its own context only
         self.match_lengths = torch.zeros(0, dtype=torch.long)
         self.expected = torch.zeros(0)
 
     def start(self, batch: int, device: torch.device) -> None:
         self.rows = [TokenIndex(self.min_match, self.max_match, self.candidates) for _ in range(batch)]
+        self.own = [self.own_context] * batch
+
+    def fork(self, own_context: bool = False) -> NgramDrafter:
+        """Rows of their own for a running batch, with the store shared (module docstring: ``own_context``)."""
+        other = copy.copy(self)
+        other.own_context = own_context
+        return other
+
+    def prefill(self, ctx: Context) -> None:
+        self._catch_up(ctx)
+
+    def merge(self, other: Drafter) -> None:
+        assert isinstance(other, NgramDrafter) and other.history is self.history
+        self.rows = self.rows + other.rows
+        self.own = self.own + other.own
 
     def _catch_up(self, ctx: Context) -> None:
         """Index the tokens each row committed since the last call: only those, read in one gather."""
@@ -264,7 +292,7 @@ class NgramDrafter(Drafter):
 
     def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
         self._catch_up(ctx)
-        picks = [self._propose_row(row, gamma, ctx.vocab) for row in self.rows]
+        picks = [self._propose_row(row, gamma, ctx.vocab, own) for row, own in zip(self.rows, self.own)]
         width = max((len(tokens) for tokens, _, _ in picks), default=0)
         device = ctx.tokens.device
         flat = [x for t, _, _ in picks for x in t + [0] * (width - len(t))]
@@ -278,7 +306,7 @@ class NgramDrafter(Drafter):
         """Every continuation of the matched suffix (in the context and in earlier outputs), merged into one
         tree scored by how often each prefix occurred (``trie``); tokens picked deterministically (one-hot q)."""
         self._catch_up(ctx)
-        rows = [self._tree_row(row, nodes, depth, ctx.vocab) for row in self.rows]
+        rows = [self._tree_row(row, nodes, depth, ctx.vocab, own) for row, own in zip(self.rows, self.own)]
         width = max((len(r) for r in rows), default=0)
         if not width:  # nothing matched anywhere: a plain step
             return Proposal.empty(len(rows), ctx.tokens.device)
@@ -291,11 +319,11 @@ class NgramDrafter(Drafter):
         self.expected = real.sum(dim=1).float()
         return TreeProposal(tokens.to(device), parents.to(device), None, real.to(device), forwards=0)
 
-    def _tree_row(self, row: TokenIndex, nodes: int, depth: int, vocab: int) -> list[tuple[int, int]]:
+    def _tree_row(self, row: TokenIndex, nodes: int, depth: int, vocab: int, own: bool) -> list[tuple[int, int]]:
         """One row's tree (``trie``) from the continuations of every match of the last ``min_match`` tokens, in
-        both sources; the longest match sets how deep (``factor × m``)."""
+        both sources (``own``: the row's context only); the longest match sets how deep (``factor × m``)."""
         query = row.tail(self.max_match)
-        sources = [(row, row.size - 1, True)] + ([(self.history.index, None, False)] if self.history else [])
+        sources = [(row, row.size - 1, True)] + self._store(own)
         continuations: list[list[int]] = []
         for index, exclude, periodic in sources:
             m, _ = index.match(query, exclude)
@@ -309,13 +337,18 @@ class NgramDrafter(Drafter):
     def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Lookup keeps no draft state: the next call indexes what was committed."""
 
-    def _propose_row(self, row: TokenIndex, gamma: int, vocab: int) -> tuple[list[int], list[float], int]:
-        """(tokens, running P per token, match length) for one row; no tokens when nothing matches."""
+    def _store(self, own: bool) -> list[tuple[TokenIndex, int | None, bool]]:
+        """The store as a lookup source (index, excluded end, periodic), unless the row looks at ``own`` context."""
+        return [] if own or self.history is None else [(self.history.index, None, False)]
+
+    def _propose_row(
+        self, row: TokenIndex, gamma: int, vocab: int, own: bool = False
+    ) -> tuple[list[int], list[float], int]:
+        """(tokens, running P per token, match length) for one row (``own``: from its context only); no tokens
+        when nothing matches."""
         query = row.tail(self.max_match)
         best: tuple[list[int], list[float], int] = ([], [], 0)
-        sources = [(row, row.size - 1, True)]
-        if self.history is not None:
-            sources.append((self.history.index, None, False))
+        sources = [(row, row.size - 1, True)] + self._store(own)
         for index, exclude, periodic in sources:
             if sum(best[1]) >= gamma:
                 break  # γ sure tokens already: no proposal can be better
@@ -337,6 +370,7 @@ class NgramDrafter(Drafter):
 
     def select_rows(self, keep: torch.Tensor) -> None:
         self.rows = [self.rows[i] for i in keep.tolist()]
+        self.own = [self.own[i] for i in keep.tolist()]
 
     def check(self, ctx: Context) -> None:
         seen = torch.tensor([row.size for row in self.rows], device=ctx.lengths.device)

@@ -15,7 +15,9 @@ with the sampling math done per row:
   step, one draw per own draft, then γ_b acceptance uniforms and one residual/bonus draw. The target and a model
   draft on hfspec's kernels give a row the same bits whatever rows share the forward, and a hole is skipped, not
   weighted by zero (``hfspec.cpu.attention``); so a greedy row equals the same request served alone, token for
-  token, and so does a seeded sampled row whose drafter runs on the kernels.
+  token, and so does a seeded sampled row whose drafter runs on the kernels. A seeded sampled row's drafts
+  depend on its own tokens alone: its drafter is forked with ``own_context`` (``Drafter.fork``), so n-gram
+  lookup reads only the row's own context, not the store of earlier outputs that other requests filled.
 - **γ per row.** The proposal is as wide as the widest row's γ; row b keeps only its first γ_b drafts (the rest
   are padding, never accepted, and never drawn from its stream). A seeded sampled row's γ must not depend on the
   batch: it is the request's γ, or, under ``"auto"``, a fixed ``seeded_gamma``; each is cut only by the row's
@@ -139,7 +141,7 @@ class Batch(_Loop):
         part.rows.index = torch.tensor([state.slot], device=self.device)
         part.states, part.gammas = [state], None
         part.kv = KVState(1, self.device)  # attention only: the engine refuses recurrent targets
-        part.drafter = self.drafter.fork()
+        part.drafter = self.drafter.fork(own_context=params.seed is not None and not params.greedy)
         part.drafter.start(1, self.device)
         part.prefill(ids, torch.ones_like(ids))
         part.drafter.prefill(part.context())

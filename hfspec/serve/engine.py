@@ -95,7 +95,7 @@ class BatchEngine:
         if not merges_rows(generator.drafter):
             raise HfspecError(
                 f"the {generator.drafter.kind} drafter cannot take rows into a running batch yet; serve with a "
-                "draft model or an EAGLE-3 head"
+                "draft model, an EAGLE-3 head or n-gram lookup"
             )
         if max_batch < 1 or max_queue < 0 or seeded_gamma < 0:
             raise HfspecError(f"need max_batch >= 1, max_queue >= 0, seeded_gamma >= 0; got {max_batch}, {max_queue}")
