@@ -24,10 +24,11 @@ from hfspec.cache import KVState
 from hfspec.costs import Costs
 from hfspec.cpu import draft_linear, fast
 from hfspec.cpu import threads as cpu_threads
+from hfspec.drafter_factory import draft_module, make_drafter
 from hfspec.drafters import Drafter, builds_trees, cross_tokenizer
 from hfspec.errors import HfspecError
 from hfspec.inputs import prepare_inputs
-from hfspec.loading import draft_module, load_pair, make_drafter
+from hfspec.loading import load_pair
 from hfspec.loop import Call, GenerateOutput, pad_id
 from hfspec.models import check_causal_lm, check_tree_attention, shared_vocab_size, window_in_columns
 from hfspec.policy import GammaPolicy, Tuning, as_policy
