@@ -18,6 +18,7 @@ import torch
 import hfspec
 import hfspec.loop
 from hfspec import api, cli
+from hfspec.commands import generate as generate_command
 from hfspec.cpu import fast
 from hfspec.drafters import Drafter
 from hfspec.errors import HfspecError
@@ -243,11 +244,11 @@ def test_adaptive_cost_estimates_the_draft_cost_from_what_the_drafter_reads(mode
     draft, _ = tiny.load(str(model_dir("llama", seed=1, layers=1)))
     args = argparse.Namespace(adaptive="cost", gamma=4, draft_cost=None)
     preset = Preset(name="tiny", target="t", draft="d")  # only its γ could matter, and --gamma is given
-    model = cli._policy(args, preset, hfspec.SpeculativeGenerator(target, draft, tok))
+    model = generate_command._policy(args, preset, hfspec.SpeculativeGenerator(target, draft, tok))
     assert model.cost == pytest.approx(draft.num_parameters() / target.num_parameters()) and 0 < model.cost < 1
-    assert cli._policy(args, preset, hfspec.SpeculativeGenerator(target, "ngram", tok)).cost == 0.0
+    assert generate_command._policy(args, preset, hfspec.SpeculativeGenerator(target, "ngram", tok)).cost == 0.0
     with pytest.raises(HfspecError, match="cannot estimate the cost of a drafter drafter; pass --draft-cost"):
-        cli._policy(args, preset, hfspec.SpeculativeGenerator(target, Drafter(), tok))
+        generate_command._policy(args, preset, hfspec.SpeculativeGenerator(target, Drafter(), tok))
 
 
 def test_seed_reproducible_between_runs_and_equal_to_python(capsys, pair, model_dir):
