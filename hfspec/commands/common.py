@@ -19,6 +19,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_USAGE",
     "add_model_flags",
+    "draft_vocab_value",
     "load_kwargs",
     "number",
     "quiet_transformers",
@@ -34,8 +35,8 @@ EXIT_INTERRUPTED = 130
 
 
 def number(kind: type, check, rule: str):
-    """A flag value's parser: ``kind`` (int or float) of ``text``, which must pass ``check``; ``rule`` says the
-    rule in the error."""
+    """The parser of a flag's value: a ``kind`` (int or float) that passes ``check``; ``rule`` says what it must
+    be, in the error."""
 
     def parse(text: str):
         try:
