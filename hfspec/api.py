@@ -245,13 +245,14 @@ def complete(
 ) -> Completion:
     """Generate for text prompts with ``gen``. The settings ``generation_config`` sets (``hfspec.config.settings``)
     override ``preset``'s sampling settings, which override the target's generation config; decoding is greedy
-    unless one of them samples, and ``DEFAULT_MAX_NEW_TOKENS`` long unless one sets ``max_new_tokens``. Other
-    unset settings come from ``preset``. ``threads``: the CPU threads of the call (None: the generator's)."""
+    unless one of them samples, and ``DEFAULT_MAX_NEW_TOKENS`` long unless one of them (or the target's generation
+    config) sets ``max_new_tokens``. Other unset settings come from ``preset``. ``threads``: the CPU threads of the call (None: the generator's)."""
     if gen.tokenizer is None:
         raise HfspecError(
             "the generator has no tokenizer; build it with SpeculativeGenerator(target, draft, tokenizer)"
         )
-    defaults = cfg.settings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, do_sample=False)
+    own = gen.target.generation_config.max_new_tokens  # the target's, if its generation config sets one
+    defaults = cfg.settings(max_new_tokens=_pick(own, DEFAULT_MAX_NEW_TOKENS), do_sample=False)
     conf = cfg.merge(
         cfg.merge(defaults, cfg.settings(**{name: getattr(preset, name) for name in PRESET_SAMPLING})),
         generation_config,
@@ -294,7 +295,7 @@ def generate(
     target: str | Path | None = None,
     draft: str | Path | None = None,
     config: str | Path | Preset | None = None,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens: int | None = None,
     gamma: int | str | GammaPolicy | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
@@ -320,7 +321,7 @@ def generate(
     outputs, with no draft model; ``ngram=True`` adds that lookup to a model draft (per
     row, whichever is expected to get more accepted). Settings left as ``None`` come
     from the preset, then from the target's generation config; ``do_sample`` defaults
-    to greedy and ``chat`` to off (on for the default pair). ``gamma`` is γ, the drafts
+    to greedy, ``max_new_tokens`` to ``DEFAULT_MAX_NEW_TOKENS`` and ``chat`` to off (on for the default pair). ``gamma`` is γ, the drafts
     per step, ``"auto"`` (the default of every shipped preset: chosen at every step, see
     ``AutoGamma``) or a ``GammaPolicy``. ``tree``: a node budget drafts a tree per step, verified
     in one target forward; ``None`` drafts chains; ``"auto"`` (the default) lets ``gamma="auto"`` choose

@@ -113,7 +113,7 @@ def layers(threads: list[int], rows: list[int], total_mb: int, repeats: int) -> 
 
 
 def source_ids(tokenizer, count: int) -> list[int]:
-    text = "".join((SOURCE / name).read_text() for name in ("sampling.py", "cache.py", "generator.py"))
+    text = "".join((SOURCE / name).read_text() for name in ("sampling.py", "cache.py", "loop.py", "generator.py"))
     ids = tokenizer(text).input_ids
     if len(ids) < count:
         raise SystemExit(f"the source text has {len(ids)} tokens, fewer than the {count} asked for")

@@ -114,6 +114,17 @@ def test_return_stats(pair):
     assert 0 <= stats.acceptance_rate <= 1
 
 
+def test_max_new_tokens_comes_from_the_call_then_generation_config_then_the_target(pair, monkeypatch):
+    target, draft = pair
+    kwargs = dict(target=target, draft=draft, gamma=2, return_stats=True)
+    five = GenerationConfig(max_new_tokens=5)
+    assert hfspec.generate("w10 w11", generation_config=five, **kwargs)[1].committed == 5
+    assert hfspec.generate("w10 w11", max_new_tokens=3, generation_config=five, **kwargs)[1].committed == 3
+    gen = api.load(api.resolve_preset(target, draft))
+    monkeypatch.setattr(gen.target.generation_config, "max_new_tokens", 6)
+    assert hfspec.generate("w10 w11", **kwargs)[1].committed == 6
+
+
 def test_seed_makes_sampling_reproducible_and_equal_to_the_generator(pair):
     target, draft = pair
     kwargs = dict(target=target, draft=draft, max_new_tokens=12, do_sample=True, temperature=1.0, gamma=3)

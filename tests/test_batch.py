@@ -8,7 +8,7 @@ import torch
 
 from hfspec import SpeculativeGenerator
 from hfspec.drafters import Proposal
-from hfspec.generator import Verdict
+from hfspec.loop import Verdict
 from hfspec.rows import Rows
 
 LENGTHS = (1, 3, 17, 6, 29, 2)
@@ -87,16 +87,16 @@ def test_finished_rows_are_padded_and_reasons_reported(tiny_pair):
 
 
 def test_rows_leave_the_batch_when_they_finish(tiny_pair, monkeypatch):
-    from hfspec.generator import _Loop
+    from hfspec.loop import Call
 
     sizes = []
-    original = _Loop.verify
+    original = Call.verify
 
     def verify(self, proposal):
         sizes.append(proposal.tokens.shape[0])
         return original(self, proposal)
 
-    monkeypatch.setattr(_Loop, "verify", verify)
+    monkeypatch.setattr(Call, "verify", verify)
     target, draft, tok = tiny_pair("llama", vocab_size=16)
     prompts = batch_prompts(16, seed=1)
     out = SpeculativeGenerator(target, draft, tok).generate(

@@ -8,7 +8,7 @@ import torch
 
 from hfspec import SpeculativeGenerator
 from hfspec.cache import KVState
-from hfspec.generator import _Loop
+from hfspec.loop import Call
 from hfspec.models import forward
 
 
@@ -24,7 +24,7 @@ def spy_steps(monkeypatch):
     """Record, after every step, (γ, accepted per row, target cache length, draft cache length, committed,
     committed tokens the draft has not been fed)."""
     log, verdicts = [], []
-    verify, retire = _Loop.verify, _Loop.retire
+    verify, retire = Call.verify, Call.retire
 
     def spy_verify(self, proposal):
         verdicts.append(verify(self, proposal))
@@ -45,8 +45,8 @@ def spy_steps(monkeypatch):
                 )
             )
 
-    monkeypatch.setattr(_Loop, "verify", spy_verify)
-    monkeypatch.setattr(_Loop, "retire", spy_retire)
+    monkeypatch.setattr(Call, "verify", spy_verify)
+    monkeypatch.setattr(Call, "retire", spy_retire)
     return log
 
 

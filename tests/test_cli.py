@@ -16,8 +16,9 @@ import tiny
 import torch
 
 import hfspec
-import hfspec.generator
+import hfspec.loop
 from hfspec import api, cli
+from hfspec.commands import generate as generate_command
 from hfspec.cpu import fast
 from hfspec.drafters import Drafter
 from hfspec.errors import HfspecError
@@ -243,11 +244,11 @@ def test_adaptive_cost_estimates_the_draft_cost_from_what_the_drafter_reads(mode
     draft, _ = tiny.load(str(model_dir("llama", seed=1, layers=1)))
     args = argparse.Namespace(adaptive="cost", gamma=4, draft_cost=None)
     preset = Preset(name="tiny", target="t", draft="d")  # only its γ could matter, and --gamma is given
-    model = cli._policy(args, preset, hfspec.SpeculativeGenerator(target, draft, tok))
+    model = generate_command._policy(args, preset, hfspec.SpeculativeGenerator(target, draft, tok))
     assert model.cost == pytest.approx(draft.num_parameters() / target.num_parameters()) and 0 < model.cost < 1
-    assert cli._policy(args, preset, hfspec.SpeculativeGenerator(target, "ngram", tok)).cost == 0.0
+    assert generate_command._policy(args, preset, hfspec.SpeculativeGenerator(target, "ngram", tok)).cost == 0.0
     with pytest.raises(HfspecError, match="cannot estimate the cost of a drafter drafter; pass --draft-cost"):
-        cli._policy(args, preset, hfspec.SpeculativeGenerator(target, Drafter(), tok))
+        generate_command._policy(args, preset, hfspec.SpeculativeGenerator(target, Drafter(), tok))
 
 
 def test_seed_reproducible_between_runs_and_equal_to_python(capsys, pair, model_dir):
@@ -454,13 +455,13 @@ def test_a_target_that_is_not_a_model_gets_one_line(capsys, tmp_path, make, says
 
 def test_threads_reach_torch_and_the_json_and_are_restored(capsys, pair, monkeypatch):
     seen = []
-    real = hfspec.generator._Loop.run
+    real = hfspec.loop.Call.run
 
     def run_loop(self, *args):
         seen.append(torch.get_num_threads())
         return real(self, *args)
 
-    monkeypatch.setattr(hfspec.generator._Loop, "run", run_loop)
+    monkeypatch.setattr(hfspec.loop.Call, "run", run_loop)
     before = torch.get_num_threads()
     for flags, threads in (([], before), (["--threads", "2"], 2), (["-t", "1"], 1)):
         code, out, _ = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "4", "--gamma", "2", "--json", *flags)
@@ -478,7 +479,7 @@ def test_an_internal_error_shows_its_traceback_and_asks_for_a_report(capsys, pai
     def broken(self, *args, **kwargs):
         raise error("something inside went wrong")
 
-    monkeypatch.setattr(hfspec.generator._Loop, "verify", broken)
+    monkeypatch.setattr(hfspec.loop.Call, "verify", broken)
     code, out, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "4", "--gamma", "2")
     assert code == cli.EXIT_BUG == 1 and out == ""
     assert "Traceback (most recent call last)" in err and f"{error.__name__}: " in err and "went wrong" in err
@@ -494,7 +495,7 @@ def test_bad_preset_file_gives_one_line(capsys, tmp_path):
 
 def test_ctrl_c_while_streaming_prints_the_partial_text(capsys, pair, monkeypatch):
     full = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "30", "--gamma", "2")[1]
-    real, calls = hfspec.generator.forward, []
+    real, calls = hfspec.loop.forward, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -502,7 +503,7 @@ def test_ctrl_c_while_streaming_prints_the_partial_text(capsys, pair, monkeypatc
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hfspec.generator, "forward", interrupted)
+    monkeypatch.setattr(hfspec.loop, "forward", interrupted)
     code, out, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "30", "--gamma", "2", "--stream")
     assert code == 130 and "interrupted" in err
     assert out.endswith("\n") and out.count("\n") == 1

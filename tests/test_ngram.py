@@ -27,8 +27,8 @@ from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.model import ModelDrafter
 from hfspec.drafters.ngram import History, NgramDrafter, TokenIndex
 from hfspec.errors import HfspecError
-from hfspec.generator import _Loop
 from hfspec.loading import load_preset
+from hfspec.loop import Call
 
 
 class Ctx:
@@ -172,7 +172,7 @@ class Steps:
     def __init__(self, monkeypatch):
         self.counts: list[list[int]] = []
         self.mixed = 0
-        verify, merge = _Loop.verify, HybridDrafter._merge
+        verify, merge = Call.verify, HybridDrafter._merge
 
         def counting_verify(run, proposal: Proposal):
             self.counts.append(proposal.drafted().tolist())
@@ -182,7 +182,7 @@ class Steps:
             self.mixed += 1
             return merge(drafter, *args)
 
-        monkeypatch.setattr(_Loop, "verify", counting_verify)
+        monkeypatch.setattr(Call, "verify", counting_verify)
         monkeypatch.setattr(HybridDrafter, "_merge", counting_merge)
 
     def some_rows_without_drafts(self) -> bool:

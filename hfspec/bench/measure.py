@@ -23,9 +23,9 @@ from hfspec import costs
 from hfspec.bench.field import MAIN, Contender, Mode
 from hfspec.bench.stores import LookupStores
 from hfspec.cpu import fast
+from hfspec.drafter_factory import draft_module
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
-from hfspec.loading import draft_module
 from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma
 from hfspec.stats import Stats
 from hfspec.timing import timed

@@ -13,7 +13,7 @@ keeps per-row state in that order and drops rows in ``select_rows``.
 
 This module is the interface only: it imports no drafter. Turning what a user passes
 as the draft (a model, a head, a path, ``"ngram"``) into a drafter is
-``hfspec.loading.make_drafter``'s job, which sits above every drafter and the loaders.
+``hfspec.drafter_factory.make_drafter``'s job, which sits above every drafter and the loaders.
 """
 
 from __future__ import annotations
@@ -120,6 +120,9 @@ class Drafter:
     vocab_size: int | None = None
     # A short name for stats and errors; the loop and the command line never branch on it.
     kind: str = "drafter"
+    # True when each step's rows may draft from two sources (a model, or lookup alone), each priced by the policy
+    # (``Context.price``) and reported by ``commit`` (a hybrid's ``Outcome``); such a drafter drafts no trees.
+    mixes_sources: bool = False
     # The draft model this drafter runs as its own, whose cache and state the generator checks; None
     # for lookup and for an EAGLE-3 head (a head is no causal LM: it drafts from the target's features).
     model: PreTrainedModel | None = None

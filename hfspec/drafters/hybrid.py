@@ -98,6 +98,7 @@ class HybridDrafter(Drafter):
     the model only in steps where it pays (see the module docstring)."""
 
     kind = "hybrid"
+    mixes_sources = True
 
     def __init__(self, main: Drafter, ngram: NgramDrafter | None = None):
         if isinstance(main, (NgramDrafter, HybridDrafter)):

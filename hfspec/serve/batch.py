@@ -3,7 +3,7 @@
 The server's engine (``hfspec.serve.engine``) runs this batch's ``step`` in a loop. A request joins between
 steps: ``prefill_alone`` prefills its prompt alone (the target, and the drafter's catch-up), then ``merge`` merges
 its caches into the batch's, left-padded with holes (``KVState.merge``); a row leaves by ``leave`` as soon as it
-finishes or is cancelled. The step is the generator's (``hfspec.generator._Loop``: propose → verify → roll back → accept),
+finishes or is cancelled. The step is the generator's (``hfspec.loop.Call``: propose → verify → roll back → accept),
 with the sampling math done per row:
 
 - **Settings per row.** Each row keeps its ``SamplingParams``: a greedy row takes the target's argmax (exact,
@@ -43,7 +43,8 @@ from hfspec import sampling
 from hfspec.cache import KVState
 from hfspec.drafters import Proposal
 from hfspec.errors import NumericalFault
-from hfspec.generator import SpeculativeGenerator, Verdict, _Loop
+from hfspec.generator import SpeculativeGenerator
+from hfspec.loop import Call, Verdict
 from hfspec.policy import GammaPolicy, Step
 from hfspec.rows import Rows
 from hfspec.sampling import Warpers
@@ -109,7 +110,7 @@ class RowContext:
         return torch.stack(self.picked, 1).cpu() if self.picked else None
 
 
-class Batch(_Loop):
+class Batch(Call):
     """The server's running batch (see the module docstring): ``prefill_alone``/``merge``, ``step``, ``leave``."""
 
     def __init__(self, gen: SpeculativeGenerator, policy: GammaPolicy | None, window: int | None):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hfspec import api
-from hfspec.cli import _load_kwargs, _number, add_model_flags
+from hfspec.commands.common import add_model_flags, load_kwargs, number
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.presets import Preset
@@ -27,9 +27,9 @@ from hfspec.serve.sequential import SequentialEngine
 log = logging.getLogger(__name__)
 
 EXTRA = "hfspec serve needs its extra: pip install 'hfspec[serve]'"
-_port = _number(int, lambda v: 0 <= v < 65536, "a port number in [0, 65535]")
-_positive = _number(int, lambda v: v >= 1, ">= 1")
-_gamma_number = _number(int, lambda v: v >= 0, ">= 0 (0: plain decoding) or 'auto'")
+_port = number(int, lambda v: 0 <= v < 65536, "a port number in [0, 65535]")
+_positive = number(int, lambda v: v >= 1, ">= 1")
+_gamma_number = number(int, lambda v: v >= 0, ">= 0 (0: plain decoding) or 'auto'")
 
 
 def _gamma(text: str) -> int | str:
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError:
         raise HfspecError(EXTRA) from None
     preset = api.resolve_preset(args.target, args.draft, args.config)
-    gen = api.load(preset, threads=args.threads, **_load_kwargs(args))
+    gen = api.load(preset, threads=args.threads, **load_kwargs(args))
     gen.threads = args.threads  # every step of the engine runs on them (None: torch's count)
     engine = make_engine(gen, args.model_name or default_model_name(preset, gen), args)
     app = create_app(engine, gen.tokenizer, api_key=args.api_key, gamma=args.gamma)

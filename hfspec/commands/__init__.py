@@ -1,0 +1,1 @@
+"""The command line's commands, one module each (``hfspec.cli`` builds the parser and runs them)."""
