@@ -21,6 +21,7 @@ from hfspec.bench.formats import format_costs, formats_table
 from hfspec.bench.measure import Bench
 from hfspec.bench.report import format_table, plot
 from hfspec.bench.runner import run_bench
+from hfspec.commands.common import threads_value
 from hfspec.cpu import draft_linear, fast
 from hfspec.cpu import threads as cpu_threads
 from hfspec.drafters.hybrid import with_ngram
@@ -88,16 +89,6 @@ def _tree_list(text: str) -> tuple[int, ...]:
     if text.strip().lower() in ("", "none"):
         return ()
     return _int_list(text)
-
-
-def _threads(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of threads >= 1, got {text!r}")
-    return value
 
 
 def _name_list(text: str) -> tuple[str, ...]:
@@ -258,7 +249,7 @@ def _output_options(timing: argparse._ArgumentGroup, out: argparse._ArgumentGrou
     timing.add_argument(
         "-t",
         "--threads",
-        type=_threads,
+        type=threads_value,
         default=None,
         metavar="N",
         help="CPU threads for the whole run, >= 1, as llama.cpp's -t (default: torch's choice)",
