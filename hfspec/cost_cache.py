@@ -21,7 +21,6 @@ import logging
 import math
 import platform
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from hfspec.acceptance import Acceptance
 from hfspec.assets import cache_dir
 from hfspec.costs import Costs
 from hfspec.cpu import kernels, records
+from hfspec.timing import cpu_model
 
 __all__ = ["SAMPLES", "Kept", "directory", "identity", "key", "keep", "kept", "machine", "path"]
 
@@ -47,24 +47,12 @@ def directory() -> Path:
     return cache_dir() / "costs"
 
 
-@cache
-def _cpu_name() -> str:
-    """The CPU's model name (Linux), else the platform's word for it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine(device: torch.device) -> dict[str, Any]:
     """What the costs depend on of the machine: its CPU, torch's thread count and version (and transformers', which
     decides how a tree's mask is read), the device (a GPU by name)."""
     accelerator = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
-        "cpu": _cpu_name(),
+        "cpu": cpu_model(),
         "arch": platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

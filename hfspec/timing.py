@@ -10,6 +10,7 @@ not move. This module knows only torch and the clock.
 
 from __future__ import annotations
 
+import functools
 import platform
 import statistics
 import subprocess
@@ -69,6 +70,7 @@ class Stopwatch:
         self._start = None
 
 
+@functools.cache  # the machine does not change within a process; lscpu takes milliseconds a call
 def cpu_model() -> str:
     """The CPU's model name as ``lscpu`` prints it (else /proc/cpuinfo's, else the platform's)."""
     try:

@@ -384,8 +384,8 @@ def plan_layers(model: nn.Module, *, progress: bool | None = None) -> int:
     """Give ``model``'s quantized linears in float32 arithmetic the block shape per row count timed on them
     (:mod:`hfspec.cpu.plan`: once per machine, threads and model, cached); the number of quantized layers on the
     kernel (0 where it is off; int8 layers have one shape and are counted without timing)."""
-    layers = [layer for layer in quantized_layers(model) if layer.arithmetic == "float32"]
-    integer = len(quantized_layers(model)) - len(layers)
+    every = quantized_layers(model)
+    layers = [layer for layer in every if layer.arithmetic == "float32"]
     qk = kernel()
     if qk is None:
         return 0
@@ -393,7 +393,7 @@ def plan_layers(model: nn.Module, *, progress: bool | None = None) -> int:
         plan = kernel_plan.plan_for(qk.library, layers, progress=progress, shapes=qk.shapes, default=default_plan(qk))
         for layer in layers:
             layer.plan, layer.plan_threads = plan, torch.get_num_threads()
-    return len(layers) + integer
+    return len(every)
 
 
 def describe(model: nn.Module | None) -> dict[str, object]:
