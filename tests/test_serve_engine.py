@@ -416,7 +416,7 @@ def test_a_failed_step_ends_its_rows_with_an_error_and_the_engine_serves_on(gen,
         loop = asyncio.get_running_loop()
         try:
             finals = []
-            for request in (Request("a", (7, 8), 20, temperature=0.0, gamma=1), Request("b", (7, 8), 5)):
+            for request in (Request("a", (7, 8), 20, temperature=0.0, gamma=1), Request("b", (7, 8), 5, temperature=0.0)):
                 tokens = []
                 async for event in eng.submit(request, loop).events():
                     tokens += [] if isinstance(event, Done) else event.token_ids
@@ -427,7 +427,8 @@ def test_a_failed_step_ends_its_rows_with_an_error_and_the_engine_serves_on(gen,
 
     (_, failed), (tokens, done) = asyncio.run(main())
     assert failed.finish_reason == "error" and "broken step" in failed.error
-    assert done.finish_reason == "length" and len(tokens) == 5
+    # greedy, so whether it ends at EOS does not hang on a draw; either way the row after the failure is served
+    assert (done.finish_reason, len(tokens) == 5) in {("length", True), ("stop", False)} and tokens
 
 
 def test_the_loop_runs_in_the_callers_thread_until_stopped(gen):
