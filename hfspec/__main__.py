@@ -1,7 +1,7 @@
 """``hfspec`` and ``python -m hfspec``: the command line's entry point.
 
 ``--version`` is answered here, before anything heavy is imported (torch and transformers take seconds); every
-other command goes to :mod:`hfspec.cli`.
+other command goes to :mod:`hfspec.commands.cli`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     if args == ["--version"]:
         print(VERSION_LINE)
         return 0
-    from hfspec import cli  # imported only now: it pulls in torch and transformers (see the docstring)
+    from hfspec.commands import cli  # imported only now: it pulls in torch and transformers (see the docstring)
 
     return cli.main(args)
 

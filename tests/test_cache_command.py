@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hfspec import cache_command, cli
+from hfspec.commands import cache as cache_command
+from hfspec.commands import cli
 
 
 @pytest.fixture
@@ -103,7 +104,7 @@ def test_the_listing_imports_no_torch(cache):
     """A file listing: torch is not imported for it (where the package itself does not import torch first)."""
     code = (
         "import sys, hfspec; before = 'torch' in sys.modules\n"
-        "from hfspec import cache_command; cache_command.listing()\n"
+        "from hfspec.commands import cache as cache_command; cache_command.listing()\n"
         "print(before, 'torch' in sys.modules)"
     )
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -17,7 +17,8 @@ import torch
 
 import hfspec
 import hfspec.loop
-from hfspec import api, cli
+from hfspec import api
+from hfspec.commands import cli
 from hfspec.commands import generate as generate_command
 from hfspec.cpu import fast
 from hfspec.drafters import Drafter
@@ -146,7 +147,7 @@ def test_help_and_bad_flags_answer_without_torch():
     script = """
 import sys
 loaded = lambda: sorted({"torch", "transformers"} & set(sys.modules))
-from hfspec import cli
+from hfspec.commands import cli
 print(loaded(), file=sys.stderr)
 argvs = [["--help"], ["generate", "--help"], ["generate", "x", "--top-p", "2"], ["generate", "x", "--stream", "--json"]]
 print([cli.main(argv) for argv in argvs], loaded(), file=sys.stderr)
@@ -556,7 +557,7 @@ def test_subprocess_stream_chat_and_json(pair, preset, tmp_path, library):
 
     def hfspec_cmd(*argv: str) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "hfspec.cli", "generate", PROMPT, *argv],
+            [sys.executable, "-m", "hfspec.commands.cli", "generate", PROMPT, *argv],
             cwd=root,
             env=env,
             stdout=subprocess.PIPE,

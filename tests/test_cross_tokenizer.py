@@ -21,8 +21,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import hfspec
-from hfspec import SpeculativeGenerator, cli, sampling
+from hfspec import SpeculativeGenerator, sampling
 from hfspec.bench import Bench, Contender, Mode
+from hfspec.commands import cli
 from hfspec.cpu import fast
 from hfspec.drafters import Proposal
 from hfspec.drafters.cross_tokenizer import PRIME, REWORK, CrossTokenizerDrafter

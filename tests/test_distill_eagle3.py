@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hfspec import SpeculativeGenerator, cli
+from hfspec import SpeculativeGenerator
+from hfspec.commands import cli
 from hfspec.heads.checkpoint import load_head
 from hfspec.models import hidden_features
 from hfspec.training import eagle3 as de

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from stat_utils import ALPHA, chi_square_pvalue
 from transformers import AutoModelForCausalLM
 
-from hfspec import SpeculativeGenerator, api, cli
+from hfspec import SpeculativeGenerator, api
+from hfspec.commands import cli
 from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head, save_head

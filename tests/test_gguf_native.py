@@ -141,7 +141,8 @@ def test_without_the_kernel_a_gguf_loads_dequantized(files, monkeypatch, caplog)
 def test_the_cli_and_presets_load_gguf_pairs(files, capsys, tmp_path):
     import json
 
-    from hfspec import api, cli
+    from hfspec import api
+    from hfspec.commands import cli
     from hfspec.loading import load_preset
 
     target, draft = files["llama-q8_0"], files["llama-k-mix-tied"]
@@ -200,7 +201,8 @@ def test_a_gguf_file_is_a_model_as_its_directory_is(files, capsys, tmp_path):
     directory that holds it, from the generator, the command line and a preset."""
     import json
 
-    from hfspec import api, cli
+    from hfspec import api
+    from hfspec.commands import cli
 
     target, draft = files["qwen2-k-mix"], files["qwen2-legacy-mix"]
     ids = torch.tensor([[1, 9, 17, 33, 4]])

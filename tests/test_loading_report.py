@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import hfspec
-from hfspec import SpeculativeGenerator, cli
+from hfspec import SpeculativeGenerator
+from hfspec.commands import cli
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head, save_head
 from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head

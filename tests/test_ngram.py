@@ -20,8 +20,9 @@ from test_batch import alone, batch_prompts, rows_of
 from test_distribution import NEW, SETTINGS, exact_joint, pair, sample_counts  # noqa: F401 (pair is a fixture)
 
 import hfspec
-from hfspec import SpeculativeGenerator, api, cli, sampling
+from hfspec import SpeculativeGenerator, api, sampling
 from hfspec.acceptance import Acceptance
+from hfspec.commands import cli
 from hfspec.drafters import Drafter, Proposal
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.model import ModelDrafter

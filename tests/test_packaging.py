@@ -24,8 +24,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 import hfspec
 from hfspec import __main__ as entry
-from hfspec import cli
 from hfspec._version import __version__
+from hfspec.commands import cli
 from hfspec.cpu import kernels
 
 ROOT = Path(__file__).resolve().parent.parent

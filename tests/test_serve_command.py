@@ -10,7 +10,7 @@ import time
 import pytest
 import tiny
 
-from hfspec import cli
+from hfspec.commands import cli
 
 
 def test_serve_without_its_extra_says_what_to_install(monkeypatch, capsys):

@@ -21,7 +21,8 @@ import tiny
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import SpeculativeGenerator, cli, sampling
+from hfspec import SpeculativeGenerator, sampling
+from hfspec.commands import cli
 from hfspec.cpu import fast
 from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.drafters.ngram import NgramDrafter
@@ -416,7 +417,10 @@ def test_a_failed_step_ends_its_rows_with_an_error_and_the_engine_serves_on(gen,
         loop = asyncio.get_running_loop()
         try:
             finals = []
-            for request in (Request("a", (7, 8), 20, temperature=0.0, gamma=1), Request("b", (7, 8), 5, temperature=0.0)):
+            for request in (
+                Request("a", (7, 8), 20, temperature=0.0, gamma=1),
+                Request("b", (7, 8), 5, temperature=0.0),
+            ):
                 tokens = []
                 async for event in eng.submit(request, loop).events():
                     tokens += [] if isinstance(event, Done) else event.token_ids

@@ -12,9 +12,10 @@ import tiny
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import SpeculativeGenerator, api, cache, cli, models, sampling, tree
+from hfspec import SpeculativeGenerator, api, cache, models, sampling, tree
 from hfspec import generator as generator_module
 from hfspec.cache import KVState
+from hfspec.commands import cli
 from hfspec.costs import Costs
 from hfspec.drafters import ngram
 from hfspec.drafters.eagle3 import Eagle3Drafter

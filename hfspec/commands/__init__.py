@@ -1,1 +1,1 @@
-"""The command line's commands, one module each (``hfspec.cli`` builds the parser and runs them)."""
+"""The command line's commands, one module each (``hfspec.commands.cli`` builds the parser and runs them)."""

@@ -1,7 +1,7 @@
 """The ``hfspec distill`` command: train a small draft model (``--kind model``) or an EAGLE-3 head
 (``--kind eagle3``) for a target, and print the run's report as JSON.
 
-``hfspec.cli`` registers it when this package is installed; ``python -m hfspec.training``
+``hfspec.commands.cli`` registers it when this package is installed; ``python -m hfspec.training``
 runs it on its own. Flags one kind does not read are refused rather than ignored, so a
 mistyped run does not train something other than what was asked for.
 """

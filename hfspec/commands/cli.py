@@ -6,7 +6,7 @@ for a report, and exit status 1. Ctrl-C ends with status 130 after printing what
 
 The parser is built from light modules only: torch and transformers are imported by the command that runs a
 model, so ``--help`` and a bad flag answer at once. An optional command's module is imported only when that
-command is the one run. Each command is a module of its own (``hfspec.commands.generate``, ``hfspec.cache_command``,
+command is the one run. Each command is a module of its own (``hfspec.commands.generate``, ``hfspec.commands.cache``,
 the optional ones in ``OPTIONAL_COMMANDS``) with its flags and its run; ``hfspec.commands.common`` holds what they
 share (the model flags, exit statuses).
 """
@@ -21,8 +21,8 @@ import traceback
 from importlib.util import find_spec
 from typing import NoReturn
 
-from hfspec import __version__, cache_command
-from hfspec.commands import generate
+from hfspec import __version__
+from hfspec.commands import cache, generate
 from hfspec.commands.common import (
     EXIT_BUG,
     EXIT_INTERRUPTED,
@@ -95,7 +95,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     generate.add_parser(sub)
-    cache_command.add_parser(sub)
+    cache.add_parser(sub)
     for name in OPTIONAL_COMMANDS:
         if name == command:
             _add_optional(sub, name)
