@@ -25,8 +25,8 @@ from hfspec import loading
 from hfspec.cpu import threads as cpu_threads
 from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.generator import SpeculativeGenerator
+from hfspec.models.presets import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRESET, Preset
 from hfspec.policy import GammaPolicy
-from hfspec.presets import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRESET, Preset
 from hfspec.stats import Stats
 
 __all__ = [

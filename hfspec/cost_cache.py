@@ -29,9 +29,9 @@ import transformers
 from torch import nn
 
 from hfspec.acceptance import Acceptance
-from hfspec.assets import cache_dir
 from hfspec.costs import Costs
 from hfspec.cpu import kernels, records
+from hfspec.models.paths import cache_dir
 from hfspec.timing import cpu_model
 
 __all__ = ["SAMPLES", "Kept", "directory", "identity", "key", "keep", "kept", "machine", "path"]

@@ -10,7 +10,7 @@ and every real step then refines the table with what it actually took, sampling 
 bookkeeping included.
 
 A recurrent cache (Mamba, hybrids) adds its own cost to a verification: a snapshot
-before it and a replay after a rejection (``hfspec.recurrent``). ``rollback_cost``
+before it and a replay after a rejection (``hfspec.models.recurrent``). ``rollback_cost``
 prices that in the same unit, one single-token target forward, so that it can be read
 as a change of v(γ). Every time here is taken with ``hfspec.timing``.
 """
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from hfspec.cache import KVState
-from hfspec.models import forward
+from hfspec.models.adapter import forward
+from hfspec.models.kv_cache import KVState
 from hfspec.timing import Stopwatch, now, timed
 
 # Weight of a new observation in the running averages of real step times.

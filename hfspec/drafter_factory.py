@@ -4,7 +4,7 @@
 (``"ngram"``, ``"shipped"``, ...); ``load_draft`` loads a draft by name for a loaded target. A draft model runs as a
 ``ModelDrafter``, an EAGLE-3 head as an ``Eagle3Drafter``, ``"ngram"`` as an ``NgramDrafter``, a draft with
 another tokenizer as a ``CrossTokenizerDrafter``; ``ngram=True`` adds lookup (``HybridDrafter``). It sits above
-every drafter and beside the loaders it needs for a path (``hfspec.weights``), so that ``hfspec.drafters`` stays
+every drafter and beside the loaders it needs for a path (``hfspec.models.weights``), so that ``hfspec.drafters`` stays
 the interface and imports no drafter.
 """
 
@@ -28,8 +28,8 @@ from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.heads.checkpoint import load_head
 from hfspec.heads.eagle3 import Eagle3Head
 from hfspec.heads.files import is_eagle3_dir
-from hfspec.sources import NGRAM, locate, resolve_model
-from hfspec.weights import (
+from hfspec.models.sources import NGRAM, locate, resolve_model
+from hfspec.models.weights import (
     DRAFT_BITS,
     accelerate,
     check_bool,

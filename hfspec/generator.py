@@ -19,8 +19,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import config as cfg
-from hfspec import cost_cache, costs, recurrent, sampling
-from hfspec.cache import KVState
+from hfspec import cost_cache, costs, sampling
 from hfspec.costs import Costs
 from hfspec.cpu import draft_linear, fast
 from hfspec.cpu import threads as cpu_threads
@@ -30,7 +29,9 @@ from hfspec.errors import HfspecError
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import load_pair
 from hfspec.loop import Call, GenerateOutput, pad_id
-from hfspec.models import check_causal_lm, check_tree_attention, shared_vocab_size, window_in_columns
+from hfspec.models import recurrent
+from hfspec.models.adapter import check_causal_lm, check_tree_attention, shared_vocab_size, window_in_columns
+from hfspec.models.kv_cache import KVState
 from hfspec.policy import GammaPolicy, Tuning, as_policy
 from hfspec.rows import right_pad
 from hfspec.stats import Stats

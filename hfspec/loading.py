@@ -2,18 +2,18 @@
 
 A *preset* is one JSON file naming a target, a draft and the settings that suit
 them (γ, dtype, chat, sampling defaults). Presets ship in ``hfspec/configs/``
-and are found by name (``hfspec.presets``); any other JSON file works by path.
+and are found by name (``hfspec.models.presets``); any other JSON file works by path.
 
 A model is named by a local directory, a GGUF file, a hub name or one of four special names (``"offline"``,
-``"shipped"``, ``"shipped-eagle3"``, ``"ngram"``): ``hfspec.sources.locate`` resolves each, in one place.
-``hfspec.weights`` loads one model and its tokenizer; ``hfspec.drafter_factory`` turns whatever a user passes as
+``"shipped"``, ``"shipped-eagle3"``, ``"ngram"``): ``hfspec.models.sources.locate`` resolves each, in one place.
+``hfspec.models.weights`` loads one model and its tokenizer; ``hfspec.drafter_factory`` turns whatever a user passes as
 the draft (a drafter, a loaded model, an EAGLE-3 head, a path or one of those names) into a drafter
 (``make_drafter``, ``load_draft``). Their public names are importable from here too.
 
 The models loaded here run hfspec's CPU kernel (``hfspec.fast.accelerate_loaded``: on CPU with
 fp32 or bf16 weights) unless ``fast_kernels=False``; a model a caller built and passed in is
 never changed (``make_drafter`` loads a draft path as it is). A GGUF target or draft
-(a ``.gguf`` path, or ``gguf_file``/``draft_gguf_file``) on CPU keeps its quantized blocks (``hfspec.gguf_native``)
+(a ``.gguf`` path, or ``gguf_file``/``draft_gguf_file``) on CPU keeps its quantized blocks (``hfspec.models.gguf_native``)
 unless ``gguf_native=False`` or ``fast_kernels=False``, which dequantize it as transformers does.
 """
 
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec import assets
 from hfspec.drafter_factory import (
     accelerate_draft,
     cross_tokenizer_drafter,
@@ -38,10 +37,11 @@ from hfspec.drafter_factory import (
 )
 from hfspec.drafters import Drafter
 from hfspec.errors import HfspecError
-from hfspec.models import same_tokenizer
-from hfspec.presets import Preset, load_preset, preset_names  # presets are read where pairs load
-from hfspec.sources import NGRAM, OFFLINE_TARGET, ModelSource, locate, lone_gguf, resolve_model
-from hfspec.weights import (
+from hfspec.models import assets
+from hfspec.models.adapter import same_tokenizer
+from hfspec.models.presets import Preset, load_preset, preset_names  # presets are read where pairs load
+from hfspec.models.sources import NGRAM, OFFLINE_TARGET, ModelSource, locate, lone_gguf, resolve_model
+from hfspec.models.weights import (
     ARITHMETIC,
     DRAFT_BITS,
     accelerate,
@@ -103,7 +103,7 @@ def load_pair(
     draft_bits: int | None = DRAFT_BITS,
     arithmetic: str = ARITHMETIC,
 ) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
-    """Load ``(target, draft, tokenizer)`` by hub name, local directory or GGUF file (``hfspec.sources.locate``); the
+    """Load ``(target, draft, tokenizer)`` by hub name, local directory or GGUF file (``hfspec.models.sources.locate``); the
     draft may be a ``Drafter``.
 
     ``dtype`` applies to both models unless ``draft_dtype`` is given. ``device_map``
@@ -120,7 +120,7 @@ def load_pair(
     ``fast_kernels`` (default on) makes the target and the draft (model or EAGLE-3
     head) run hfspec's CPU kernel where they sit on CPU in fp32 or bf16
     (``hfspec.fast``); ``False`` keeps torch's own linears. ``draft_vocab`` cuts a draft model's LM head to that
-    many of its lowest token ids and its special tokens (``hfspec.head_cut``: q is 0 for the others, which keeps
+    many of its lowest token ids and its special tokens (``hfspec.models.head_cut``: q is 0 for the others, which keeps
     the output exact); None (the default) keeps the whole head. ``draft_bits`` (4, the default, or 8) runs a draft
     model that sits on CPU with fast kernels on in integer arithmetic (``hfspec.cpu.draft_linear``: weights of that
     many bits, int8 activations): its step streams fewer bytes and computes cheaply, while the output stays

@@ -85,10 +85,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
-from hfspec import assets
+from hfspec.models import assets
 from hfspec.heads.checkpoint import save_head
 from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids
-from hfspec.models import hidden_features
+from hfspec.models.adapter import hidden_features
 
 work = Path(sys.argv[1])
 V, H, N, VD = 96, 32, 8, 48  # vocabulary, hidden size, target layers, draft vocabulary

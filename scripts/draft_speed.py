@@ -7,7 +7,7 @@ Sections:
           over copies of the layer totalling --total-mb, so that every call streams its weights from memory, not
           from cache. Each sweep of the copies takes every kernel and row count in turn, so that a neighbour's load
           hits all alike; a time is the least over --repeats sweeps.
-  model   Qwen2.5-Coder-0.5B-Instruct (GGUF, hfspec.gguf_native, accelerated) before and after
+  model   Qwen2.5-Coder-0.5B-Instruct (GGUF, hfspec.models.gguf_native, accelerated) before and after
           quantize_for_drafting: the decoding step with a 64-token cache (the two models take turns; the least of
           --rounds medians), and the agreement of their greedy next tokens over --positions positions of hfspec's
           own source, a proxy of acceptance. With --target, also the 1.5B target's step and its agreement with each,
@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hfspec import assets, gguf_native  # noqa: E402
 from hfspec.costs import forward_seconds  # noqa: E402
 from hfspec.cpu import draft_linear, fast, quant  # noqa: E402
+from hfspec.models import assets, gguf_native  # noqa: E402
 from hfspec.timing import cpu_model  # noqa: E402
 
 SHAPES = [(896, 4864), (4864, 896), (896, 151936)]  # (in, out)

@@ -20,8 +20,9 @@ import torch
 from qwen_pair_bench import FirstToken, chat_ids  # scripts/ is on the path of a script run from it
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hfspec import SpeculativeGenerator, assets
+from hfspec import SpeculativeGenerator
 from hfspec.bench.field import load_prompts
+from hfspec.models import assets
 from hfspec.timing import cpu_model
 
 

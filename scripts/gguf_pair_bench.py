@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from hfspec import SpeculativeGenerator, assets, wheels
+from hfspec import SpeculativeGenerator
 from hfspec.bench.field import load_prompts
 from hfspec.cpu import fast
+from hfspec.models import assets, wheels
 from hfspec.timing import cpu_model
 
 SCRIPTS = Path(__file__).resolve().parent

@@ -1,6 +1,6 @@
 """How far int8 arithmetic moves a GGUF target: teacher-forced top-1 agreement with float32, and both perplexities.
 
-The same file is loaded twice with its blocks kept (``hfspec.gguf_native``): ``arithmetic="float32"`` (the
+The same file is loaded twice with its blocks kept (``hfspec.models.gguf_native``): ``arithmetic="float32"`` (the
 dequantized model, as transformers loads it) and ``"int8"`` (llama.cpp's integer arithmetic). Both read the same
 code -- Python source from this interpreter's standard library, a fixed list of modules, cut into windows of
 ``--window`` tokens -- and at every position the next-token argmax of each is compared and the negative
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from hfspec import gguf_native
 from hfspec.cpu import fast
+from hfspec.models import gguf_native
 
 DEFAULT = Path.home() / ".cache/hfspec/qwen2.5-coder-1.5b-instruct/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"
 MODULES = ("textwrap", "json.decoder", "heapq", "bisect", "fractions", "statistics", "shlex", "difflib", "csv")

@@ -1,6 +1,6 @@
 """One target step t(1) and verification costs v(k) = t(k) / t(1) of a GGUF target, in int8 and float32 arithmetic.
 
-Loads the file with its blocks kept (``hfspec.gguf_native``) once per arithmetic, puts it on hfspec's kernels, fills
+Loads the file with its blocks kept (``hfspec.models.gguf_native``) once per arithmetic, puts it on hfspec's kernels, fills
 a cache with ``--depth`` tokens, then times a forward of k new tokens against it (the cache cropped back after
 each), the arithmetics taking turns so that a busy machine disturbs both alike. Prints JSON with the CPU's
 ``lscpu`` model name and the load average: on a shared machine the numbers say so.
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from hfspec import gguf_native
 from hfspec.cpu import fast
+from hfspec.models import gguf_native
 
 DEFAULT = Path.home() / ".cache/hfspec/qwen2.5-coder-1.5b-instruct/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"
 

@@ -4,7 +4,7 @@ Sections:
   layers   random blocks in the target's two big layer shapes (Q4_K 8960x1536, Q6_K 1536x8960): ms per call in
            every block shape the kernel offers (the fastest of --repeats rounds that take turns), the best shape's
            G multiply-adds/s and its time over the one-row time;
-  forward  the GGUF target (loaded with hfspec.gguf_native, accelerated, its shapes planned) fed k new tokens after
+  forward  the GGUF target (loaded with hfspec.models.gguf_native, accelerated, its shapes planned) fed k new tokens after
            a --context-token cache, as hfspec.costs.forward_seconds does: the fastest of --forward-repeats rounds.
 On a shared machine: at one thread the times are the thread's CPU time, so that other jobs taking the core cost
 nothing; at more, wall time, and a round in which another process used a CPU is not counted (``rounds_dropped``).
@@ -108,10 +108,10 @@ def layers(rows: list[int], repeats: int) -> list[dict]:
 
 @torch.inference_mode()
 def forward(rows: list[int], repeats: int, context: int) -> dict:
-    from hfspec import gguf_native
-    from hfspec.cache import KVState
     from hfspec.cpu import fast
-    from hfspec.models import forward as model_forward
+    from hfspec.models import gguf_native
+    from hfspec.models.adapter import forward as model_forward
+    from hfspec.models.kv_cache import KVState
 
     t0 = time.perf_counter()
     model = gguf_native.load(str(TARGET), "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf", "target")

@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from hfspec import FixedGamma, SpeculativeGenerator, assets, wheels
+from hfspec import FixedGamma, SpeculativeGenerator
 from hfspec.bench.field import load_prompts
 from hfspec.loading import load_draft, load_preset
+from hfspec.models import assets, wheels
 from hfspec.timing import cpu_model
 
 SCRIPTS = Path(__file__).resolve().parent

@@ -24,8 +24,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hfspec import SpeculativeGenerator, assets, wheels  # noqa: E402
+from hfspec import SpeculativeGenerator  # noqa: E402
 from hfspec.cpu import fast  # noqa: E402
+from hfspec.models import assets, wheels  # noqa: E402
 from hfspec.timing import cpu_model  # noqa: E402
 
 PROMPTS = [

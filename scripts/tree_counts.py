@@ -1,7 +1,7 @@
 """Tokens per target pass, chains against draft trees, on the offline pair at greedy (counts, not time).
 
-The target is SmolLM2-135M-Instruct (``hfspec.assets.offline_target_path``), the draft the model shipped with
-hfspec (``hfspec.assets.shipped_draft_path``), or with ``--drafter eagle3`` the shipped EAGLE-3 head. Each
+The target is SmolLM2-135M-Instruct (``hfspec.models.assets.offline_target_path``), the draft the model shipped with
+hfspec (``hfspec.models.assets.shipped_draft_path``), or with ``--drafter eagle3`` the shipped EAGLE-3 head. Each
 setting generates --new-tokens for the first --prompts chat prompts of hfspec/prompts/bench.jsonl, one batch, and
 reports per setting: tokens committed per target pass
 (vLLM's mean accepted length), draft forwards per pass, tree nodes verified per pass, and the steps by accepted
@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hfspec import SpeculativeGenerator  # noqa: E402
-from hfspec.assets import offline_target_float32, shipped_draft_path, shipped_head_path  # noqa: E402
 from hfspec.drafters.eagle3 import Eagle3Drafter  # noqa: E402
+from hfspec.models.assets import offline_target_float32, shipped_draft_path, shipped_head_path  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parents[1] / "hfspec" / "prompts" / "bench.jsonl"
 

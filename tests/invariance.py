@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from hfspec.models import cache_kwarg, sliding_window, tree_attention, window_in_columns
+from hfspec.models.adapter import cache_kwarg, sliding_window, tree_attention, window_in_columns
 
 # One call: what a forward reads, and which (batch row, column) holds which prefix position.
 Rows = list[tuple[int, int, int]]

@@ -11,10 +11,11 @@ import torch
 from transformers import GenerationConfig
 
 import hfspec
-from hfspec import Stats, api, assets, loading
+from hfspec import Stats, api, loading
 from hfspec.cpu import fast
 from hfspec.cpu import threads as cpu_threads
 from hfspec.errors import HfspecError
+from hfspec.models import assets
 from hfspec.policy import HeuristicGamma
 
 pytestmark = pytest.mark.usefixtures("fresh_api_cache")

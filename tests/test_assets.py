@@ -8,8 +8,8 @@ import zipfile
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from hfspec import assets
 from hfspec.loading import lone_gguf
+from hfspec.models import assets
 
 
 @pytest.fixture(scope="module")

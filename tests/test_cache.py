@@ -7,9 +7,9 @@ import tiny
 import torch
 
 from hfspec import SpeculativeGenerator
-from hfspec.cache import KVState
 from hfspec.loop import Call
-from hfspec.models import forward
+from hfspec.models.adapter import forward
+from hfspec.models.kv_cache import KVState
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hfspec import SpeculativeGenerator
 from hfspec.commands import cli
 from hfspec.heads.checkpoint import load_head
-from hfspec.models import hidden_features
+from hfspec.models.adapter import hidden_features
 from hfspec.training import eagle3 as de
 from hfspec.training import eagle3_data, optim
 from hfspec.training.eagle3 import Eagle3Report, parse_layer_ids, train_eagle3_head

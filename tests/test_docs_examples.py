@@ -22,7 +22,7 @@ import pytest
 from markdown_it import MarkdownIt
 from pytest_examples import CodeExample, find_examples
 
-from hfspec import assets
+from hfspec.models import assets
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "README.md", ROOT / "docs"]

@@ -18,7 +18,7 @@ from torch import nn
 from hfspec import SpeculativeGenerator, sampling
 from hfspec.cpu import draft_linear, fast, kernels, quant
 from hfspec.errors import HfspecError
-from hfspec.head_cut import FrequentHead, cut_head
+from hfspec.models.head_cut import FrequentHead, cut_head
 from hfspec.sampling import OUTSIDE
 
 

@@ -26,7 +26,7 @@ from hfspec.heads.checkpoint import load_head, save_head
 from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids
 from hfspec.heads.files import is_eagle3_dir
 from hfspec.loading import load_pair, make_drafter
-from hfspec.models import load_model
+from hfspec.models.adapter import load_model
 
 TARGET = dict(vocab_size=64, layers=8, hidden=32, seed=0, sharpness=8.0)
 

@@ -7,7 +7,7 @@ import os
 import gguf_files
 import pytest
 
-from hfspec import gguf_meta, gguf_native
+from hfspec.models import gguf_meta, gguf_native
 
 
 @pytest.fixture

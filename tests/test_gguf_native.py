@@ -17,11 +17,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hfspec import SpeculativeGenerator, gguf_native
+from hfspec import SpeculativeGenerator
 from hfspec.cpu import fast, quant
 from hfspec.errors import HfspecError
 from hfspec.loading import load_pair
-from hfspec.sources import ModelSource, locate
+from hfspec.models import gguf_native
+from hfspec.models.sources import ModelSource, locate
 
 MIXES = {
     "llama-q8_0": ("llama", "Q8_0", False),
@@ -121,7 +122,7 @@ def test_formats_without_a_kernel_are_dequantized_saying_so(tmp_path, library, c
     if quant.kernel() is None:
         pytest.skip(f"no quantized kernel: {quant.unavailable()}")
     path = gguf_files.write(tmp_path, "qwen2", {"*": "Q3_K", "attn_q": "Q8_0"})
-    with caplog.at_level(logging.INFO, logger="hfspec.gguf_native"):
+    with caplog.at_level(logging.INFO, logger="hfspec.models.gguf_native"):
         got = native(path)
     assert "no quantized kernel for 14 Q3_K" in caplog.text
     assert len(quant.quantized_layers(got)) == 2
@@ -133,7 +134,7 @@ def test_formats_without_a_kernel_are_dequantized_saying_so(tmp_path, library, c
 def test_without_the_kernel_a_gguf_loads_dequantized(files, monkeypatch, caplog):
     path = files["llama-q8_0"]
     monkeypatch.setenv("HFSPEC_KERNELS", "0")
-    with caplog.at_level(logging.INFO, logger="hfspec.gguf_native"):
+    with caplog.at_level(logging.INFO, logger="hfspec.models.gguf_native"):
         assert gguf_native.load(str(path.parent), path.name, "target") is None
     assert "HFSPEC_KERNELS=0" in caplog.text and "dequantized" in caplog.text
 

@@ -12,8 +12,9 @@ from stat_utils import ALPHA, chi_square_pvalue
 from test_distribution import NEW, PROMPT_A, exact_joint, pair, sample_counts  # noqa: F401 (pair is a fixture)
 from test_greedy import prompts, reference
 
-from hfspec import SpeculativeGenerator, head_cut, sampling
+from hfspec import SpeculativeGenerator, sampling
 from hfspec.cpu import fast
+from hfspec.models import head_cut
 
 
 def cut_copy(model, ids):
@@ -117,8 +118,8 @@ def test_a_head_that_is_not_a_plain_linear_is_refused(tiny_pair):
 def test_a_gguf_head_is_cut_in_its_blocks_with_the_same_bits(tmp_path, library):
     import gguf_files
 
-    from hfspec import gguf_native
     from hfspec.cpu import quant
+    from hfspec.models import gguf_native
 
     path = gguf_files.write(tmp_path, "llama", {"*": "Q8_0", "token_embd": "Q4_1"}, tied=True)
     whole = gguf_native.load(str(path.parent), path.name, "draft")

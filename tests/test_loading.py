@@ -11,10 +11,11 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoConfig, AutoModel, PreTrainedTokenizerFast
 
-from hfspec import SpeculativeGenerator, assets
+from hfspec import SpeculativeGenerator
 from hfspec.errors import HfspecError
 from hfspec.loading import load_pair, parse_dtype, resolve_model
-from hfspec.presets import ALLOWED_KEYS, Preset, load_preset, preset_names
+from hfspec.models import assets
+from hfspec.models.presets import ALLOWED_KEYS, Preset, load_preset, preset_names
 
 
 def permuted_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

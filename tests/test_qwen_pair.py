@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hfspec import SpeculativeGenerator, wheels
-from hfspec.assets import cache_dir
+from hfspec import SpeculativeGenerator
+from hfspec.models import wheels
+from hfspec.models.assets import cache_dir
 
 PRESENT = all(wheels.find(spec, cache_dir()) for spec in (wheels.QWEN_CODER_1_5B, wheels.QWEN_CODER_0_5B))
 pytestmark = pytest.mark.skipif(

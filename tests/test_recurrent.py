@@ -13,10 +13,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hfspec import HfspecError, SpeculativeGenerator
-from hfspec.cache import KVState
 from hfspec.costs import RollbackCost, rollback_cost
-from hfspec.models import forward
-from hfspec.recurrent import RecurrentState
+from hfspec.models.adapter import forward
+from hfspec.models.kv_cache import KVState
+from hfspec.models.recurrent import RecurrentState
 
 V = 48
 MAMBA1 = ("mamba", "falcon_mamba", "jamba")  # exact as drafts; refused as targets

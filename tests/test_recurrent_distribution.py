@@ -18,7 +18,7 @@ from stat_utils import ALPHA, chi_square_pvalue
 from test_distribution import NEW, PROMPT_A, V, exact_joint
 
 from hfspec import SpeculativeGenerator
-from hfspec.recurrent import RecurrentState
+from hfspec.models.recurrent import RecurrentState
 
 SAMPLES = 300  # the negative control reaches p < 1e-300 with 100 samples already (6 seeds tried)
 ARCH = "mamba2"

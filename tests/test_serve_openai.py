@@ -17,7 +17,7 @@ from serve_fakes import running_server  # noqa: E402
 
 import hfspec  # noqa: E402
 from hfspec import api  # noqa: E402
-from hfspec.presets import Preset  # noqa: E402
+from hfspec.models.presets import Preset  # noqa: E402
 from hfspec.serve.app import create_app  # noqa: E402
 from hfspec.serve.prompts import FIM_TOKENS  # noqa: E402
 from hfspec.serve.sequential import SequentialEngine  # noqa: E402

@@ -12,15 +12,16 @@ import tiny
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import SpeculativeGenerator, api, cache, models, sampling, tree
+from hfspec import SpeculativeGenerator, api, sampling, tree
 from hfspec import generator as generator_module
-from hfspec.cache import KVState
 from hfspec.commands import cli
 from hfspec.costs import Costs
 from hfspec.drafters import ngram
 from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
 from hfspec.generator import AUTO_TREES
+from hfspec.models import adapter, kv_cache
+from hfspec.models.kv_cache import KVState
 from hfspec.tree import TreeProposal
 from hfspec.tree import probe as tree_probe
 
@@ -534,7 +535,9 @@ def test_the_tree_probe_passes_targets_that_read_trees(arch, extra, model_dir):
 def test_the_tree_probe_catches_a_mask_that_lets_siblings_see_each_other(model_dir, monkeypatch):
     target, _ = tiny.load(model_dir("llama", seed=0, vocab_size=64, eos=None))
     monkeypatch.setattr(
-        cache, "tree_attention", lambda model, full, sliding=None: models.tree_attention(model, torch.ones_like(full))
+        kv_cache,
+        "tree_attention",
+        lambda model, full, sliding=None: adapter.tree_attention(model, torch.ones_like(full)),
     )  # every node sees every node: the attention a careless model would use
     assert not tree_probe.reads_trees(target)
 

@@ -9,8 +9,8 @@ import zipfile
 import pytest
 import torch
 
-from hfspec import wheels
 from hfspec.errors import HfspecError
+from hfspec.models import wheels
 
 
 def make_wheel(folder, name, version, payload: bytes):
@@ -89,8 +89,9 @@ def test_models_named_by_wheel_load_as_a_gguf_pair(tmp_path, monkeypatch, librar
     GGUF written in its place) into a directory of its own, which then loads as a lone GGUF with its blocks kept."""
     import gguf_files
 
-    from hfspec import SpeculativeGenerator, assets
+    from hfspec import SpeculativeGenerator
     from hfspec.loading import resolve_model
+    from hfspec.models import assets
 
     monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path)  # the models' cache; kernels stay where they are built
     fetched = []

@@ -111,7 +111,7 @@ def _pair_options(pair: argparse._ArgumentGroup) -> None:
         "--target",
         default="offline",
         help="target model: a directory, a .gguf file, a hub name, or 'offline' for the SmolLM2-135M-Instruct "
-        "built by hfspec.assets (default: offline)",
+        "built by hfspec.models.assets (default: offline)",
     )
     pair.add_argument(
         "--draft",

@@ -28,8 +28,8 @@ from hfspec.bench.measure import Bench, Run
 from hfspec.bench.summary import mismatches, summarize, tree_summary
 from hfspec.costs import rollback_cost
 from hfspec.cpu import fast
+from hfspec.models.recurrent import is_recurrent
 from hfspec.policy import predicted_speedup
-from hfspec.recurrent import is_recurrent
 
 SWEEP_KEYS = (
     "speedup_vs_plain",

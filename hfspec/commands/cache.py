@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hfspec.paths import cache_dir
+from hfspec.models.paths import cache_dir
 
 __all__ = ["GROUPS", "Entry", "add_parser", "clear", "listing", "run"]
 

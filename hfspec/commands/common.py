@@ -12,7 +12,7 @@ import math
 import sys
 from typing import Any
 
-from hfspec.presets import DTYPES, preset_names
+from hfspec.models.presets import DTYPES, preset_names
 
 __all__ = [
     "EXIT_BUG",

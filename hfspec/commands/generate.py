@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from hfspec.commands.common import EXIT_INTERRUPTED, add_model_flags, load_kwargs, number, quiet_transformers
 from hfspec.errors import HfspecError
-from hfspec.presets import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRESET, Preset
+from hfspec.models.presets import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRESET, Preset
 
 if TYPE_CHECKING:
     from hfspec import api

@@ -11,7 +11,7 @@ step streams about 5 bits per weight at memory speed.
 
 :func:`quantize_for_drafting` converts, in place, every linear of a draft model (``nn.Linear``,
 :class:`~hfspec.cpu.fast.FastLinear`, :class:`~hfspec.cpu.quant.QuantLinear`, and the ``kept`` rows of a
-:class:`~hfspec.head_cut.FrequentHead`); call it after :func:`hfspec.cpu.fast.accelerate`, which switches the
+:class:`~hfspec.models.head_cut.FrequentHead`); call it after :func:`hfspec.cpu.fast.accelerate`, which switches the
 model's attention and activations only while it finds linears of its own. Never give it the target: the target's
 logits must stay exact. Where the kernel is off (``HFSPEC_KERNELS=0``, no compiler, a CPU without AVX-512 VNNI or
 AVX2 with FMA and F16C) it converts nothing; a :class:`DraftLinear` that meets the kernel off later, another device

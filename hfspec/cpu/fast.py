@@ -11,7 +11,7 @@ rows share the call, so an accelerated model scores a token alike in a decoding 
 ragged batch or a prefill: greedy hfspec equals the accelerated model's own ``generate()`` in float32 and
 bfloat16 (tests/test_row_invariance.py).
 Weights keep their tensors and layout: nothing is copied, and a head tied to the embedding stays tied.
-Layers that hold GGUF blocks (:mod:`hfspec.cpu.quant`, loaded by :mod:`hfspec.gguf_native`) run the quantized
+Layers that hold GGUF blocks (:mod:`hfspec.cpu.quant`, loaded by :mod:`hfspec.models.gguf_native`) run the quantized
 kernel on their own; :func:`accelerate` times their block shapes and switches their model's attention and
 activations too. :func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off.
 

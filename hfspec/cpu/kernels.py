@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from hfspec.assets import cache_dir
+from hfspec.models.paths import cache_dir
 
 try:  # POSIX file locks; elsewhere concurrent first builds are not serialised
     import fcntl

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from hfspec import tree
-from hfspec.cache import KVState
 from hfspec.cpu import attention as cpu_attention
 from hfspec.cpu import fast
 from hfspec.cpu.quant import QuantEmbedding
@@ -38,7 +37,8 @@ from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head
 from hfspec.heads.eagle3 import Eagle3Head, default_layer_ids
-from hfspec.models import decoder_layers, model_vocab_size
+from hfspec.models.adapter import decoder_layers, model_vocab_size
+from hfspec.models.kv_cache import KVState
 from hfspec.sampling import OUTSIDE
 from hfspec.timing import timed
 from hfspec.tree.proposal import TreeProposal

@@ -40,11 +40,11 @@ import torch
 from transformers import GenerationConfig
 
 from hfspec import sampling
-from hfspec.cache import KVState
 from hfspec.drafters import Proposal
 from hfspec.errors import NumericalFault
 from hfspec.generator import SpeculativeGenerator
 from hfspec.loop import Call, Verdict
+from hfspec.models.kv_cache import KVState
 from hfspec.policy import GammaPolicy, Step
 from hfspec.rows import Rows
 from hfspec.sampling import Warpers

@@ -19,7 +19,7 @@ from hfspec import api
 from hfspec.commands.common import add_model_flags, load_kwargs, number
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
-from hfspec.presets import Preset
+from hfspec.models.presets import Preset
 from hfspec.serve.engine import BatchEngine
 from hfspec.serve.events import Engine
 from hfspec.serve.sequential import SequentialEngine

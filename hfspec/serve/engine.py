@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from hfspec import config as cfg
-from hfspec.cache import KVState
 from hfspec.cpu import threads as cpu_threads
 from hfspec.drafters import merges_rows
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
-from hfspec.models import window_in_columns
+from hfspec.models.adapter import window_in_columns
+from hfspec.models.kv_cache import KVState
 from hfspec.policy import AutoGamma
 from hfspec.serve.batch import Batch, Committed, RowState
 from hfspec.serve.events import Delta, Done, Event, FinishReason, Handle, QueueFull, Request, Usage

@@ -384,7 +384,7 @@ def train_draft_model(
     """Distil a draft for ``target`` into ``out_dir`` and report its quality (``hfspec distill``).
 
     ``target`` is a local model directory (or the word ``"offline"`` for
-    SmolLM2-135M-Instruct from :func:`hfspec.assets.offline_target_path`).
+    SmolLM2-135M-Instruct from :func:`hfspec.models.assets.offline_target_path`).
     ``tokens`` and ``eval_tokens`` count target-generated positions; ``seq_len``
     is the longest continuation per prompt; ``steps`` batches of ``batch``
     sequences are trained, each against the target's top-k plus ``negatives``

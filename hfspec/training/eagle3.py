@@ -44,7 +44,7 @@ from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import save_head
 from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids
-from hfspec.models import decoder_layers, model_vocab_size
+from hfspec.models.adapter import decoder_layers, model_vocab_size
 from hfspec.training.eagle3_data import (
     Batch,
     Labels,

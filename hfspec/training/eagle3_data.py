@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from hfspec.errors import HfspecError
-from hfspec.models import hidden_features
+from hfspec.models.adapter import hidden_features
 from hfspec.timing import now
 from hfspec.training.staging import claim_lock
 

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from hfspec.errors import HfspecError
-from hfspec.models import cache_kwarg
+from hfspec.models.adapter import cache_kwarg
 from hfspec.policy import best_gamma
 from hfspec.timing import timed
 

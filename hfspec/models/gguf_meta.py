@@ -24,7 +24,7 @@ from typing import Any
 import transformers
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from hfspec.assets import cache_dir
+from hfspec.models.assets import cache_dir
 
 __all__ = ["WORTH_KEEPING", "config", "entry", "names", "tokenizer"]
 

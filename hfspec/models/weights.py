@@ -1,10 +1,10 @@
 """Loading one model and its tokenizer: dtypes and devices, a causal LM's weights, hfspec's CPU kernels on them.
 
-A GGUF model (a ``.gguf`` path, or ``gguf_file``) on CPU keeps its quantized blocks (``hfspec.gguf_native``) where
+A GGUF model (a ``.gguf`` path, or ``gguf_file``) on CPU keeps its quantized blocks (``hfspec.models.gguf_native``) where
 the caller asks for it (``native``), else transformers dequantizes it. ``accelerate`` puts a loaded model on
 hfspec's CPU kernel (``hfspec.fast.accelerate_loaded``) and logs what it did. A GGUF model's tokenizer is read from
 its directory's own tokenizer files when it has them, else converted from the file once and kept
-(``hfspec.gguf_meta``). The checks of the loading options live here too, so that every loader says the same.
+(``hfspec.models.gguf_meta``). The checks of the loading options live here too, so that every loader says the same.
 ``hfspec.loading`` puts these together into a pair; ``hfspec.drafter_factory`` turns a draft into a drafter.
 """
 
@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec import gguf_meta, gguf_native, head_cut
 from hfspec.cpu import draft_linear, fast
 from hfspec.cpu.int8 import ARITHMETICS
 from hfspec.errors import HfspecError, HfspecTypeError
-from hfspec.models import check_causal_lm, load_model
-from hfspec.presets import DTYPES
+from hfspec.models import gguf_meta, gguf_native, head_cut
+from hfspec.models.adapter import check_causal_lm, load_model
+from hfspec.models.presets import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def load_lm(
     path: str, role: str, gguf_file: str | None, *, native: bool, arithmetic: str = "float32", **kwargs: Any
 ) -> PreTrainedModel:
     """A causal LM by path or hub name; a GGUF one with its blocks kept where ``native`` and hfspec can
-    (``hfspec.gguf_native``, its quantized linears in ``arithmetic``), else dequantized by transformers."""
+    (``hfspec.models.gguf_native``, its quantized linears in ``arithmetic``), else dequantized by transformers."""
     if gguf_file is not None and native:
         model = gguf_native.load(
             path,
@@ -146,7 +146,7 @@ def accelerate(model: torch.nn.Module | None, role: str, plan: bool = True) -> N
 
 def cut_draft_head(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, draft_vocab: int | None) -> None:
     """Cut ``model``'s head to ``draft_vocab`` of its lowest ids, its special tokens and those of ``tokenizer``
-    (``hfspec.head_cut``)."""
+    (``hfspec.models.head_cut``)."""
     head = model.get_output_embeddings()
     if draft_vocab is None or head is None:
         return
@@ -216,7 +216,7 @@ def target_tokenizer(
 
 def load_tokenizer(source: str, kwargs: dict[str, Any]) -> PreTrainedTokenizerBase:
     """``AutoTokenizer.from_pretrained(source, **kwargs)``; one converted from a local GGUF file is kept
-    (``hfspec.gguf_meta``): converting a large vocabulary takes seconds at every load."""
+    (``hfspec.models.gguf_meta``): converting a large vocabulary takes seconds at every load."""
     gguf = kwargs.get("gguf_file")
     local = gguf_native.local_file(source, gguf) if gguf else None
     if local is None:

