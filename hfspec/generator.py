@@ -2,7 +2,7 @@
 
 The generator checks the pair once, resolves each call's settings, γ policy and tree budget, and runs the call's
 loop (``hfspec.loop.Call``: propose → verify → roll back → accept). What it learns across calls stays here: the
-costs measured for ``gamma="auto"`` (kept on disk by ``hfspec.cost_cache``), the acceptance seen so far, whether
+costs measured for ``gamma="auto"`` (kept on disk by ``hfspec.measure.cost_cache``), the acceptance seen so far, whether
 the target reads draft trees exactly, and the CPU thread count the kernels were fitted to.
 """
 
@@ -19,8 +19,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec import config as cfg
-from hfspec import cost_cache, costs, sampling
-from hfspec.costs import Costs
+from hfspec import sampling
 from hfspec.cpu import draft_linear, fast
 from hfspec.cpu import threads as cpu_threads
 from hfspec.drafter_factory import draft_module, make_drafter
@@ -29,6 +28,8 @@ from hfspec.errors import HfspecError
 from hfspec.inputs import prepare_inputs
 from hfspec.loading import load_pair
 from hfspec.loop import Call, GenerateOutput, pad_id
+from hfspec.measure import cost_cache, costs
+from hfspec.measure.costs import Costs
 from hfspec.models import recurrent
 from hfspec.models.adapter import check_causal_lm, check_tree_attention, shared_vocab_size, window_in_columns
 from hfspec.models.kv_cache import KVState
@@ -176,7 +177,7 @@ class SpeculativeGenerator:
         return self.tuning.costs
 
     def costs_key(self) -> dict[str, Any]:
-        """What this generator's costs for gamma="auto" depend on (``hfspec.cost_cache.key``), computed once."""
+        """What this generator's costs for gamma="auto" depend on (``hfspec.measure.cost_cache.key``), computed once."""
         if self._costs_key is None:
             self._costs_key = cost_cache.key(
                 self.target, draft_module(self.drafter), self.drafter.describe(), self.describe()["fast_kernels"]
@@ -184,7 +185,7 @@ class SpeculativeGenerator:
         return self._costs_key
 
     def _kept(self) -> cost_cache.Kept:
-        """What an earlier process kept of this pair on this machine (``hfspec.cost_cache``), read once."""
+        """What an earlier process kept of this pair on this machine (``hfspec.measure.cost_cache``), read once."""
         if self._kept_record is None:
             self._kept_record = cost_cache.kept(self.costs_key())
         return self._kept_record

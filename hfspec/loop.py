@@ -36,15 +36,15 @@ from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel
 from hfspec import config as cfg
 from hfspec import sampling
 from hfspec import tree as trees
-from hfspec.costs import Price
 from hfspec.drafters import Drafter, Features, Proposal
+from hfspec.measure.costs import Price
+from hfspec.measure.timing import now, timed
 from hfspec.models.adapter import forward, forward_features, sliding_window, takes_mask_mapping
 from hfspec.models.kv_cache import KVState
 from hfspec.policy import GammaPolicy, Step, TreeStep
 from hfspec.rows import Rows, right_pad
 from hfspec.scoring import DraftContext, Scoring
 from hfspec.stats import Stats, StatsCollector
-from hfspec.timing import now, timed
 from hfspec.tree.proposal import TreeProposal
 
 

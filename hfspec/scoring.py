@@ -16,8 +16,8 @@ import torch
 from transformers import LogitsProcessor
 
 from hfspec import sampling
-from hfspec.costs import Price
 from hfspec.errors import NumericalFault
+from hfspec.measure.costs import Price
 from hfspec.rows import Rows
 
 

@@ -25,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: another checkout can be compared
 from hfspec import SpeculativeGenerator  # noqa: E402
 from hfspec.cpu import fast  # noqa: E402
-from hfspec.timing import cpu_model  # noqa: E402
+from hfspec.measure.timing import cpu_model  # noqa: E402
 
 SETTINGS = {
     "chain, γ = 1": dict(gamma=1, tree=None),

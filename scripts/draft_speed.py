@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hfspec.costs import forward_seconds  # noqa: E402
 from hfspec.cpu import draft_linear, fast, quant  # noqa: E402
+from hfspec.measure.costs import forward_seconds  # noqa: E402
+from hfspec.measure.timing import cpu_model  # noqa: E402
 from hfspec.models import assets, gguf_native  # noqa: E402
-from hfspec.timing import cpu_model  # noqa: E402
 
 SHAPES = [(896, 4864), (4864, 896), (896, 151936)]  # (in, out)
 SOURCE = Path(__file__).resolve().parents[1] / "hfspec"

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfspec import SpeculativeGenerator
 from hfspec.bench.field import load_prompts
+from hfspec.measure.timing import cpu_model
 from hfspec.models import assets
-from hfspec.timing import cpu_model
 
 
 def rate(run, new: int) -> float:

@@ -39,8 +39,8 @@ from transformers import AutoModelForCausalLM
 from hfspec import SpeculativeGenerator
 from hfspec.bench.field import load_prompts
 from hfspec.cpu import fast
+from hfspec.measure.timing import cpu_model
 from hfspec.models import assets, wheels
-from hfspec.timing import cpu_model
 
 SCRIPTS = Path(__file__).resolve().parent
 

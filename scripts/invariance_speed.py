@@ -31,9 +31,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hfspec.costs import forward_seconds  # noqa: E402
 from hfspec.cpu import activations, conv1d, fast  # noqa: E402
-from hfspec.timing import cpu_model  # noqa: E402
+from hfspec.measure.costs import forward_seconds  # noqa: E402
+from hfspec.measure.timing import cpu_model  # noqa: E402
 
 SHAPES = {
     "smollm2-135m": dict(

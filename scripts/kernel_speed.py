@@ -32,12 +32,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hfspec import SpeculativeGenerator  # noqa: E402
 from hfspec.bench import encode  # noqa: E402
-from hfspec.costs import forward_seconds  # noqa: E402
 from hfspec.cpu import fast, kernels  # noqa: E402
+from hfspec.measure.costs import forward_seconds  # noqa: E402
+from hfspec.measure.timing import cpu_model, timed  # noqa: E402
 from hfspec.models.adapter import forward  # noqa: E402
 from hfspec.models.assets import offline_target_float32  # noqa: E402
 from hfspec.models.kv_cache import KVState  # noqa: E402
-from hfspec.timing import cpu_model, timed  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parents[1] / "hfspec" / "prompts" / "bench.jsonl"
 

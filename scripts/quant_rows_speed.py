@@ -5,7 +5,7 @@ Sections:
            every block shape the kernel offers (the fastest of --repeats rounds that take turns), the best shape's
            G multiply-adds/s and its time over the one-row time;
   forward  the GGUF target (loaded with hfspec.models.gguf_native, accelerated, its shapes planned) fed k new tokens after
-           a --context-token cache, as hfspec.costs.forward_seconds does: the fastest of --forward-repeats rounds.
+           a --context-token cache, as hfspec.measure.costs.forward_seconds does: the fastest of --forward-repeats rounds.
 On a shared machine: at one thread the times are the thread's CPU time, so that other jobs taking the core cost
 nothing; at more, wall time, and a round in which another process used a CPU is not counted (``rounds_dropped``).
 Prints one JSON object with the threads and the load average before and after.

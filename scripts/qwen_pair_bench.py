@@ -39,8 +39,8 @@ from transformers import AutoModelForCausalLM
 from hfspec import FixedGamma, SpeculativeGenerator
 from hfspec.bench.field import load_prompts
 from hfspec.loading import load_draft, load_preset
+from hfspec.measure.timing import cpu_model
 from hfspec.models import assets, wheels
-from hfspec.timing import cpu_model
 
 SCRIPTS = Path(__file__).resolve().parent
 PROMPTS = Path(assets.__file__).resolve().parent / "prompts"

@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hfspec import SpeculativeGenerator  # noqa: E402
 from hfspec.cpu import fast  # noqa: E402
+from hfspec.measure.timing import cpu_model  # noqa: E402
 from hfspec.models import assets, wheels  # noqa: E402
-from hfspec.timing import cpu_model  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",

@@ -27,9 +27,9 @@ def costs_root(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def kept_costs(costs_root, request, monkeypatch):
-    """gamma="auto"'s costs are kept per test (``hfspec.cost_cache``), never in the user's cache: a test measures
+    """gamma="auto"'s costs are kept per test (``hfspec.measure.cost_cache``), never in the user's cache: a test measures
     as a first run does, whatever ran before it. The kernels stay where they were built."""
-    from hfspec import cost_cache
+    from hfspec.measure import cost_cache
 
     where = costs_root / f"{len(list(costs_root.iterdir())):05d}"
     where.mkdir()
@@ -115,7 +115,7 @@ AUTO_COSTS = {
 @pytest.fixture
 def scripted_auto(monkeypatch):
     """``scripted_auto(gen, "cheap"|"dear")``: give ``gen`` fixed costs that real step times do not refine."""
-    from hfspec.costs import Costs
+    from hfspec.measure.costs import Costs
 
     monkeypatch.setattr(Costs, "record_verify", lambda self, batch, k, seconds: None)
     monkeypatch.setattr(Costs, "record_draft", lambda self, batch, seconds: None)

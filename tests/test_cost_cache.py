@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 
-from hfspec import SpeculativeGenerator, cost_cache, costs, generator
-from hfspec.costs import Costs
+from hfspec import SpeculativeGenerator, generator
+from hfspec.measure import cost_cache, costs
+from hfspec.measure.costs import Costs
 
 PROMPT = torch.tensor([[1, 5, 9, 14, 3, 7]])
 

@@ -21,7 +21,6 @@ from test_distribution import NEW, SETTINGS, exact_joint, pair, sample_counts  #
 
 import hfspec
 from hfspec import SpeculativeGenerator, api, sampling
-from hfspec.acceptance import Acceptance
 from hfspec.commands import cli
 from hfspec.drafters import Drafter, Proposal
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram
@@ -30,6 +29,7 @@ from hfspec.drafters.ngram import History, NgramDrafter, TokenIndex
 from hfspec.errors import HfspecError
 from hfspec.loading import load_preset
 from hfspec.loop import Call
+from hfspec.measure.alpha import AlphaEstimate
 
 
 class Ctx:
@@ -274,11 +274,11 @@ def test_earlier_outputs_are_learned_when_rows_finish(tiny_pair, monkeypatch):
 
 
 def test_rates_follow_the_evidence():
-    rate = Acceptance(prior=0.5, weight=2.0, decay=1.0)
+    rate = AlphaEstimate(prior=0.5, weight=2.0, decay=1.0)
     assert rate.expected(2) == pytest.approx(0.75)
     rate.add(3, failed=True)  # 3 accepts then a rejection: 3 of 4 trials
     assert rate.alpha == pytest.approx(4 / 6)
-    assert Acceptance(prior=0.9).expected(8) > Acceptance(prior=0.5).expected(8)
+    assert AlphaEstimate(prior=0.9).expected(8) > AlphaEstimate(prior=0.5).expected(8)
 
 
 def test_the_hybrid_needs_a_model_drafter():

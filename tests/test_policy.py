@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hfspec.acceptance import Acceptance
-from hfspec.costs import Costs, Price
 from hfspec.drafters import Drafter, Proposal
 from hfspec.drafters.hybrid import HybridDrafter, Outcome
+from hfspec.measure.alpha import AlphaEstimate
+from hfspec.measure.costs import Costs, Price
 from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, TreeStep, Tuning
 from hfspec.tree import shape as tree_shape
 from hfspec.tree.acceptance import TreeAcceptance, first_children
@@ -164,7 +164,7 @@ def test_rows_keep_their_own_acceptance():
 
 
 def test_acceptance_counts_runs_and_steps_without_drafts_teach_nothing():
-    rate = Acceptance(prior=0.5, weight=2.0, decay=0.5)
+    rate = AlphaEstimate(prior=0.5, weight=2.0, decay=0.5)
     rate.add_step(0, 0)  # no drafts: no trial, and no decay either
     assert (rate.accepted, rate.trials) == (1.0, 2.0)
     rate.add_step(4, 4)  # all accepted: 4 successes, no failure
@@ -224,10 +224,10 @@ def hybrid_step(policy: AutoGamma, gamma: int, lookup: tuple[int, bool] | None, 
     )
 
 
-def alone(costs: Costs, evidence: dict[int, Acceptance]) -> AutoGamma:
+def alone(costs: Costs, evidence: dict[int, AlphaEstimate]) -> AutoGamma:
     """AutoGamma for a single drafter with these per-row acceptance records (row -> record)."""
     policy = auto(costs)
-    policy.by_row = {row: Acceptance(e.prior, e.weight, e.decay) for row, e in evidence.items()}
+    policy.by_row = {row: AlphaEstimate(e.prior, e.weight, e.decay) for row, e in evidence.items()}
     for row, mine in policy.by_row.items():
         mine.accepted, mine.trials = evidence[row].accepted, evidence[row].trials
     return policy

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hfspec import HfspecError, SpeculativeGenerator
-from hfspec.costs import RollbackCost, rollback_cost
+from hfspec.measure.costs import RollbackCost, rollback_cost
 from hfspec.models.adapter import forward
 from hfspec.models.kv_cache import KVState
 from hfspec.models.recurrent import RecurrentState

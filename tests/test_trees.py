@@ -15,11 +15,11 @@ from stat_utils import ALPHA, chi_square_pvalue
 from hfspec import SpeculativeGenerator, api, sampling, tree
 from hfspec import generator as generator_module
 from hfspec.commands import cli
-from hfspec.costs import Costs
 from hfspec.drafters import ngram
 from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
 from hfspec.generator import AUTO_TREES
+from hfspec.measure.costs import Costs
 from hfspec.models import adapter, kv_cache
 from hfspec.models.kv_cache import KVState
 from hfspec.tree import TreeProposal

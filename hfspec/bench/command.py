@@ -27,7 +27,7 @@ from hfspec.cpu import threads as cpu_threads
 from hfspec.drafters.hybrid import with_ngram
 from hfspec.errors import HfspecError
 from hfspec.loading import DRAFT_BITS, draft_module, drafts_in_integer, load_draft, load_pair, load_preset, make_drafter
-from hfspec.timing import cpu_model
+from hfspec.measure.timing import cpu_model
 
 DESCRIPTION = """\
 Measure one target with its draft (and other drafters) in one process. Contenders, interleaved per prompt:

@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 
-from hfspec import costs
 from hfspec.bench.field import MAIN, Contender, Mode
 from hfspec.bench.stores import LookupStores
 from hfspec.cpu import fast
 from hfspec.drafter_factory import draft_module
 from hfspec.generator import SpeculativeGenerator
 from hfspec.inputs import prepare_inputs
+from hfspec.measure import costs
+from hfspec.measure.timing import timed
 from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma
 from hfspec.stats import Stats
-from hfspec.timing import timed
 
 
 @dataclass
@@ -187,7 +187,7 @@ class Bench:
     ) -> Run:
         """Generate for ``rows`` (one batch, or one at a time with ``serial``) and time it.
 
-        Only the ``generate`` calls are timed, each through ``hfspec.timing.timed``; forwards of the
+        Only the ``generate`` calls are timed, each through ``hfspec.measure.timing.timed``; forwards of the
         target and of the drafter's model are counted by hooks. Before each hfspec call, untimed,
         the drafter's lookup store is rebuilt without the outputs of ``rows`` (``hfspec.bench.stores``).
         """
@@ -254,7 +254,7 @@ class Bench:
     def measure_costs(self, context: Sequence[int], gammas: Sequence[int], repeats: int = 20) -> dict[str, Any]:
         """c = draft step ÷ target step, v(γ) = target over γ+1 tokens ÷ target over 1, both with caches.
 
-        Measured by ``hfspec.costs.measure``, as gamma="auto" measures them, only with more
+        Measured by ``hfspec.measure.costs.measure``, as gamma="auto" measures them, only with more
         repeats. These feed the cost-model contender and the predictions; each ``hfspec-auto``
         contender measures its own at its first call, as a user's generator does. Where a model
         runs the CPU kernel, ``eager`` holds the same figures on torch's own linears (else None).

@@ -26,8 +26,8 @@ from hfspec.bench.field import (
 )
 from hfspec.bench.measure import Bench, Run
 from hfspec.bench.summary import mismatches, summarize, tree_summary
-from hfspec.costs import rollback_cost
 from hfspec.cpu import fast
+from hfspec.measure.costs import rollback_cost
 from hfspec.models.recurrent import is_recurrent
 from hfspec.policy import predicted_speedup
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from hfspec import sampling
-from hfspec.costs import Price
+from hfspec.measure.costs import Price
 from hfspec.tree.proposal import TreeProposal
 
 if TYPE_CHECKING:

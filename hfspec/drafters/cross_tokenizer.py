@@ -47,14 +47,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec.costs import forward_seconds
 from hfspec.cpu import draft_linear
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
 from hfspec.drafters.vocabulary import VocabMap, token_bytes, vocab_map
 from hfspec.errors import HfspecError, HfspecTypeError
+from hfspec.measure.costs import forward_seconds
+from hfspec.measure.timing import median_seconds
 from hfspec.models.adapter import check_causal_lm, forward, model_vocab_size, same_tokenizer
 from hfspec.models.kv_cache import KVState
-from hfspec.timing import median_seconds
 
 # Logit of a target id the draft cannot produce: finite, so the loop's check passes, and
 # exp(IMPOSSIBLE - max) is exactly 0 in float32 under any usable temperature; a row of 10^6

@@ -56,11 +56,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hfspec import sampling, tree
-from hfspec.acceptance import Acceptance
-from hfspec.costs import Costs
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecTypeError
+from hfspec.measure.alpha import AlphaEstimate
+from hfspec.measure.costs import Costs
 from hfspec.tree.proposal import TreeProposal
 
 if TYPE_CHECKING:
@@ -107,8 +107,8 @@ class HybridDrafter(Drafter):
         self.feature_layers = main.feature_layers
         self.ngram = ngram if ngram is not None else NgramDrafter()
         self.vocab_size = main.vocab_size
-        self.ngram_rates = [Acceptance() for _ in range(BUCKETS)]
-        self.main_rate = Acceptance()
+        self.ngram_rates = [AlphaEstimate() for _ in range(BUCKETS)]
+        self.main_rate = AlphaEstimate()
         self._step: dict[str, Any] | None = None  # the last proposal, until it is committed
 
     @property

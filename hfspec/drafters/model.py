@@ -15,9 +15,9 @@ import torch
 from transformers import PreTrainedModel
 
 from hfspec import sampling, tree
-from hfspec.costs import forward_seconds
 from hfspec.cpu import draft_linear
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
+from hfspec.measure.costs import forward_seconds
 from hfspec.models.adapter import check_causal_lm, check_tree_attention, forward, model_vocab_size, sliding_window
 from hfspec.models.kv_cache import KVState
 from hfspec.tree.proposal import TreeProposal

@@ -17,7 +17,7 @@ accepted or not. So, for one row at a time (a state cannot skip a masked hole):
 Attention key/value caches are cropped as for any model.
 
 What cannot be made exact is refused by ``check`` before any generation (see the README's
-"Architectures" table). ``hfspec.costs.rollback_cost`` measures what the rollback adds to v(γ).
+"Architectures" table). ``hfspec.measure.costs.rollback_cost`` measures what the rollback adds to v(γ).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class RecurrentState:
     """The recurrent layers of one model's cache (one row): snapshot, restore and replay.
 
     With ``adapter=False`` the generic path is used even where an adapter exists
-    (``hfspec.costs.rollback_cost`` compares the two).
+    (``hfspec.measure.costs.rollback_cost`` compares the two).
     """
 
     def __init__(self, model: Any, adapter: bool = True):

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from hfspec.acceptance import Acceptance
 from hfspec.config import check_gamma
-from hfspec.costs import Costs, Price
 from hfspec.drafters.hybrid import Outcome
 from hfspec.errors import HfspecError
+from hfspec.measure.alpha import AlphaEstimate
+from hfspec.measure.costs import Costs, Price
 from hfspec.policy.simple import FixedGamma, GammaPolicy, Step, TreeStep
 from hfspec.tree.acceptance import TreeAcceptance, first_children
 from hfspec.tree.build import shape
@@ -61,9 +61,9 @@ class Calibration:
                 self.accepted[i] += 1.0 if j < kept else 0.0
 
 
-def _evidence() -> Acceptance:
+def _evidence() -> AlphaEstimate:
     """A generator's memory of one setting's acceptance: α = 0.5 until steps say otherwise, slowly forgotten."""
-    return Acceptance(prior=0.5, weight=2.0, decay=0.995)
+    return AlphaEstimate(prior=0.5, weight=2.0, decay=0.995)
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Tuning:
     """
 
     costs: Costs | None = None
-    memory: dict[Any, Acceptance] = field(default_factory=dict)
+    memory: dict[Any, AlphaEstimate] = field(default_factory=dict)
     calibration: dict[Any, Calibration] = field(default_factory=dict)
     tree_memory: dict[Any, TreeAcceptance] = field(default_factory=dict)
     trees: tuple[int, ...] = ()  # node budgets the current call may draft trees of (none: chains only)
@@ -84,14 +84,14 @@ class Tuning:
     setting: Any = None  # the current call's sampling setting, the key of memory and calibration
     maximum: int = 8  # largest γ considered; costs are measured for 1..maximum+1 new tokens
 
-    def evidence(self, source: str = "draft") -> Acceptance:
+    def evidence(self, source: str = "draft") -> AlphaEstimate:
         """Acceptance of ``source``'s proposals: "draft", or beside a hybrid's draft model "lookup" (its
         proposals) and "match" (how often it makes one)."""
         key = self.setting if source == "draft" else (self.setting, source)
         return self.memory.setdefault(key, _evidence())
 
     def remember(self, seen: dict[Any, tuple[float, float]]) -> None:
-        """Start from the acceptance an earlier process saw (``hfspec.cost_cache``): (accepted, trials) by key of
+        """Start from the acceptance an earlier process saw (``hfspec.measure.cost_cache``): (accepted, trials) by key of
         ``memory``. What this generator has seen itself stays."""
         for key, (accepted, trials) in seen.items():
             if key not in self.memory:
@@ -184,9 +184,9 @@ class AutoGamma(GammaPolicy):
         if self.hybrid:  # a hybrid's lookup, learnt apart from its model
             self.lookup_by_row, self.match_by_row = self.row_records("lookup", batch), self.row_records("match", batch)
 
-    def row_records(self, source: str, batch: int) -> dict[int, Acceptance]:
+    def row_records(self, source: str, batch: int) -> dict[int, AlphaEstimate]:
         memory = self.tuning.evidence(source)
-        return {row: Acceptance(memory.alpha, self.row_weight, self.row_decay) for row in range(batch)}
+        return {row: AlphaEstimate(memory.alpha, self.row_weight, self.row_decay) for row in range(batch)}
 
     def admit(self, row: int) -> None:
         # A row joining a running batch (a server's): it starts from the generator's memory, as a prompt does.
@@ -198,7 +198,7 @@ class AutoGamma(GammaPolicy):
         for record in [self.by_row] + ([self.lookup_by_row, self.match_by_row] if self.hybrid else []):
             record.pop(row, None)
 
-    def alphas(self, rows: torch.Tensor, source: dict[int, Acceptance] | None = None) -> list[float]:
+    def alphas(self, rows: torch.Tensor, source: dict[int, AlphaEstimate] | None = None) -> list[float]:
         source = self.by_row if source is None else source
         return [min(0.99, source[r].alpha) for r in rows.tolist()]
 

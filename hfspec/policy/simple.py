@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hfspec.acceptance import Acceptance
-from hfspec.costs import Price
 from hfspec.drafters.hybrid import Outcome
+from hfspec.measure.alpha import AlphaEstimate
+from hfspec.measure.costs import Price
 
 
 def predicted_speedup(alpha: float, gamma: int, cost: float, verify_cost: float = 1.0) -> float:
@@ -166,7 +166,7 @@ class HeuristicGamma(GammaPolicy):
 class CostModelGamma(GammaPolicy):
     """Pick the γ that maximises the predicted speedup from running estimates.
 
-    α is estimated per drafted token from decayed counts (``Acceptance``); c and v(γ)
+    α is estimated per drafted token from decayed counts (``AlphaEstimate``); c and v(γ)
     are given (measured by the caller, e.g. ``hfspec bench``). The prior α, worth
     ``prior_weight`` trials, keeps the first steps sensible before evidence accrues.
     ``gamma="auto"`` (``AutoGamma``) measures c and v(γ) itself and may choose γ = 0.
@@ -180,7 +180,7 @@ class CostModelGamma(GammaPolicy):
     decay: float = 0.98
 
     def __post_init__(self) -> None:
-        self.evidence = Acceptance(self.prior_alpha, self.prior_weight, self.decay)
+        self.evidence = AlphaEstimate(self.prior_alpha, self.prior_weight, self.decay)
 
     @property
     def alpha(self) -> float:

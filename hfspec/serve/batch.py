@@ -44,12 +44,12 @@ from hfspec.drafters import Proposal
 from hfspec.errors import NumericalFault
 from hfspec.generator import SpeculativeGenerator
 from hfspec.loop import Call, Verdict
+from hfspec.measure.timing import now
 from hfspec.models.kv_cache import KVState
 from hfspec.policy import GammaPolicy, Step
 from hfspec.rows import Rows
 from hfspec.sampling import Warpers
 from hfspec.settings import SamplingParams
-from hfspec.timing import now
 
 
 @dataclass

@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from hfspec.errors import HfspecError
+from hfspec.measure.timing import now
 from hfspec.models.adapter import hidden_features
-from hfspec.timing import now
 from hfspec.training.staging import claim_lock
 
 __all__ = ["Batch", "Labels", "StagedSplit", "draft_vocabulary", "embed_tokens", "make_batch", "stage_features"]

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from tqdm.auto import tqdm
 
-from hfspec.timing import now
+from hfspec.measure.timing import now
 from hfspec.training.settings import CHECKPOINT
 
 __all__ = ["FitSettings", "Optim", "fit", "learning_rate"]

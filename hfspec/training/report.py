@@ -4,7 +4,7 @@ Speculative decoding cares about two numbers of a draft: the acceptance rate α 
 E[Σ_x min(p(x), q(x))] (p the target's distribution, q the draft's) and the cost
 ratio c of one draft decode step to one target decode step. From them Leviathan et al.
 (arXiv 2211.17192, eq. 1 and Theorem 3.8) predict the speedup (1 − α^(γ+1)) / ((1 − α)(γc + 1));
-the math lives in :mod:`hfspec.policy`, the timing in :mod:`hfspec.timing`. Every report is
+the math lives in :mod:`hfspec.policy`, the timing in :mod:`hfspec.measure.timing`. Every report is
 written as ``distill_report.json`` in the run's ``out_dir``.
 """
 
@@ -21,9 +21,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from hfspec.errors import HfspecError
+from hfspec.measure.timing import timed
 from hfspec.models.adapter import cache_kwarg
 from hfspec.policy import best_gamma
-from hfspec.timing import timed
 
 __all__ = [
     "REPORT",
@@ -87,7 +87,7 @@ def decode_step_seconds(
 
     The models take their steps in turn, so that on a shared machine each sees the
     same background load and the ratio of their times stays fair; each step is timed
-    with :func:`hfspec.timing.timed`, which waits for the model's device.
+    with :func:`hfspec.measure.timing.timed`, which waits for the model's device.
     """
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(min(m.config.vocab_size for m in models), (1, context), generator=gen)

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec.timing import now
+from hfspec.measure.timing import now
 from hfspec.training.target import pad_id
 
 __all__ = ["PROMPTS", "StagingSettings", "claim_lock", "load_samples", "stage_text"]

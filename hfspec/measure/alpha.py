@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 
 @dataclass
-class Acceptance:
+class AlphaEstimate:
     """α as decayed counts: ``accepted`` successes in ``trials`` trials, the prior included."""
 
     prior: float = 0.5  # α before any evidence

@@ -12,7 +12,7 @@ bookkeeping included.
 A recurrent cache (Mamba, hybrids) adds its own cost to a verification: a snapshot
 before it and a replay after a rejection (``hfspec.models.recurrent``). ``rollback_cost``
 prices that in the same unit, one single-token target forward, so that it can be read
-as a change of v(γ). Every time here is taken with ``hfspec.timing``.
+as a change of v(γ). Every time here is taken with ``hfspec.measure.timing``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
+from hfspec.measure.timing import Stopwatch, now, timed
 from hfspec.models.adapter import forward
 from hfspec.models.kv_cache import KVState
-from hfspec.timing import Stopwatch, now, timed
 
 # Weight of a new observation in the running averages of real step times.
 _EMA = 0.2
@@ -217,7 +217,7 @@ class Costs:
 
     def fastest(self) -> Costs:
         """The fastest time seen of each single-row forward and drafting step, measured or observed in a real step:
-        what a process keeps for the next one (``hfspec.cost_cache``). Load on a CPU only ever slows a call down
+        what a process keeps for the next one (``hfspec.measure.cost_cache``). Load on a CPU only ever slows a call down
         (``hfspec.cpu.plan`` keeps its fastest round for the same reason), so the fastest is the machine's own cost,
         and a measurement taken under load heals at the next quiet run; the running averages stay this process's."""
         verify = {k: min(s, self.observed_verify.get((1, k), s)) for k, s in self.verify.items()}
@@ -225,7 +225,7 @@ class Costs:
 
     def to_record(self) -> dict[str, Any]:
         """The measured and the refined times, as JSON (``from_record`` reads it back): what a process keeps for
-        the next one (``hfspec.cost_cache``)."""
+        the next one (``hfspec.measure.cost_cache``)."""
         return {
             "verify": [[k, s] for k, s in sorted(self.verify.items())],
             "draft": self.draft,

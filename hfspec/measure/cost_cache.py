@@ -1,6 +1,6 @@
 """``gamma="auto"``'s costs, kept on disk per machine, model pair, dtype and kernel build, and reused.
 
-Measuring what a step costs (``hfspec.costs.measure``: the target over 1..K+1 new tokens and a drafting step) takes
+Measuring what a step costs (``hfspec.measure.costs.measure``: the target over 1..K+1 new tokens and a drafting step) takes
 seconds, and the same pair on the same machine costs the same in the next process. So the costs are kept as the
 kernel plan is (``hfspec.cpu.plan``, ``hfspec.cpu.records``): one small JSON file per key under
 ``$HFSPEC_CACHE/costs`` (:func:`directory`; delete it to measure again), read at a generator's first
@@ -28,11 +28,11 @@ import torch
 import transformers
 from torch import nn
 
-from hfspec.acceptance import Acceptance
-from hfspec.costs import Costs
 from hfspec.cpu import kernels, records
+from hfspec.measure.alpha import AlphaEstimate
+from hfspec.measure.costs import Costs
+from hfspec.measure.timing import cpu_model
 from hfspec.models.paths import cache_dir
-from hfspec.timing import cpu_model
 
 __all__ = ["SAMPLES", "Kept", "directory", "identity", "key", "keep", "kept", "machine", "path"]
 
@@ -145,7 +145,10 @@ def kept(key: dict[str, Any]) -> Kept:
 
 
 def keep(
-    key: dict[str, Any], costs: Costs, reads_trees: bool | None = None, acceptance: dict[Any, Acceptance] | None = None
+    key: dict[str, Any],
+    costs: Costs,
+    reads_trees: bool | None = None,
+    acceptance: dict[Any, AlphaEstimate] | None = None,
 ) -> bool:
     """Write ``costs`` (the tree probe's answer and the acceptance by setting, if known) for ``key``, atomically;
     False where the cache cannot be written."""
