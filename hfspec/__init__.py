@@ -11,10 +11,10 @@ if TYPE_CHECKING:  # what the names below are, for readers and type checkers
     from hfspec.api import generate
     from hfspec.assisted.run import CUSTOM_GENERATE, custom_generate
     from hfspec.cpu import fast
+    from hfspec.decoding.stats import RowStats, Stats
     from hfspec.errors import HfspecError, NumericalFault
     from hfspec.generator import GenerateOutput, SpeculativeGenerator
     from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma
-    from hfspec.stats import RowStats, Stats
 
 # The public names, by the module that defines them. They are imported on first use (PEP 562), not by
 # ``import hfspec``: torch and transformers take seconds to import, and ``hfspec --version`` needs neither.
@@ -31,8 +31,8 @@ _EXPORTS = {
     "FixedGamma": "hfspec.policy",
     "GammaPolicy": "hfspec.policy",
     "HeuristicGamma": "hfspec.policy",
-    "RowStats": "hfspec.stats",
-    "Stats": "hfspec.stats",
+    "RowStats": "hfspec.decoding.stats",
+    "Stats": "hfspec.decoding.stats",
 }
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     """A public name, imported from its module the first time it is asked for (then kept here)."""
-    if name not in _EXPORTS:  # a submodule (``from hfspec import sampling``) is imported by Python itself
+    if name not in _EXPORTS:  # a submodule (``from hfspec.decoding import sampling``) is imported by Python itself
         raise AttributeError(f"module 'hfspec' has no attribute {name!r}")
     module = importlib.import_module(_EXPORTS[name])
     value = module if module.__name__.endswith(f".{name}") else getattr(module, name)

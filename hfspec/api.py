@@ -20,14 +20,14 @@ from typing import Any
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from hfspec import config as cfg
 from hfspec import loading
 from hfspec.cpu import threads as cpu_threads
+from hfspec.decoding import config as cfg
+from hfspec.decoding.stats import Stats
 from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.generator import SpeculativeGenerator
 from hfspec.models.presets import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRESET, Preset
 from hfspec.policy import GammaPolicy
-from hfspec.stats import Stats
 
 __all__ = [
     "Completion",
@@ -243,7 +243,7 @@ def complete(
     tree: int | str | None = "auto",
     threads: int | None = None,
 ) -> Completion:
-    """Generate for text prompts with ``gen``. The settings ``generation_config`` sets (``hfspec.config.settings``)
+    """Generate for text prompts with ``gen``. The settings ``generation_config`` sets (``hfspec.decoding.config.settings``)
     override ``preset``'s sampling settings, which override the target's generation config; decoding is greedy
     unless one of them samples, and ``DEFAULT_MAX_NEW_TOKENS`` long unless one of them (or the target's generation
     config) sets ``max_new_tokens``. Other unset settings come from ``preset``. ``threads``: the CPU threads of the call (None: the generator's)."""

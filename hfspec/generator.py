@@ -1,7 +1,7 @@
 """``SpeculativeGenerator``: a target and a drafter, loaded or given, and ``generate`` over them.
 
 The generator checks the pair once, resolves each call's settings, γ policy and tree budget, and runs the call's
-loop (``hfspec.loop.Call``: propose → verify → roll back → accept). What it learns across calls stays here: the
+loop (``hfspec.decoding.loop.Call``: propose → verify → roll back → accept). What it learns across calls stays here: the
 costs measured for ``gamma="auto"`` (kept on disk by ``hfspec.measure.cost_cache``), the acceptance seen so far, whether
 the target reads draft trees exactly, and the CPU thread count the kernels were fitted to.
 """
@@ -18,24 +18,24 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec import config as cfg
-from hfspec import sampling
 from hfspec.cpu import draft_linear, fast
 from hfspec.cpu import threads as cpu_threads
+from hfspec.decoding import config as cfg
+from hfspec.decoding import sampling
+from hfspec.decoding.inputs import prepare_inputs
+from hfspec.decoding.loop import Call, GenerateOutput, pad_id
+from hfspec.decoding.rows import right_pad
+from hfspec.decoding.stats import Stats
 from hfspec.drafter_factory import draft_module, make_drafter
 from hfspec.drafters import Drafter, builds_trees, cross_tokenizer
 from hfspec.errors import HfspecError
-from hfspec.inputs import prepare_inputs
 from hfspec.loading import load_pair
-from hfspec.loop import Call, GenerateOutput, pad_id
 from hfspec.measure import cost_cache, costs
 from hfspec.measure.costs import Costs
 from hfspec.models import recurrent
 from hfspec.models.adapter import check_causal_lm, check_tree_attention, shared_vocab_size, window_in_columns
 from hfspec.models.kv_cache import KVState
 from hfspec.policy import GammaPolicy, Tuning, as_policy
-from hfspec.rows import right_pad
-from hfspec.stats import Stats
 from hfspec.tree.probe import reads_trees
 
 __all__ = ["AUTO_TREES", "GenerateOutput", "SpeculativeGenerator"]

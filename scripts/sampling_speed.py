@@ -24,10 +24,10 @@ import torch
 from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hfspec import sampling  # noqa: E402
+from hfspec.decoding import sampling  # noqa: E402
+from hfspec.decoding.rows import Rows  # noqa: E402
+from hfspec.decoding.scoring import DraftContext, Scoring  # noqa: E402
 from hfspec.measure.timing import cpu_model  # noqa: E402
-from hfspec.rows import Rows  # noqa: E402
-from hfspec.scoring import DraftContext, Scoring  # noqa: E402
 
 
 def timed(fns: list[Callable[[], object]], repeats: int) -> list[tuple[float, float]]:

@@ -7,9 +7,9 @@ import tiny
 import torch
 
 from hfspec import SpeculativeGenerator
+from hfspec.decoding.loop import Verdict
+from hfspec.decoding.rows import Rows
 from hfspec.drafters import Proposal
-from hfspec.loop import Verdict
-from hfspec.rows import Rows
 
 LENGTHS = (1, 3, 17, 6, 29, 2)
 
@@ -87,7 +87,7 @@ def test_finished_rows_are_padded_and_reasons_reported(tiny_pair):
 
 
 def test_rows_leave_the_batch_when_they_finish(tiny_pair, monkeypatch):
-    from hfspec.loop import Call
+    from hfspec.decoding.loop import Call
 
     sizes = []
     original = Call.verify

@@ -7,7 +7,7 @@ import tiny
 import torch
 
 from hfspec import SpeculativeGenerator
-from hfspec.loop import Call
+from hfspec.decoding.loop import Call
 from hfspec.models.adapter import forward
 from hfspec.models.kv_cache import KVState
 

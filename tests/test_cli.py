@@ -16,7 +16,7 @@ import tiny
 import torch
 
 import hfspec
-import hfspec.loop
+import hfspec.decoding.loop
 from hfspec import api
 from hfspec.commands import cli
 from hfspec.commands import generate as generate_command
@@ -456,13 +456,13 @@ def test_a_target_that_is_not_a_model_gets_one_line(capsys, tmp_path, make, says
 
 def test_threads_reach_torch_and_the_json_and_are_restored(capsys, pair, monkeypatch):
     seen = []
-    real = hfspec.loop.Call.run
+    real = hfspec.decoding.loop.Call.run
 
     def run_loop(self, *args):
         seen.append(torch.get_num_threads())
         return real(self, *args)
 
-    monkeypatch.setattr(hfspec.loop.Call, "run", run_loop)
+    monkeypatch.setattr(hfspec.decoding.loop.Call, "run", run_loop)
     before = torch.get_num_threads()
     for flags, threads in (([], before), (["--threads", "2"], 2), (["-t", "1"], 1)):
         code, out, _ = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "4", "--gamma", "2", "--json", *flags)
@@ -480,7 +480,7 @@ def test_an_internal_error_shows_its_traceback_and_asks_for_a_report(capsys, pai
     def broken(self, *args, **kwargs):
         raise error("something inside went wrong")
 
-    monkeypatch.setattr(hfspec.loop.Call, "verify", broken)
+    monkeypatch.setattr(hfspec.decoding.loop.Call, "verify", broken)
     code, out, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "4", "--gamma", "2")
     assert code == cli.EXIT_BUG == 1 and out == ""
     assert "Traceback (most recent call last)" in err and f"{error.__name__}: " in err and "went wrong" in err
@@ -496,7 +496,7 @@ def test_bad_preset_file_gives_one_line(capsys, tmp_path):
 
 def test_ctrl_c_while_streaming_prints_the_partial_text(capsys, pair, monkeypatch):
     full = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "30", "--gamma", "2")[1]
-    real, calls = hfspec.loop.forward, []
+    real, calls = hfspec.decoding.loop.forward, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -504,7 +504,7 @@ def test_ctrl_c_while_streaming_prints_the_partial_text(capsys, pair, monkeypatc
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hfspec.loop, "forward", interrupted)
+    monkeypatch.setattr(hfspec.decoding.loop, "forward", interrupted)
     code, out, err = run(capsys, "generate", PROMPT, *pair, "--max-new-tokens", "30", "--gamma", "2", "--stream")
     assert code == 130 and "interrupted" in err
     assert out.endswith("\n") and out.count("\n") == 1

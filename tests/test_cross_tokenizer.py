@@ -21,10 +21,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import hfspec
-from hfspec import SpeculativeGenerator, sampling
+from hfspec import SpeculativeGenerator
 from hfspec.bench import Bench, Contender, Mode
 from hfspec.commands import cli
 from hfspec.cpu import fast
+from hfspec.decoding import sampling
 from hfspec.drafters import Proposal
 from hfspec.drafters.cross_tokenizer import PRIME, REWORK, CrossTokenizerDrafter
 from hfspec.drafters.vocabulary import byte_decoder, vocab_map

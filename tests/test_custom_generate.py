@@ -34,8 +34,9 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import hfspec
-from hfspec import HfspecError, sampling
+from hfspec import HfspecError
 from hfspec.assisted import SpeculativeOutput, reuse
+from hfspec.decoding import sampling
 
 HOOK = {"custom_generate": hfspec.CUSTOM_GENERATE, "trust_remote_code": True}
 LENGTHS = (5, 1, 9, 3)

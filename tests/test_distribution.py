@@ -17,7 +17,8 @@ import tiny
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import SpeculativeGenerator, sampling
+from hfspec import SpeculativeGenerator
+from hfspec.decoding import sampling
 
 # 6000 samples put the negative control below p = 1e-260 (8 seeds tried); the test asks for p < ALPHA = 1e-8.
 V, NEW, SAMPLES, BATCH = 9, 3, 6_000, 6_000

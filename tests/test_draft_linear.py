@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from stat_utils import ALPHA
 from torch import nn
 
-from hfspec import SpeculativeGenerator, sampling
+from hfspec import SpeculativeGenerator
 from hfspec.cpu import draft_linear, fast, kernels, quant
+from hfspec.decoding import sampling
+from hfspec.decoding.sampling import OUTSIDE
 from hfspec.errors import HfspecError
 from hfspec.models.head_cut import FrequentHead, cut_head
-from hfspec.sampling import OUTSIDE
 
 
 @pytest.fixture(scope="module")

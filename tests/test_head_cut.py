@@ -12,8 +12,9 @@ from stat_utils import ALPHA, chi_square_pvalue
 from test_distribution import NEW, PROMPT_A, exact_joint, pair, sample_counts  # noqa: F401 (pair is a fixture)
 from test_greedy import prompts, reference
 
-from hfspec import SpeculativeGenerator, sampling
+from hfspec import SpeculativeGenerator
 from hfspec.cpu import fast
+from hfspec.decoding import sampling
 from hfspec.models import head_cut
 
 
@@ -89,7 +90,9 @@ def test_negative_control_a_draft_without_the_cut_in_q_is_detected(pair, monkeyp
         return real_pick(kept / kept.sum(-1, keepdim=True), generator)
 
     gen = SpeculativeGenerator(target, draft, tok)  # the draft's full q ...
-    monkeypatch.setattr("hfspec.scoring.sampling.sample", pick_within)  # ... but drafts drawn only within the cut
+    monkeypatch.setattr(
+        "hfspec.decoding.scoring.sampling.sample", pick_within
+    )  # ... but drafts drawn only within the cut
     (counts,) = sample_counts(gen, [PROMPT_A], {"temperature": 0.8}, seed=3)
     assert chi_square_pvalue(counts, exact_joint(target, PROMPT_A, {"temperature": 0.8})) < ALPHA
 

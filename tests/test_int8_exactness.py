@@ -15,8 +15,9 @@ import stat_utils
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import SpeculativeGenerator, sampling
+from hfspec import SpeculativeGenerator
 from hfspec.cpu import quant
+from hfspec.decoding import sampling
 from hfspec.loading import load_pair
 from hfspec.policy.simple import FixedGamma
 

@@ -25,8 +25,9 @@ from test_ngram import NGRAM_PROMPTS
 from test_trees import NEW, NGRAM_PROMPT, SETTINGS, V, reference, tree_pair, tree_pvalue
 from torch import nn
 
-from hfspec import SpeculativeGenerator, sampling, tree
+from hfspec import SpeculativeGenerator, tree
 from hfspec.cpu import fast, kernels
+from hfspec.decoding import sampling
 from hfspec.drafters.eagle3 import Eagle3Drafter
 
 # Rows per prompt: 3000 put both negative controls below p = 1e-150 (4 seeds tried; 1000 below 1e-40), the

@@ -20,15 +20,16 @@ from test_batch import alone, batch_prompts, rows_of
 from test_distribution import NEW, SETTINGS, exact_joint, pair, sample_counts  # noqa: F401 (pair is a fixture)
 
 import hfspec
-from hfspec import SpeculativeGenerator, api, sampling
+from hfspec import SpeculativeGenerator, api
 from hfspec.commands import cli
+from hfspec.decoding import sampling
+from hfspec.decoding.loop import Call
 from hfspec.drafters import Drafter, Proposal
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.model import ModelDrafter
 from hfspec.drafters.ngram import History, NgramDrafter, TokenIndex
 from hfspec.errors import HfspecError
 from hfspec.loading import load_preset
-from hfspec.loop import Call
 from hfspec.measure.alpha import AlphaEstimate
 
 

@@ -16,7 +16,8 @@ import torch
 from stat_utils import ALPHA, chi_square_pvalue
 from test_distribution import NEW, PROMPT_A, V, exact_joint, pair  # noqa: F401 - pair is a fixture
 
-from hfspec import SpeculativeGenerator, sampling, scoring
+from hfspec import SpeculativeGenerator
+from hfspec.decoding import sampling, scoring
 
 SETTINGS = {
     "repetition_penalty": {"repetition_penalty": 1.8},

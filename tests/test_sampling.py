@@ -7,7 +7,8 @@ import pytest
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import sampling, tree
+from hfspec import tree
+from hfspec.decoding import sampling
 
 V, GAMMA, N = 6, 3, 200_000
 

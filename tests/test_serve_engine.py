@@ -21,9 +21,10 @@ import tiny
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import SpeculativeGenerator, sampling
+from hfspec import SpeculativeGenerator
 from hfspec.commands import cli
 from hfspec.cpu import fast
+from hfspec.decoding import sampling
 from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError

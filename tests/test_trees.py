@@ -12,9 +12,10 @@ import tiny
 import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
-from hfspec import SpeculativeGenerator, api, sampling, tree
+from hfspec import SpeculativeGenerator, api, tree
 from hfspec import generator as generator_module
 from hfspec.commands import cli
+from hfspec.decoding import sampling
 from hfspec.drafters import ngram
 from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError

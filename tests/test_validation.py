@@ -9,7 +9,8 @@ import tiny
 import torch
 from transformers import GenerationConfig
 
-from hfspec import NumericalFault, SpeculativeGenerator, sampling
+from hfspec import NumericalFault, SpeculativeGenerator
+from hfspec.decoding import sampling
 
 
 @pytest.fixture(scope="module")

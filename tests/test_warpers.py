@@ -21,8 +21,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from hfspec import sampling
-from hfspec.scoring import Scoring
+from hfspec.decoding import sampling
+from hfspec.decoding.scoring import Scoring
 
 INF = float("inf")
 
@@ -235,7 +235,7 @@ def test_user_warper_before_the_sampling_warpers():
     assert len(head) == 1 and warpers == sampling.Warpers(temperature=0.7, top_p=0.9)
 
 
-# -- through the loop: Scoring.checked --------------------------------------------------------------
+# -- through the loop: Scoring.probs --------------------------------------------------------------
 
 
 @pytest.mark.parametrize("penalty", [None, 1.5])
@@ -248,7 +248,7 @@ def test_checked_equals_per_position_reference(penalty, lengths):
     processors = sampling.build_processors(
         GenerationConfig(do_sample=True, repetition_penalty=penalty, temperature=0.7, top_p=0.9)
     )
-    probs = Scoring(processors, sample=True).checked(logits, tokens, torch.tensor(lengths), 0, "target", 1)
+    probs = Scoring(processors, sample=True).probs(logits, tokens, torch.tensor(lengths), 0, "target", 1)
     for b, length in enumerate(lengths):
         for i in range(k):
             ids = tokens[b : b + 1, : length + i]

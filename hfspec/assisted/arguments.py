@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec import sampling
+from hfspec.decoding import sampling
 from hfspec.errors import HfspecError
 from hfspec.loading import NGRAM
 from hfspec.policy import GammaPolicy, HeuristicGamma

@@ -23,8 +23,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hfspec.assisted import arguments, reuse
 from hfspec.assisted.arguments import Draft
+from hfspec.decoding.stats import Stats
 from hfspec.policy import GammaPolicy
-from hfspec.stats import Stats
 
 # The folder transformers reads ``custom_generate/generate.py`` from: pass it as custom_generate=.
 CUSTOM_GENERATE = str(Path(__file__).resolve().parent)

@@ -22,13 +22,13 @@ import torch
 from hfspec.bench.field import MAIN, Contender, Mode
 from hfspec.bench.stores import LookupStores
 from hfspec.cpu import fast
+from hfspec.decoding.inputs import prepare_inputs
+from hfspec.decoding.stats import Stats
 from hfspec.drafter_factory import draft_module
 from hfspec.generator import SpeculativeGenerator
-from hfspec.inputs import prepare_inputs
 from hfspec.measure import costs
 from hfspec.measure.timing import timed
 from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma
-from hfspec.stats import Stats
 
 
 @dataclass

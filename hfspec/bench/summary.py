@@ -14,8 +14,8 @@ from typing import Any
 
 from hfspec.bench.field import Contender
 from hfspec.bench.measure import Run
+from hfspec.decoding.stats import Stats
 from hfspec.policy import alpha_from_tokens_per_pass, predicted_speedup
-from hfspec.stats import Stats
 
 
 def median_ratio(a: Sequence[float], b: Sequence[float]) -> float | None:

@@ -308,7 +308,7 @@ def _complete(
     streamer: Any = None,
 ) -> api.Completion:
     from hfspec import api  # here, not at the top: the models' libraries load only for a command that runs them
-    from hfspec.config import settings
+    from hfspec.decoding.config import settings
 
     sampling = settings(
         max_new_tokens=args.max_new_tokens,
@@ -385,7 +385,7 @@ def _generate_many(args: argparse.Namespace, preset: Preset, gen, items: list[tu
     """Decode ``items`` in batches; each batch's results are printed, in input order, as soon as it ends."""
     from tqdm.auto import tqdm  # here, not at the top: a tenth of a second that --help need not wait
 
-    from hfspec.stats import Stats  # (imports torch)
+    from hfspec.decoding.stats import Stats  # (imports torch)
 
     size = args.batch_size or DEFAULT_BATCH_SIZE
     batches = [items[i : i + size] for i in range(0, len(items), size)]

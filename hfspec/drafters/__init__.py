@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from hfspec import sampling
+from hfspec.decoding import sampling
 from hfspec.measure.costs import Price
 from hfspec.tree.proposal import TreeProposal
 

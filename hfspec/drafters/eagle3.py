@@ -33,6 +33,7 @@ from hfspec import tree
 from hfspec.cpu import attention as cpu_attention
 from hfspec.cpu import fast
 from hfspec.cpu.quant import QuantEmbedding
+from hfspec.decoding.sampling import OUTSIDE
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head
@@ -40,7 +41,6 @@ from hfspec.heads.eagle3 import Eagle3Head, default_layer_ids
 from hfspec.measure.timing import timed
 from hfspec.models.adapter import decoder_layers, model_vocab_size
 from hfspec.models.kv_cache import KVState
-from hfspec.sampling import OUTSIDE
 from hfspec.tree.proposal import TreeProposal
 
 __all__ = ["Eagle3Drafter", "cached_step"]

@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hfspec import sampling, tree
+from hfspec import tree
+from hfspec.decoding import sampling
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecTypeError

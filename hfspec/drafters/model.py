@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from hfspec import sampling, tree
+from hfspec import tree
 from hfspec.cpu import draft_linear
+from hfspec.decoding import sampling
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
 from hfspec.measure.costs import forward_seconds
 from hfspec.models.adapter import check_causal_lm, check_tree_attention, forward, model_vocab_size, sliding_window

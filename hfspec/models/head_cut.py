@@ -28,8 +28,8 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec.cpu.quant import QuantLinear
+from hfspec.decoding.sampling import OUTSIDE
 from hfspec.errors import HfspecError, HfspecTypeError
-from hfspec.sampling import OUTSIDE
 
 __all__ = ["CutReport", "FrequentHead", "count_tokens", "cut_head", "first_ids", "frequent_ids"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hfspec.config import check_gamma
+from hfspec.decoding.config import check_gamma
 from hfspec.drafters.hybrid import Outcome
 from hfspec.errors import HfspecError
 from hfspec.measure.alpha import AlphaEstimate

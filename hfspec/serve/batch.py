@@ -3,7 +3,7 @@
 The server's engine (``hfspec.serve.engine``) runs this batch's ``step`` in a loop. A request joins between
 steps: ``prefill_alone`` prefills its prompt alone (the target, and the drafter's catch-up), then ``merge`` merges
 its caches into the batch's, left-padded with holes (``KVState.merge``); a row leaves by ``leave`` as soon as it
-finishes or is cancelled. The step is the generator's (``hfspec.loop.Call``: propose → verify → roll back → accept),
+finishes or is cancelled. The step is the generator's (``hfspec.decoding.loop.Call``: propose → verify → roll back → accept),
 with the sampling math done per row:
 
 - **Settings per row.** Each row keeps its ``SamplingParams``: a greedy row takes the target's argmax (exact,
@@ -39,16 +39,16 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from hfspec import sampling
+from hfspec.decoding import sampling
+from hfspec.decoding.loop import Call, Verdict
+from hfspec.decoding.rows import Rows
+from hfspec.decoding.sampling import Warpers
 from hfspec.drafters import Proposal
 from hfspec.errors import NumericalFault
 from hfspec.generator import SpeculativeGenerator
-from hfspec.loop import Call, Verdict
 from hfspec.measure.timing import now
 from hfspec.models.kv_cache import KVState
 from hfspec.policy import GammaPolicy, Step
-from hfspec.rows import Rows
-from hfspec.sampling import Warpers
 from hfspec.settings import SamplingParams
 
 

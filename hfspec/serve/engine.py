@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hfspec import config as cfg
 from hfspec.cpu import threads as cpu_threads
+from hfspec.decoding import config as cfg
 from hfspec.drafters import merges_rows
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hfspec import config as cfg
+from hfspec.decoding import config as cfg
 from hfspec.generator import SpeculativeGenerator
 from hfspec.policy import FixedGamma
 from hfspec.serve.events import Delta, Done, Event, Handle, Origin, QueueFull, Request, Usage

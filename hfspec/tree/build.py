@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from hfspec import sampling
+from hfspec.decoding import sampling
 from hfspec.tree.proposal import TreeProposal
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hfspec import sampling
+from hfspec.decoding import sampling
 from hfspec.tree.proposal import TreeProposal
 
 

@@ -15,8 +15,8 @@ p is the target's distribution and q the draft's, as in the paper:
 built afresh for each call by ``SpeculativeGenerator.generate``. State passes between the steps as values: a
 ``Proposal`` (``hfspec.drafters``) goes into verification, which returns a ``Verdict``
 per row (the drafts kept and the next token) for the rollback and the commit. The rows'
-bookkeeping lives in ``hfspec.rows``, the processing of logits and what drafters see in
-``hfspec.scoring``, the counts in ``hfspec.stats``. The loop drives any ``Drafter`` through its interface and
+bookkeeping lives in ``hfspec.decoding.rows``, the processing of logits and what drafters see in
+``hfspec.decoding.scoring``, the counts in ``hfspec.decoding.stats``. The loop drives any ``Drafter`` through its interface and
 never asks which kind it has.
 
 Cache invariant (checked every step): the target's cache holds every committed token
@@ -33,18 +33,18 @@ from typing import Any, Protocol
 import torch
 from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel
 
-from hfspec import config as cfg
-from hfspec import sampling
 from hfspec import tree as trees
+from hfspec.decoding import config as cfg
+from hfspec.decoding import sampling
+from hfspec.decoding.rows import Rows, right_pad
+from hfspec.decoding.scoring import DraftContext, Scoring
+from hfspec.decoding.stats import Stats, StatsCollector
 from hfspec.drafters import Drafter, Features, Proposal
 from hfspec.measure.costs import Price
 from hfspec.measure.timing import now, timed
 from hfspec.models.adapter import forward, forward_features, sliding_window, takes_mask_mapping
 from hfspec.models.kv_cache import KVState
 from hfspec.policy import GammaPolicy, Step, TreeStep
-from hfspec.rows import Rows, right_pad
-from hfspec.scoring import DraftContext, Scoring
-from hfspec.stats import Stats, StatsCollector
 from hfspec.tree.proposal import TreeProposal
 
 
@@ -237,7 +237,7 @@ class Call:
         logits = self.target_forward(
             fed, torch.ones_like(fed), (rows.lengths - 1)[:, None] + columns, real, verification=True
         )[..., : self.vocab]
-        p = self.scoring.checked(
+        p = self.scoring.probs(
             logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target", self.stats.target_passes + 1
         )  # (B, γ+1, V); scores when greedy
         if not self.sample:
@@ -261,7 +261,7 @@ class Call:
         logits = self.target_forward(
             fed, None, positions, real, True, attention=self.attention(trees.ancestry(parents), positions)
         )[..., : self.vocab]
-        p = self.scoring.checked(
+        p = self.scoring.probs(
             logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target", self.stats.target_passes + 1
         )  # (B, N+1, V); scores when greedy
         if not self.sample:

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessor
 
-from hfspec import sampling
+from hfspec.decoding import sampling
+from hfspec.decoding.rows import Rows
 from hfspec.errors import NumericalFault
 from hfspec.measure.costs import Price
-from hfspec.rows import Rows
 
 
 class Scoring:
@@ -30,7 +30,7 @@ class Scoring:
         self.needs_context = sampling.needs_context(processors)
         self.head, self.warpers = sampling.split_processors(processors) if sample else (processors, None)
 
-    def checked(
+    def probs(
         self, logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, extra: int, role: str, step: int
     ) -> torch.Tensor:
         """Process raw ``logits`` (B, k, V): probabilities when sampling, else scores, for argmax.
@@ -59,7 +59,7 @@ class Scoring:
         return sampling.warped_probs(scores.reshape(batch * k, vocab), self.warpers).view(batch, k, vocab)
 
     def process(self, logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, extra: int) -> torch.Tensor:
-        """Apply the head processors to ``logits`` (B, k, V) as ``checked`` places them; all positions in one
+        """Apply the head processors to ``logits`` (B, k, V) as ``probs`` places them; all positions in one
         call when no processor reads the context."""
         batch, k, vocab = logits.shape
         if not self.head:
@@ -105,7 +105,7 @@ class DraftContext:
     def pick(self, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Draft i of each row from raw draft logits (B, ≥vocab), processed like the target's scores will be
         and written after the committed tokens, where later positions' processors read it."""
-        out = self.scoring.checked(logits[:, None, : self.vocab], self.tokens, self.lengths, i, "draft", self.step)[
+        out = self.scoring.probs(logits[:, None, : self.vocab], self.tokens, self.lengths, i, "draft", self.step)[
             :, 0
         ]  # (B, V)
         q = out if self.sample else sampling.probs_from_logits(out)
@@ -119,7 +119,7 @@ class DraftContext:
         """The draft distributions (B, k, V) of raw logits (B, k, ≥vocab) at k tree nodes, processed like the
         target's scores (probabilities of the scores when greedy). Trees take no processor that reads the
         context (the generator refuses them), so no node needs its own path as context."""
-        out = self.scoring.checked(logits[..., : self.vocab], self.tokens, self.lengths, 0, "draft", self.step)
+        out = self.scoring.probs(logits[..., : self.vocab], self.tokens, self.lengths, 0, "draft", self.step)
         return out if self.sample else sampling.probs_from_logits(out)
 
     def confidence(self) -> torch.Tensor | None:

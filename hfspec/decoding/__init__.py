@@ -1,0 +1,1 @@
+"""One generate call's decoding loop and what it needs: rows, scoring, inputs, settings, stats, sampling."""
