@@ -20,13 +20,14 @@ from typing import Any
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from hfspec import loading
 from hfspec.cpu import threads as cpu_threads
 from hfspec.decoding import config as cfg
 from hfspec.decoding.stats import Stats
+from hfspec.drafters import loading
 from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.generator import SpeculativeGenerator
-from hfspec.models.presets import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRESET, Preset
+from hfspec.models.presets import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRESET, Preset, load_preset
+from hfspec.models.weights import DRAFT_BITS, parse_dtype
 from hfspec.policy import GammaPolicy
 
 __all__ = [
@@ -69,9 +70,9 @@ def resolve_preset(
     if config is not None:
         if target is not None or draft is not None:
             raise HfspecError("pass either a config preset or target and draft, not both")
-        preset = config if isinstance(config, Preset) else loading.load_preset(config)
+        preset = config if isinstance(config, Preset) else load_preset(config)
     elif target is None and draft is None:
-        preset = loading.load_preset(DEFAULT_PRESET)
+        preset = load_preset(DEFAULT_PRESET)
     elif target is None or draft is None:
         missing = "target" if target is None else "draft"
         raise HfspecError(
@@ -105,7 +106,7 @@ def _key(value: Any) -> Hashable:
     """A hashable key equal for equal loading options: dicts (a ``device_map``) by their items in any order, lists
     and tuples by their items, configs by ``to_dict()``, dtypes by what they name ("bf16" is torch.bfloat16)."""
     if isinstance(value, dict):
-        items = ((k, loading.parse_dtype(v) if k in ("dtype", "draft_dtype") else v) for k, v in value.items())
+        items = ((k, parse_dtype(v) if k in ("dtype", "draft_dtype") else v) for k, v in value.items())
         return ("dict", tuple(sorted(((_key(k), _key(v)) for k, v in items), key=repr)))
     if isinstance(value, (list, tuple)):
         return ("list", tuple(_key(v) for v in value))
@@ -184,7 +185,7 @@ def load(preset: Preset, *, threads: int | None = None, **load_kwargs: Any) -> S
     kernels' block shapes are timed for the calls that pass the same count."""
     cpu_threads.check(threads)
     # fast_kernels and draft_bits are spelled out so that leaving them unset and passing their defaults share a pair.
-    kwargs = {"fast_kernels": True, "draft_bits": loading.DRAFT_BITS, **preset.load_kwargs(), **load_kwargs}
+    kwargs = {"fast_kernels": True, "draft_bits": DRAFT_BITS, **preset.load_kwargs(), **load_kwargs}
 
     def load_pair() -> SpeculativeGenerator:
         log.info("loading target %s and draft %s", preset.target, preset.draft)
@@ -327,7 +328,7 @@ def generate(
     in one target forward; ``None`` drafts chains; ``"auto"`` (the default) lets ``gamma="auto"`` choose
     each step between the chain and trees (see ``SpeculativeGenerator.generate``).
     ``generation_config`` (a ``transformers.GenerationConfig``) sets any of them at once; the keyword arguments
-    override it. ``seed`` makes sampling reproducible. ``load_kwargs`` go to ``hfspec.loading.load_pair`` (``dtype``,
+    override it. ``seed`` makes sampling reproducible. ``load_kwargs`` go to ``hfspec.drafters.loading.load_pair`` (``dtype``,
     ``device``, ``device_map``, ``fast_kernels=False`` to keep torch's own linears on CPU, ...).
     ``threads`` is the CPU threads the call (and a first load of the pair) runs on, as llama.cpp's ``-t``; by
     default torch's count. With ``return_stats`` the result is ``(text, stats)``.

@@ -26,10 +26,10 @@ from hfspec.decoding.inputs import prepare_inputs
 from hfspec.decoding.loop import Call, GenerateOutput, pad_id
 from hfspec.decoding.rows import right_pad
 from hfspec.decoding.stats import Stats
-from hfspec.drafter_factory import draft_module, make_drafter
 from hfspec.drafters import Drafter, builds_trees, cross_tokenizer
+from hfspec.drafters.factory import draft_module, make_drafter
+from hfspec.drafters.loading import load_pair
 from hfspec.errors import HfspecError
-from hfspec.loading import load_pair
 from hfspec.measure import cost_cache, costs
 from hfspec.measure.costs import Costs
 from hfspec.models import recurrent
@@ -231,7 +231,7 @@ class SpeculativeGenerator:
         cls, target: str | Path, draft: str | Path, *, ngram: bool = False, threads: int | None = None, **kwargs: Any
     ) -> SpeculativeGenerator:
         """Load both models and the target's tokenizer by hub name, local directory or GGUF file (see
-        ``hfspec.loading``); ``draft="ngram"`` needs no model. A draft whose own tokenizer differs from the target's
+        ``hfspec.drafters.loading``); ``draft="ngram"`` needs no model. A draft whose own tokenizer differs from the target's
         drafts through ``hfspec.drafters.cross_tokenizer`` without being asked. Both models run hfspec's CPU
         kernel where they sit on CPU in fp32 or bf16 (``fast_kernels=False`` keeps torch's linears); the
         constructor, given models, leaves them as they are (``hfspec.fast.accelerate(model)`` opts in).

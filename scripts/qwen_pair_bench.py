@@ -38,9 +38,10 @@ from transformers import AutoModelForCausalLM
 
 from hfspec import FixedGamma, SpeculativeGenerator
 from hfspec.bench.field import load_prompts
-from hfspec.loading import load_draft, load_preset
+from hfspec.drafters.factory import load_draft
 from hfspec.measure.timing import cpu_model
 from hfspec.models import assets, wheels
+from hfspec.models.presets import load_preset
 
 SCRIPTS = Path(__file__).resolve().parent
 PROMPTS = Path(assets.__file__).resolve().parent / "prompts"
@@ -130,7 +131,7 @@ def fresh_load(threads: int) -> dict:
     """Seconds to load the preset and peak RSS (GB) of a fresh process that loads it and generates 32 tokens."""
     code = (
         "import sys, time, torch; torch.set_num_threads(int(sys.argv[1])); t = time.perf_counter(); "
-        "from hfspec import SpeculativeGenerator; from hfspec.loading import load_preset, load_pair; "
+        "from hfspec import SpeculativeGenerator; from hfspec.models.presets import load_preset; from hfspec.drafters.loading import load_pair; "
         "p = load_preset(sys.argv[2]); "
         "gen = SpeculativeGenerator(*load_pair(p.target, p.draft, **p.load_kwargs())); "
         "print(time.perf_counter() - t); gen.generate(torch.tensor([[9707, 11, 1879, 0]]), max_new_tokens=32)"

@@ -1,7 +1,7 @@
 """Greedy hfspec on a real bfloat16 target against the target's own generate(), with the CPU kernels on.
 
 Loads a GGUF target and draft with transformers in bfloat16 (dequantized), accelerates both (hfspec.fast, as
-hfspec.loading does on CPU), and for each of --prompts code prompts (chat template on) x --new-tokens tokens
+hfspec.drafters.loading does on CPU), and for each of --prompts code prompts (chat template on) x --new-tokens tokens
 compares greedy hfspec (the draft model, draft="ngram"; gamma and tree "auto", hfspec's defaults) with the
 accelerated target's own generate(do_sample=False). With --eager it also runs the target on torch's kernels
 (fast.suspended) for the second reference; with --torch nothing is accelerated (fast_kernels=False): hfspec on

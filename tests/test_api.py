@@ -11,11 +11,13 @@ import torch
 from transformers import GenerationConfig
 
 import hfspec
-from hfspec import Stats, api, loading
+from hfspec import Stats, api
 from hfspec.cpu import fast
 from hfspec.cpu import threads as cpu_threads
+from hfspec.drafters import loading
 from hfspec.errors import HfspecError
 from hfspec.models import assets
+from hfspec.models.presets import load_preset
 from hfspec.policy import HeuristicGamma
 
 pytestmark = pytest.mark.usefixtures("fresh_api_cache")
@@ -169,7 +171,7 @@ def test_default_pair_is_the_offline_preset_with_chat(pair, model_dir, monkeypat
     monkeypatch.setattr(assets, "offline_target_path", lambda **kw: target)
     monkeypatch.setattr(assets, "shipped_draft_path", lambda: draft)
     monkeypatch.setattr(assets, "shipped_head_path", lambda: head)
-    preset = loading.load_preset("smollm2-offline")
+    preset = load_preset("smollm2-offline")
     text = hfspec.generate("w10", max_new_tokens=8)
     assert loads[0][0] == ("offline", preset.draft) and loads[0][1]["dtype"] == "float32"
     assert preset.draft in ("shipped", "shipped-eagle3")

@@ -8,8 +8,8 @@ import zipfile
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from hfspec.loading import lone_gguf
 from hfspec.models import assets
+from hfspec.models.sources import lone_gguf
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,11 @@ from hfspec.bench import Bench, Contender, Mode, Run, Settings, report
 from hfspec.bench import command as bench_command
 from hfspec.cpu import draft_linear, fast
 from hfspec.decoding.stats import RowStats, Stats
+from hfspec.drafters.factory import make_drafter
 from hfspec.drafters.hybrid import HybridDrafter, with_ngram
+from hfspec.drafters.loading import load_pair
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError
-from hfspec.loading import load_pair, make_drafter
 from hfspec.policy import alpha_from_tokens_per_pass
 
 GREEDY = Mode("greedy", False)

@@ -23,7 +23,7 @@ from hfspec.commands import generate as generate_command
 from hfspec.cpu import fast
 from hfspec.drafters import Drafter
 from hfspec.errors import HfspecError
-from hfspec.loading import Preset
+from hfspec.models.presets import Preset
 
 PROMPT = "w10 w11 w12"
 GENERATE_FLAGS = [

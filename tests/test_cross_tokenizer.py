@@ -28,9 +28,9 @@ from hfspec.cpu import fast
 from hfspec.decoding import sampling
 from hfspec.drafters import Proposal
 from hfspec.drafters.cross_tokenizer import PRIME, REWORK, CrossTokenizerDrafter
+from hfspec.drafters.loading import load_pair
 from hfspec.drafters.vocabulary import byte_decoder, vocab_map
 from hfspec.errors import HfspecError
-from hfspec.loading import load_pair
 from hfspec.serve.events import Request
 
 WORDS = (

@@ -296,8 +296,8 @@ def test_greedy_with_a_converted_draft_equals_the_targets_generate(arch, dtype, 
 
 def test_load_pair_runs_a_cpu_draft_in_integer_arithmetic_by_default(model_dir):
     from hfspec import SpeculativeGenerator
+    from hfspec.drafters.loading import load_pair
     from hfspec.errors import HfspecError
-    from hfspec.loading import load_pair
 
     if draft_linear.kernel() is None:
         pytest.skip(f"no draft kernel: {draft_linear.unavailable()}")

@@ -21,11 +21,12 @@ from transformers import AutoModelForCausalLM
 from hfspec import SpeculativeGenerator, api
 from hfspec.commands import cli
 from hfspec.drafters.eagle3 import Eagle3Drafter
+from hfspec.drafters.factory import make_drafter
+from hfspec.drafters.loading import load_pair
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head, save_head
 from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids
 from hfspec.heads.files import is_eagle3_dir
-from hfspec.loading import load_pair, make_drafter
 from hfspec.models.adapter import load_model
 
 TARGET = dict(vocab_size=64, layers=8, hidden=32, seed=0, sharpness=8.0)

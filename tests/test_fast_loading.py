@@ -12,9 +12,11 @@ from torch import nn
 
 from hfspec import SpeculativeGenerator, api
 from hfspec.cpu import draft_linear, fast
+from hfspec.drafters.factory import draft_module
+from hfspec.drafters.loading import load_pair
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import save_head
-from hfspec.loading import draft_module, load_pair, load_preset
+from hfspec.models.presets import load_preset
 
 PROMPTS = [[1, 10, 11, 12], [1, 30], [1, 20, 21, 22, 23, 24, 25]]
 

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from hfspec import SpeculativeGenerator
 from hfspec.cpu import fast, quant
+from hfspec.drafters.loading import load_pair
 from hfspec.errors import HfspecError
-from hfspec.loading import load_pair
 from hfspec.models import gguf_native
 from hfspec.models.sources import ModelSource, locate
 
@@ -144,7 +144,7 @@ def test_the_cli_and_presets_load_gguf_pairs(files, capsys, tmp_path):
 
     from hfspec import api
     from hfspec.commands import cli
-    from hfspec.loading import load_preset
+    from hfspec.models.presets import load_preset
 
     target, draft = files["llama-q8_0"], files["llama-k-mix-tied"]
     argv = [

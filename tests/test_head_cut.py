@@ -139,8 +139,8 @@ def test_a_gguf_head_is_cut_in_its_blocks_with_the_same_bits(tmp_path, library):
 
 
 def test_load_pair_cuts_the_drafts_head_when_asked_and_stays_exact(model_dir):
+    from hfspec.drafters.loading import load_pair
     from hfspec.errors import HfspecError
-    from hfspec.loading import load_pair
 
     target, draft, tok = load_pair(model_dir("llama"), model_dir("llama", seed=1), draft_vocab=20)
     head = draft.get_output_embeddings()

@@ -18,7 +18,7 @@ from stat_utils import ALPHA, chi_square_pvalue
 from hfspec import SpeculativeGenerator
 from hfspec.cpu import quant
 from hfspec.decoding import sampling
-from hfspec.loading import load_pair
+from hfspec.drafters.loading import load_pair
 from hfspec.policy.simple import FixedGamma
 
 K_MIX = {"*": "Q4_K", "ffn_down": "Q6_K", "attn_v": "Q5_K", "output": "Q6_K", "token_embd": "Q4_K"}

@@ -12,10 +12,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoConfig, AutoModel, PreTrainedTokenizerFast
 
 from hfspec import SpeculativeGenerator
+from hfspec.drafters.loading import load_pair
 from hfspec.errors import HfspecError
-from hfspec.loading import load_pair, parse_dtype, resolve_model
 from hfspec.models import assets
 from hfspec.models.presets import ALLOWED_KEYS, Preset, load_preset, preset_names
+from hfspec.models.sources import resolve_model
+from hfspec.models.weights import parse_dtype
 
 
 def permuted_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

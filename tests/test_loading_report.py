@@ -23,10 +23,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 import hfspec
 from hfspec import SpeculativeGenerator
 from hfspec.commands import cli
+from hfspec.drafters.loading import load_pair
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head, save_head
 from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head
-from hfspec.loading import load_pair
 
 pytestmark = pytest.mark.usefixtures("fresh_api_cache")
 

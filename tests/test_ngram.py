@@ -29,8 +29,8 @@ from hfspec.drafters.hybrid import HybridDrafter, with_ngram
 from hfspec.drafters.model import ModelDrafter
 from hfspec.drafters.ngram import History, NgramDrafter, TokenIndex
 from hfspec.errors import HfspecError
-from hfspec.loading import load_preset
 from hfspec.measure.alpha import AlphaEstimate
+from hfspec.models.presets import load_preset
 
 
 class Ctx:

@@ -90,8 +90,8 @@ def test_models_named_by_wheel_load_as_a_gguf_pair(tmp_path, monkeypatch, librar
     import gguf_files
 
     from hfspec import SpeculativeGenerator
-    from hfspec.loading import resolve_model
     from hfspec.models import assets
+    from hfspec.models.sources import resolve_model
 
     monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path)  # the models' cache; kernels stay where they are built
     fetched = []
@@ -123,7 +123,8 @@ def test_models_named_by_wheel_load_as_a_gguf_pair(tmp_path, monkeypatch, librar
 def test_a_directory_of_two_gguf_files_asks_which(tmp_path):
     import gguf_files
 
-    from hfspec.loading import load_pair, lone_gguf
+    from hfspec.drafters.loading import load_pair
+    from hfspec.models.sources import lone_gguf
 
     gguf_files.write(tmp_path / "m", "qwen2", "Q8_0", name="a.gguf")
     assert lone_gguf(str(tmp_path / "m")) == "a.gguf"

@@ -18,7 +18,7 @@ from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, Pre
 
 from hfspec.decoding import sampling
 from hfspec.errors import HfspecError
-from hfspec.loading import NGRAM
+from hfspec.models.sources import NGRAM
 from hfspec.policy import GammaPolicy, HeuristicGamma
 
 ELSEWHERE = "remove it, or drop custom_generate= to run it with transformers' own generate()"

@@ -24,10 +24,13 @@ from hfspec.bench.runner import run_bench
 from hfspec.commands.common import threads_value
 from hfspec.cpu import draft_linear, fast
 from hfspec.cpu import threads as cpu_threads
+from hfspec.drafters.factory import draft_module, drafts_in_integer, load_draft, make_drafter
 from hfspec.drafters.hybrid import with_ngram
+from hfspec.drafters.loading import load_pair
 from hfspec.errors import HfspecError
-from hfspec.loading import DRAFT_BITS, draft_module, drafts_in_integer, load_draft, load_pair, load_preset, make_drafter
 from hfspec.measure.timing import cpu_model
+from hfspec.models.presets import load_preset
+from hfspec.models.weights import DRAFT_BITS
 
 DESCRIPTION = """\
 Measure one target with its draft (and other drafters) in one process. Contenders, interleaved per prompt:
@@ -300,7 +303,7 @@ def apply_preset(args: argparse.Namespace) -> None:
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(target, draft, tokenizer) through hfspec.loading, which also resolves 'offline' and 'shipped'."""
+    """(target, draft, tokenizer) through hfspec.drafters.loading, which also resolves 'offline' and 'shipped'."""
     dtype = getattr(torch, args.dtype or "float32")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gguf = {
@@ -342,7 +345,7 @@ def load_drafters(
                     draft_linear.quantize_for_drafting(out[name], bits[0])
         elif name == HYBRID:
             out[name] = with_ngram(make_drafter(draft, target=target))
-        else:  # "ngram", "shipped-eagle3" or a directory: whatever hfspec.loading makes of it
+        else:  # "ngram", "shipped-eagle3" or a directory: whatever hfspec.drafters.loading makes of it
             device = target.get_output_embeddings().weight.device
             out[name] = load_draft(name, target, dtype=target.dtype, device=device, fast_kernels=fast_kernels)
     return out

@@ -24,7 +24,7 @@ from hfspec.bench.stores import LookupStores
 from hfspec.cpu import fast
 from hfspec.decoding.inputs import prepare_inputs
 from hfspec.decoding.stats import Stats
-from hfspec.drafter_factory import draft_module
+from hfspec.drafters.factory import draft_module
 from hfspec.generator import SpeculativeGenerator
 from hfspec.measure import costs
 from hfspec.measure.timing import timed

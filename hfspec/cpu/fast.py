@@ -15,7 +15,7 @@ Layers that hold GGUF blocks (:mod:`hfspec.cpu.quant`, loaded by :mod:`hfspec.mo
 kernel on their own; :func:`accelerate` times their block shapes and switches their model's attention and
 activations too. :func:`restore` undoes it; ``HFSPEC_KERNELS=0`` turns it off.
 
-:func:`accelerate_loaded` is the policy ``hfspec.loading.load_pair`` applies to the models it loads
+:func:`accelerate_loaded` is the policy ``hfspec.drafters.loading.load_pair`` applies to the models it loads
 itself (CPU, fp32 or bf16, a vectorised kernel); :func:`describe` says what a model runs, for reports;
 :func:`suspended` runs a block with torch's own linears and attention (a benchmark's eager baseline).
 

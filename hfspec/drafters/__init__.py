@@ -13,7 +13,7 @@ keeps per-row state in that order and drops rows in ``select_rows``.
 
 This module is the interface only: it imports no drafter. Turning what a user passes
 as the draft (a model, a head, a path, ``"ngram"``) into a drafter is
-``hfspec.drafter_factory.make_drafter``'s job, which sits above every drafter and the loaders.
+``hfspec.drafters.factory.make_drafter``'s job, which sits above every drafter and the loaders.
 """
 
 from __future__ import annotations

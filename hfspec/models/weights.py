@@ -5,7 +5,7 @@ the caller asks for it (``native``), else transformers dequantizes it. ``acceler
 hfspec's CPU kernel (``hfspec.fast.accelerate_loaded``) and logs what it did. A GGUF model's tokenizer is read from
 its directory's own tokenizer files when it has them, else converted from the file once and kept
 (``hfspec.models.gguf_meta``). The checks of the loading options live here too, so that every loader says the same.
-``hfspec.loading`` puts these together into a pair; ``hfspec.drafter_factory`` turns a draft into a drafter.
+``hfspec.drafters.loading`` puts these together into a pair; ``hfspec.drafters.factory`` turns a draft into a drafter.
 """
 
 from __future__ import annotations

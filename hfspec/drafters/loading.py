@@ -1,4 +1,4 @@
-"""Loading a target/draft pair and its tokenizer (``load_pair``), and the names users import from here.
+"""Loading a target/draft pair and its tokenizer: ``load_pair``, above every drafter (``hfspec.drafters.factory``).
 
 A *preset* is one JSON file naming a target, a draft and the settings that suit
 them (γ, dtype, chat, sampling defaults). Presets ship in ``hfspec/configs/``
@@ -6,9 +6,9 @@ and are found by name (``hfspec.models.presets``); any other JSON file works by 
 
 A model is named by a local directory, a GGUF file, a hub name or one of four special names (``"offline"``,
 ``"shipped"``, ``"shipped-eagle3"``, ``"ngram"``): ``hfspec.models.sources.locate`` resolves each, in one place.
-``hfspec.models.weights`` loads one model and its tokenizer; ``hfspec.drafter_factory`` turns whatever a user passes as
+``hfspec.models.weights`` loads one model and its tokenizer; ``hfspec.drafters.factory`` turns whatever a user passes as
 the draft (a drafter, a loaded model, an EAGLE-3 head, a path or one of those names) into a drafter
-(``make_drafter``, ``load_draft``). Their public names are importable from here too.
+(``make_drafter``, ``load_draft``).
 
 The models loaded here run hfspec's CPU kernel (``hfspec.fast.accelerate_loaded``: on CPU with
 fp32 or bf16 weights) unless ``fast_kernels=False``; a model a caller built and passed in is
@@ -26,21 +26,16 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec.drafter_factory import (
+from hfspec.drafters import Drafter
+from hfspec.drafters.factory import (
     accelerate_draft,
     cross_tokenizer_drafter,
-    draft_module,
-    drafts_in_integer,
-    load_draft,
     load_draft_path,
-    make_drafter,
 )
-from hfspec.drafters import Drafter
 from hfspec.errors import HfspecError
 from hfspec.models import assets
 from hfspec.models.adapter import same_tokenizer
-from hfspec.models.presets import Preset, load_preset, preset_names  # presets are read where pairs load
-from hfspec.models.sources import NGRAM, OFFLINE_TARGET, ModelSource, locate, lone_gguf, resolve_model
+from hfspec.models.sources import OFFLINE_TARGET, locate
 from hfspec.models.weights import (
     ARITHMETIC,
     DRAFT_BITS,
@@ -61,24 +56,7 @@ from hfspec.models.weights import (
     tokenizer_gguf,
 )
 
-__all__ = [
-    "ARITHMETIC",
-    "DRAFT_BITS",
-    "NGRAM",
-    "ModelSource",
-    "Preset",
-    "draft_module",
-    "drafts_in_integer",
-    "load_draft",
-    "load_pair",
-    "load_preset",
-    "locate",
-    "lone_gguf",
-    "make_drafter",
-    "parse_dtype",
-    "preset_names",
-    "resolve_model",
-]
+__all__ = ["load_pair"]
 
 log = logging.getLogger(__name__)
 
