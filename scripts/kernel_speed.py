@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hfspec import SpeculativeGenerator  # noqa: E402
 from hfspec.bench import encode  # noqa: E402
-from hfspec.cpu import fast, kernels  # noqa: E402
+from hfspec.cpu import fast, kernels, toolchain  # noqa: E402
 from hfspec.measure.costs import forward_seconds  # noqa: E402
 from hfspec.measure.timing import cpu_model, timed  # noqa: E402
 from hfspec.models.adapter import forward  # noqa: E402
@@ -59,7 +59,7 @@ def build_costs() -> dict:
     library = kernels.load()
     warm = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
-        cold = kernels.build(Path(tmp) / "linear.so", kernels.compiler())
+        cold = toolchain.build(Path(tmp) / "linear.so", toolchain.compiler())
     return {
         "cold_s": round(cold, 3),
         "first_load_in_process_s": round(warm, 4),

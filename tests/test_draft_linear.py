@@ -16,7 +16,7 @@ from stat_utils import ALPHA
 from torch import nn
 
 from hfspec import SpeculativeGenerator
-from hfspec.cpu import draft_linear, fast, kernels, quant
+from hfspec.cpu import draft_linear, fast, kernels, quant, toolchain
 from hfspec.decoding import sampling
 from hfspec.decoding.sampling import OUTSIDE
 from hfspec.errors import HfspecError
@@ -114,7 +114,7 @@ OTHER_PATHS = {
 
 @pytest.fixture(scope="module")
 def other_paths(tmp_path_factory, draft_kernel) -> dict[str, draft_linear.DraftKernel]:
-    flags = set(kernels._cpu_flags().split())
+    flags = set(toolchain.cpu_flags().split())
     source = Path(draft_linear.__file__).parent / "csrc" / "draft.cpp"
     out = tmp_path_factory.mktemp("draft-paths")
     jobs = {

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hfspec.cpu import fast, kernels
+from hfspec.cpu import fast, kernels, toolchain
 from hfspec.cpu import plan as kernel_plan
 
 HERE = Path(__file__).resolve().parent
@@ -55,7 +55,7 @@ def compiler(tmp_path: Path, body: str, name: str = "cxx") -> tuple[str, Path]:
 def runs(log: Path) -> int:
     """Builds the stand-in was asked for: each compiles the first source once (the others go beside it)."""
     lines = log.read_text().splitlines() if log.exists() else []
-    return sum(kernels.SOURCES[0].name in line for line in lines)
+    return sum(toolchain.SOURCES[0].name in line for line in lines)
 
 
 def copying(tmp_path: Path, library: kernels.KernelLibrary, pause: float = 0.0) -> tuple[str, Path]:
@@ -119,7 +119,7 @@ def test_a_failing_compiler_is_remembered_until_it_changes(fresh, caplog, monkey
 def test_a_hung_compiler_is_stopped_and_remembered(fresh, caplog, monkeypatch, tmp_path):
     cxx, log = compiler(tmp_path, "sleep 60 & wait")  # a child of its own keeps the output open: killed too
     monkeypatch.setenv("HFSPEC_CXX", cxx)
-    monkeypatch.setattr(kernels, "BUILD_TIMEOUT_S", 1)
+    monkeypatch.setattr(toolchain, "BUILD_TIMEOUT_S", 1)
     start = time.perf_counter()
     torch_runs(caplog, "did not finish within 1 s")
     assert time.perf_counter() - start < 15
@@ -137,7 +137,7 @@ def test_a_compiler_that_writes_nothing(fresh, caplog, monkeypatch, tmp_path):
 def test_a_corrupt_library_is_built_again(fresh, library, caplog, monkeypatch, tmp_path):
     cxx, log = copying(tmp_path, library)
     monkeypatch.setenv("HFSPEC_CXX", cxx)
-    path = kernels.library_path(cxx)
+    path = toolchain.library_path(cxx)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"\x7fELF truncated")
     path.chmod(0o755)
@@ -179,7 +179,7 @@ def test_a_cache_others_can_write_to_is_refused(fresh, library, caplog, monkeypa
     monkeypatch.setenv("HFSPEC_CXX", cxx)
     kernel_runs(library)
     fresh.again()
-    path = {"cache": fresh.cache, "kernels": fresh.cache / "kernels", "library": kernels.library_path(cxx)}[where]
+    path = {"cache": fresh.cache, "kernels": fresh.cache / "kernels", "library": toolchain.library_path(cxx)}[where]
     path.chmod(path.stat().st_mode | stat.S_IWOTH)
     torch_runs(caplog, "writable by group and others")
     assert runs(log) == 1, "nothing built either"
@@ -210,8 +210,8 @@ def test_platforms_without_a_build_are_told_why_before_any_compile(
 ):
     cxx, log = compiler(tmp_path, 'case "$1" in --version) echo "Apple clang version 15.0.0";; *) exit 1;; esac')
     monkeypatch.setenv("HFSPEC_CXX", cxx)
-    monkeypatch.setattr(kernels.platform, "system", lambda: system)
-    monkeypatch.setattr(kernels.platform, "machine", lambda: machine)
+    monkeypatch.setattr(toolchain.platform, "system", lambda: system)
+    monkeypatch.setattr(toolchain.platform, "machine", lambda: machine)
     torch_runs(caplog, says)
     assert [line for line in (log.read_text().splitlines() if log.exists() else []) if line != "--version"] == []
 
@@ -224,7 +224,7 @@ def test_platforms_without_a_build_are_told_why_before_any_compile(
 def test_each_vector_path_uses_only_what_its_guard_names(flags, tmp_path):
     # A CPU with AVX-512F but not BW/VL (Xeon Phi), AVX2 with or without FMA, none: each builds what it defines.
     # -O0 is enough: an intrinsic the flags do not allow fails to inline at any level.
-    for source in kernels.SOURCES:
+    for source in toolchain.SOURCES:
         proc = subprocess.run(
             [
                 "g++",

@@ -26,7 +26,7 @@ import hfspec
 from hfspec import __main__ as entry
 from hfspec._version import __version__
 from hfspec.commands import cli
-from hfspec.cpu import kernels
+from hfspec.cpu import toolchain
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "hfspec"
@@ -46,7 +46,7 @@ def shipped(patterns: list[str]) -> set[Path]:
 def kernel_files() -> set[Path]:
     """Every file the kernel build reads: the sources and headers it globs, and what they ``#include "..."``
     (resolved beside the including file, as the compiler does with no -I), followed through the headers."""
-    todo = [*kernels.SOURCES, *kernels.HEADERS]
+    todo = [*toolchain.SOURCES, *toolchain.HEADERS]
     seen: set[Path] = set()
     while todo:
         path = Path(todo.pop()).resolve()

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from hfspec.cpu import kernels, records
+from hfspec.cpu import kernels, records, toolchain
 
 __all__ = [
     "MARGIN",
@@ -208,7 +208,7 @@ def plan_for(
     plan = _cached(path, default, count)
     if plan is None:
         # One process times at a time (another's timing would disturb these); one that waited reads what it kept.
-        with kernels.locked(path.parent / "timing.lock", required=False):
+        with toolchain.locked(path.parent / "timing.lock", required=False):
             plan = _cached(path, default, count) or _time_and_keep(library, layers, default, path, progress, shapes)
     _PLANS[path] = plan
     return plan

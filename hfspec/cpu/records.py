@@ -2,7 +2,7 @@
 
 The kernel plan (:mod:`hfspec.cpu.plan`) and ``gamma="auto"``'s costs (:mod:`hfspec.measure.cost_cache`) are kept this way.
 A record is read only when it is whole JSON and this user's, in a directory no one else may write
-(:func:`hfspec.cpu.kernels.unsafe`); anything else reads as absent, and the caller measures again. It is written to
+(:func:`hfspec.cpu.toolchain.unsafe`); anything else reads as absent, and the caller measures again. It is written to
 a temporary file and renamed over the old one, so that concurrent processes never see half a file: the last one to
 finish wins, and each wrote a whole record.
 """
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hfspec.cpu import kernels
+from hfspec.cpu import toolchain
 
 __all__ = ["keep", "read"]
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def read(path: Path) -> dict[str, Any] | None:
     """The record kept at ``path``; None if there is none, or it is not a whole JSON object of this user's."""
     try:
-        why = kernels.unsafe(path.parent) or kernels.unsafe(path)
+        why = toolchain.unsafe(path.parent) or toolchain.unsafe(path)
         if why is not None:
             log.debug("ignoring %s: %s", path, why)
             return None

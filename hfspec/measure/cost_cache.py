@@ -28,7 +28,7 @@ import torch
 import transformers
 from torch import nn
 
-from hfspec.cpu import kernels, records
+from hfspec.cpu import records, toolchain
 from hfspec.measure.alpha import AlphaEstimate
 from hfspec.measure.costs import Costs
 from hfspec.measure.timing import cpu_model
@@ -93,7 +93,7 @@ def key(target: nn.Module, draft: nn.Module | None, drafter: dict[str, Any], fas
     return {
         "version": VERSION,
         "machine": machine(device),
-        "kernel": kernels.library_path().name if on else None,
+        "kernel": toolchain.library_path().name if on else None,
         "fast_kernels": fast_kernels,
         "target": {"model": identity(target), "dtype": _dtype(target)},
         "draft": {"model": identity(draft), "dtype": _dtype(draft)},
