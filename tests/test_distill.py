@@ -10,7 +10,7 @@ import tiny
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from hfspec.training import command, draft_model, optim, staging
+from hfspec.training import command, draft_objective, optim, staging
 from hfspec.training import report as report_mod
 from hfspec.training.draft_model import DraftModelReport, train_draft_model
 from hfspec.training.report import speedup_at_best_gamma
@@ -70,8 +70,8 @@ def test_distill_beats_untrained_draft(tiny_target, tmp_path):
 
 def test_resume_continues_data_and_training(tiny_target, tmp_path, monkeypatch):
     out = tmp_path / "draft"
-    real_loss = draft_model._distill_loss
-    monkeypatch.setattr(draft_model, "_distill_loss", tiny.fail_after(real_loss, 25))
+    real_loss = draft_objective.distill_loss
+    monkeypatch.setattr(draft_objective, "distill_loss", tiny.fail_after(real_loss, 25))
     with pytest.raises(KeyboardInterrupt):
         train_draft_model(tiny_target, out, **SMALL)
     first = torch.load(out / "train" / "checkpoint.pt", weights_only=False)
@@ -79,7 +79,7 @@ def test_resume_continues_data_and_training(tiny_target, tmp_path, monkeypatch):
     shards = sorted(p.name for p in (out / "data").glob("*.pt"))
 
     # Rerunning must neither regenerate data nor restart training.
-    monkeypatch.setattr(draft_model, "_distill_loss", real_loss)
+    monkeypatch.setattr(draft_objective, "distill_loss", real_loss)
     monkeypatch.setattr(staging, "_generate_shard", lambda *a, **k: pytest.fail("data was regenerated"))
     steps_before = []
     real_train_step = optim.learning_rate
@@ -132,8 +132,8 @@ def test_staged_acceptance_matches_the_target_forward_when_top_k_is_the_vocabula
     draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     samples = staging.load_samples(out / "data", "eval")
     pad = AutoTokenizer.from_pretrained(tiny_target).pad_token_id
-    alpha, agreement, _ = draft_model._acceptance(target, draft, samples, pad, 8)
-    staged_alpha, staged_agreement = draft_model._staged_acceptance(draft, samples, pad, 8)
+    alpha, agreement, _ = draft_objective.acceptance(target, draft, samples, pad, 8)
+    staged_alpha, staged_agreement = draft_objective.staged_acceptance(draft, samples, pad, 8)
     assert staged_alpha == pytest.approx(alpha, abs=2e-3)  # top-k log-probs are stored in float16
     assert staged_agreement == pytest.approx(agreement, abs=0.02)
 
@@ -144,7 +144,7 @@ def test_the_draft_kept_is_the_best_held_out_check(tiny_target, tmp_path, monkey
     def scripted(draft, samples, pad, batch):
         return next(scores), 0.0
 
-    monkeypatch.setattr(draft_model, "_staged_acceptance", scripted)
+    monkeypatch.setattr(draft_objective, "staged_acceptance", scripted)
     out = tmp_path / "draft"
     report = train_draft_model(tiny_target, out, **{**SMALL, "eval_every": 10})
     assert report.best_step == 20
@@ -195,7 +195,7 @@ def test_candidate_logits_keep_targets_and_estimate_the_normaliser():
     h = torch.randn(6, hidden, generator=gen)
     top_ids = torch.randint(vocab, (6, 4), generator=gen)
     token = top_ids[:, 0]
-    logits, top_idx, token_idx = draft_model._candidate_logits(h, weight, top_ids, token, 1000, gen)
+    logits, top_idx, token_idx = draft_objective.candidate_logits(h, weight, top_ids, token, 1000, gen)
     assert logits.shape[0] == 6 and logits.shape[1] < vocab
     full = h @ weight.T
     # Re-indexed ids point at the same logits as in the full vocabulary.
@@ -204,7 +204,7 @@ def test_candidate_logits_keep_targets_and_estimate_the_normaliser():
     # The corrected normaliser is close to the full one.
     assert torch.allclose(logits.logsumexp(-1), full.logsumexp(-1), atol=0.1)
     # Zero negatives means the full vocabulary.
-    logits, top_idx, _ = draft_model._candidate_logits(h, weight, top_ids, token, 0, gen)
+    logits, top_idx, _ = draft_objective.candidate_logits(h, weight, top_ids, token, 0, gen)
     assert logits.shape == (6, vocab) and torch.equal(top_idx, top_ids)
 
 

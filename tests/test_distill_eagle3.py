@@ -19,8 +19,7 @@ from hfspec import SpeculativeGenerator
 from hfspec.commands import cli
 from hfspec.heads.checkpoint import load_head
 from hfspec.models.adapter import hidden_features
-from hfspec.training import eagle3 as de
-from hfspec.training import eagle3_data, optim
+from hfspec.training import eagle3_card, eagle3_data, eagle3_ttt, optim
 from hfspec.training.eagle3 import Eagle3Report, parse_layer_ids, train_eagle3_head
 from hfspec.training.eagle3_data import draft_vocabulary
 
@@ -110,7 +109,7 @@ def test_fast_unroll_equals_the_heads_training_time_test(target8, trained, steps
     vocab = torch.arange(3, 103)
     t2d = torch.full((160,), -1)
     t2d[vocab] = torch.arange(100)
-    head = de._build_head(target, vocab, LAYERS, seed=0)
+    head = eagle3_ttt.build_head(target, vocab, LAYERS, seed=0)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
@@ -118,7 +117,7 @@ def test_fast_unroll_equals_the_heads_training_time_test(target8, trained, steps
     width = batch.valid.shape[1]
     fused = head.fuse(batch.features)
     embeds = eagle3_data.embed_tokens(batch, target.get_input_embeddings().weight.detach(), width, steps)
-    fast = de._unroll(head, fused, embeds, batch.valid, batch.active, steps)
+    fast = eagle3_ttt.unrolled(head, fused, embeds, batch.valid, batch.active, steps)
     reference = head.unroll(fused, embeds, steps, batch.valid)  # per step (B, T, Vd)
     rows, cols = batch.active.nonzero(as_tuple=True)
     for k in range(steps):
@@ -175,7 +174,7 @@ def test_report_and_written_head(target8, trained):
 
 def test_model_card_says_how_the_head_was_made_and_what_it_measures(trained):
     out, report = trained
-    card = de.model_card(out, title="Tiny head", note="Trained for a tiny target.")
+    card = eagle3_card.model_card(out, title="Tiny head", note="Trained for a tiny target.")
     assert card.startswith("# Tiny head\n") and "Trained for a tiny target." in card
     for value in (
         f"{report.train_tokens:,} tokens",
@@ -194,7 +193,7 @@ def test_head_drives_exact_greedy_decoding_in_both_layouts(target8, trained, tmp
     target, tok = load_target(target8)
     # Writing the other layout reuses the finished training: nothing is retrained or staged again.
     monkeypatch.setattr(eagle3_data, "_shard_features", lambda *a, **k: pytest.fail("features were staged again"))
-    monkeypatch.setattr(de, "_loss", lambda *a, **k: pytest.fail("the head was trained again"))
+    monkeypatch.setattr(eagle3_ttt, "loss", lambda *a, **k: pytest.fail("the head was trained again"))
     eagle = train_eagle3_head(target8, out, **SMALL, format="eagle")
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["LlamaForCausalLM"] and conf["draft_vocab_size"] == 100
@@ -216,14 +215,14 @@ def test_head_drives_exact_greedy_decoding_in_both_layouts(target8, trained, tmp
 
 def test_resume_continues_training_without_restaging(target8, tmp_path, monkeypatch):
     out = tmp_path / "head"
-    real_loss = de._loss
-    monkeypatch.setattr(de, "_loss", tiny.fail_after(real_loss, 25))
+    real_loss = eagle3_ttt.loss
+    monkeypatch.setattr(eagle3_ttt, "loss", tiny.fail_after(real_loss, 25))
     with pytest.raises(KeyboardInterrupt):
         train_eagle3_head(target8, out, **SMALL)
     first = torch.load(out / "train" / "checkpoint.pt", weights_only=False)
     assert first["step"] == 24  # the last check before the interruption
 
-    monkeypatch.setattr(de, "_loss", real_loss)
+    monkeypatch.setattr(eagle3_ttt, "loss", real_loss)
     monkeypatch.setattr(eagle3_data, "_shard_features", lambda *a, **k: pytest.fail("features were staged again"))
     starts = []
     real_lr = optim.learning_rate

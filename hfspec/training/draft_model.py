@@ -7,7 +7,8 @@ target's input embeddings, trained on text the target itself generates
 log-probabilities are staged to disk, so training minimises the cross-entropy to the
 target distribution ``p`` (a KL divergence up to a constant) plus the cross-entropy on
 the target's sampled token; ``q`` is the draft distribution, as in Leviathan et al.
-(arXiv 2211.17192) and Chen et al. (arXiv 2302.01318).
+(arXiv 2211.17192) and Chen et al. (arXiv 2302.01318). The loss, and α measured on held-out text, are
+:mod:`hfspec.training.draft_objective`'s.
 
 The evaluation reports what speculative decoding cares about on held-out
 target text: the acceptance rate α = E[Σ_x min(p(x), q(x))] at temperature 1,
@@ -27,7 +28,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -38,6 +38,7 @@ from transformers import (
 )
 
 from hfspec.errors import HfspecError
+from hfspec.training import draft_objective as objective
 from hfspec.training.optim import fit
 from hfspec.training.report import decode_step_seconds, final_loss, forecast_speedup, write_report
 from hfspec.training.settings import check_settings, default_eval_every, require_positive
@@ -147,76 +148,6 @@ class _Settings:
             raise HfspecError(f"save_dtype must be float32, float16 or bfloat16, got {self.save_dtype!r}")
 
 
-# --------------------------------------------------------------------------- loss
-
-
-def _distill_loss(
-    logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor, token: torch.Tensor, hard_weight: float
-) -> torch.Tensor:
-    """Soft cross-entropy to the target's top-k plus hard cross-entropy on its token.
-
-    logits (N, V) from the draft; top_ids/top_logp (N, k) from the target; token (N,).
-    """
-    logq = F.log_softmax(logits.float(), dim=-1)  # (N, V)
-    p = top_logp.float().exp()  # (N, k), mass outside the top-k is dropped
-    soft = -(p * logq.gather(-1, top_ids)).sum(-1)  # (N,)
-    hard = -logq.gather(-1, token[:, None]).squeeze(-1)  # (N,)
-    return (soft + hard_weight * hard).mean()
-
-
-def _candidate_logits(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    top_ids: torch.Tensor,
-    token: torch.Tensor,
-    negatives: int,
-    generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits over a sampled subset of the vocabulary: the output layer dominates training cost.
-
-    The subset is every id in the target's top-k or sampled, plus ``negatives`` uniform
-    draws from the rest, whose logits get log((V − |U|)/|R|) added so that the softmax
-    normaliser stays an unbiased estimate of the full one (sampled softmax).
-    Returns (logits (N, C), top_ids and token re-indexed into the subset).
-    """
-    vocab = weight.shape[0]
-    must = torch.unique(torch.cat([top_ids.flatten(), token]))  # (U,), sorted
-    if negatives <= 0 or negatives >= vocab - must.numel():
-        return hidden @ weight.T, top_ids, token
-    draws = torch.randint(vocab, (negatives,), generator=generator)
-    rest = torch.unique(draws[~torch.isin(draws, must)])  # (R,)
-    cand = torch.cat([must, rest])
-    logits = hidden @ weight[cand].T  # (N, U + R)
-    correction = torch.zeros(cand.numel())
-    correction[must.numel() :] = math.log((vocab - must.numel()) / max(1, rest.numel()))
-    # Every top-k id and token is in ``must``, which leads ``cand``, so its position is its index.
-    top_idx = torch.searchsorted(must, top_ids.contiguous())
-    return logits + correction, top_idx, torch.searchsorted(must, token.contiguous())
-
-
-def _collate(samples: list[dict], pad: int) -> dict:
-    """Right-pad prompt+generation rows; ``pos`` marks positions that predict a generated token."""
-    rows = [torch.cat([x["prompt"], x["gen"]]).long() for x in samples]
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    rows_idx, cols_idx = [], []
-    for i, (r, x) in enumerate(zip(rows, samples)):
-        input_ids[i, : len(r)] = r
-        attention_mask[i, : len(r)] = 1
-        start = len(x["prompt"]) - 1  # the last prompt position predicts the first generated token
-        rows_idx.append(torch.full((len(x["gen"]),), i))
-        cols_idx.append(torch.arange(start, start + len(x["gen"])))
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "pos": (torch.cat(rows_idx), torch.cat(cols_idx)),
-        "token": torch.cat([x["gen"] for x in samples]).long(),
-        "top_ids": torch.cat([x["top_ids"] for x in samples]).long(),
-        "top_logp": torch.cat([x["top_logp"] for x in samples]),
-    }
-
-
 # --------------------------------------------------------------------------- model
 
 
@@ -289,66 +220,25 @@ def _train(
     progress: bool,
 ) -> tuple[list[float], float, list[tuple[int, float, float]], int]:
     """:func:`hfspec.training.optim.fit` the draft; the periodic check is α on ``heldout`` against the staged
-    target top-k (:func:`_staged_acceptance`, no target forward). Returns (losses, seconds, checks as (step, α,
-    agreement), best step).
+    target top-k (:func:`hfspec.training.draft_objective.staged_acceptance`, no target forward). Returns (losses,
+    seconds, checks as (step, α, agreement), best step).
     """
     sampler = torch.Generator().manual_seed(s.seed)
 
     def loss_of(idx: list[int]) -> torch.Tensor:
-        batch = _collate([samples[i] for i in idx], pad)
+        batch = objective.collate([samples[i] for i in idx], pad)
         hidden = draft.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
         # Project only the positions that predict generated tokens, onto a sampled vocabulary.
-        logits, top_ids, token = _candidate_logits(
+        logits, top_ids, token = objective.candidate_logits(
             hidden[batch["pos"]], draft.lm_head.weight, batch["top_ids"], batch["token"], s.negatives, sampler
         )
-        return _distill_loss(logits, top_ids, batch["top_logp"], token, s.hard_weight)
+        return objective.distill_loss(logits, top_ids, batch["top_logp"], token, s.hard_weight)
 
     def check() -> tuple[float, tuple]:
-        alpha, agreement = _staged_acceptance(draft, heldout, pad, s.batch)
+        alpha, agreement = objective.staged_acceptance(draft, heldout, pad, s.batch)
         return alpha, (round(alpha, 4), round(agreement, 4))
 
     return fit(draft, loss_of, check, len(samples), train_dir, s, generator=sampler, progress=progress)
-
-
-# --------------------------------------------------------------------------- evaluation
-
-
-@torch.inference_mode()
-def _acceptance(
-    target: PreTrainedModel, draft: PreTrainedModel, samples: list[dict], pad: int, batch: int
-) -> tuple[float, float, int]:
-    """(α at T=1, greedy agreement, positions) over the generated positions of ``samples``."""
-    overlap, agree, count = 0.0, 0, 0
-    for i in range(0, len(samples), batch):
-        b = _collate(samples[i : i + batch], pad)
-        p = target(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[b["pos"]].float()  # (N, V)
-        q = draft(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[b["pos"]].float()
-        overlap += float(torch.minimum(p.softmax(-1), q.softmax(-1)).sum())
-        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
-        count += p.shape[0]
-    return overlap / max(1, count), agree / max(1, count), count
-
-
-@torch.inference_mode()
-def _staged_acceptance(draft: PreTrainedModel, samples: list[dict], pad: int, batch: int) -> tuple[float, float]:
-    """(α, greedy agreement) of ``draft`` against the target's staged top-k: no target forward.
-
-    α sums min(p, q) over the target's top-k ids only, so it falls short of the full
-    α by at most the target's mass outside its top-k; the argmax is the first top-k id.
-    """
-    was_training = draft.training
-    draft.eval()
-    overlap, agree, count = 0.0, 0, 0
-    for i in range(0, len(samples), batch):
-        b = _collate(samples[i : i + batch], pad)
-        logq = draft(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[b["pos"]].float()
-        logq = logq.log_softmax(-1)  # (N, V)
-        p = b["top_logp"].float().exp()  # (N, k)
-        overlap += float(torch.minimum(p, logq.gather(-1, b["top_ids"]).exp()).sum())
-        agree += int((logq.argmax(-1) == b["top_ids"][:, 0]).sum())
-        count += logq.shape[0]
-    draft.train(was_training)
-    return overlap / max(1, count), agree / max(1, count)
 
 
 # --------------------------------------------------------------------------- driver
@@ -485,7 +375,7 @@ def _measure(
     ``fitted`` is what :func:`_train` returned; ``run`` the report fields known before training.
     """
     losses, train_seconds, checks, best_step = fitted
-    alpha, agreement, n_pos = _acceptance(target, draft, eval_samples, pad, s.batch)
+    alpha, agreement, n_pos = objective.acceptance(target, draft, eval_samples, pad, s.batch)
     t_target, t_draft = decode_step_seconds(target, draft, steps=64)
     forecast = forecast_speedup(alpha, agreement, t_target, t_draft)
     return DraftModelReport(

@@ -30,48 +30,28 @@ p is the target's distribution and q the draft's, as in Leviathan et al.
 
 from __future__ import annotations
 
-import json
-import math
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import save_head
-from hfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids
+from hfspec.heads.eagle3 import Eagle3Head, default_layer_ids
 from hfspec.models.adapter import decoder_layers, model_vocab_size
-from hfspec.training.eagle3_data import (
-    Batch,
-    Labels,
-    StagedSplit,
-    draft_vocabulary,
-    embed_tokens,
-    make_batch,
-    stage_features,
-)
+from hfspec.training import eagle3_eval as evaluation
+from hfspec.training import eagle3_ttt as ttt
+from hfspec.training.eagle3_data import StagedSplit, draft_vocabulary, make_batch, stage_features
 from hfspec.training.optim import Optim, fit
-from hfspec.training.report import (
-    REPORT,
-    SpeedupForecast,
-    decode_step_seconds,
-    final_loss,
-    forecast_speedup,
-    hours,
-    write_report,
-)
+from hfspec.training.report import SpeedupForecast, final_loss, forecast_speedup, write_report
 from hfspec.training.settings import check_settings, default_eval_every, require_positive
 from hfspec.training.staging import stage_text
-from hfspec.training.target import OFFLINE, load_target, resolve_target, rope_theta
+from hfspec.training.target import OFFLINE, load_target, resolve_target
 
-__all__ = ["Eagle3Report", "model_card", "parse_layer_ids", "train_eagle3_head"]
+__all__ = ["Eagle3Report", "parse_layer_ids", "train_eagle3_head"]
 
 FORMATS = ("speculators", "eagle")
-DEPTH_WEIGHT = 0.8  # EAGLE-3's loss weight of unrolled step k is 0.8^k
 OFFLINE_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the word "offline" stands for
 _FIXED = ("draft_vocab", "unroll", "layer_ids", "batch", "steps", "lr", "seed")  # a checkpoint depends on these
 
@@ -152,221 +132,6 @@ def parse_layer_ids(text: str) -> tuple[int, ...]:
     return ids
 
 
-# --------------------------------------------------------------------------- the training-time test
-
-
-def _unroll(
-    head: Eagle3Head, fused: torch.Tensor, embeds: torch.Tensor, valid: torch.Tensor, active: torch.Tensor, steps: int
-) -> list[torch.Tensor]:
-    """:meth:`Eagle3Head.unroll` computed only where it is needed; per step the pre-norm outputs (A, H) of the
-    ``active`` positions, in row-major order.
-
-    Step 0 needs keys and values at every real position, but the rest of the layer
-    only at active ones. A later step's query sees the step-0 keys causally and its
-    own column's keys of steps 1..k, so those are scored as one dot product per
-    column instead of k more (T, T) blocks.
-    """
-    batch, length, _ = fused.shape
-    attn = head.layer.self_attn
-    repeat, scale = attn.heads // attn.kv_heads, attn.head_dim**-0.5
-    rows, cols = active.nonzero(as_tuple=True)
-    positions = torch.arange(length)[None].expand(batch, length)
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    allowed = ((causal[None] & valid[:, None, :]) | torch.eye(length, dtype=torch.bool))[:, None]  # (B, 1, T, T)
-    hidden, own_keys, own_values, outs = fused, [], [], []
-    for k in range(steps):
-        cos, sin = head.rope(hidden, positions + k)
-        q, key, value = head.layer.qkv(embeds[:, k : k + length], hidden, cos, sin)
-        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)  # (B, heads, T, D)
-        if k == 0:
-            keys, values = key, value
-        else:
-            own_keys.append(key)
-            own_values.append(value)
-        scores = (q @ keys.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))  # (B, heads, T, T)
-        own = [(q * key_i).sum(-1, keepdim=True) * scale for key_i in own_keys]  # each (B, heads, T, 1)
-        probs = torch.cat([scores, *own], dim=-1).softmax(-1)
-        mixed = probs[..., :length] @ values
-        for i, value_i in enumerate(own_values):
-            mixed = mixed + probs[..., length + i : length + i + 1] * value_i
-        h = hidden[rows, cols] + attn.o_proj(mixed[rows, :, cols].flatten(1))  # (A, H)
-        h = h + head.layer.mlp(head.layer.post_attention_layernorm(h))
-        outs.append(h)
-        if k + 1 < steps:  # the next step reads this step's outputs; inactive columns stay zero
-            hidden = fused.new_zeros(fused.shape).index_put((rows, cols), h)
-    return outs
-
-
-def _forward(head: Eagle3Head, batch: Batch, embedding: torch.Tensor, unroll: int) -> list[torch.Tensor]:
-    """Per unrolled step, the draft-vocabulary logits (N_k, Vd) at its labelled positions."""
-    width = batch.valid.shape[1]
-    outs = _unroll(
-        head,
-        head.fuse(batch.features),
-        embed_tokens(batch, embedding, width, unroll),
-        batch.valid,
-        batch.active,
-        unroll,
-    )
-    return [head.logits(out[labels.index]) for out, labels in zip(outs, batch.labels)]
-
-
-def _loss(logits: list[torch.Tensor], labels: tuple[Labels, ...]) -> torch.Tensor:
-    """Σ_k 0.8^k · cross-entropy to the target's top-k restricted to the draft vocabulary, renormalised."""
-    total = logits[0].new_zeros(())
-    for k, (lk, lab) in enumerate(zip(logits, labels)):
-        mass = lab.p.sum(-1)
-        keep = mass > 0  # a position whose top-k lies wholly outside the draft vocabulary teaches nothing
-        if not bool(keep.any()):
-            continue
-        p = lab.p[keep] / mass[keep, None]  # (N, m)
-        logq = F.log_softmax(lk[keep].float(), dim=-1)
-        total = total + DEPTH_WEIGHT**k * -(p * logq.gather(-1, lab.draft_ids[keep].clamp(min=0))).sum(-1).mean()
-    return total
-
-
-# --------------------------------------------------------------------------- evaluation
-
-
-@dataclass(frozen=True)
-class _Heldout:
-    """How well the head drafts on held-out text, per unrolled step and over the draft vocabulary."""
-
-    alpha: tuple[float, ...]  # per unrolled step
-    agreement: tuple[float, ...]
-    coverage: float  # mean p on the draft vocabulary
-    argmax_coverage: float
-    positions: int  # scored at step 0
-
-    @property
-    def accepted(self) -> float:
-        """Σ_k Π_{i<=k} α_i: expected accepted drafts per step of γ = len(alpha), chaining the per-step α."""
-        return sum(math.prod(self.alpha[: k + 1]) for k in range(len(self.alpha)))
-
-
-@torch.inference_mode()
-def _evaluate(
-    head: Eagle3Head,
-    split: StagedSplit,
-    t2d: torch.Tensor,
-    embedding: torch.Tensor,
-    unroll: int,
-    batch: int,
-    target: PreTrainedModel | None = None,
-    pad: int = 0,
-) -> _Heldout:
-    """Held-out α and agreement per step: p from the staged top-k (a lower bound on α, missing the mass outside
-    the top-k), or with ``target`` exactly, from a target forward over each sample."""
-    was_training = head.training
-    head.eval()
-    ids = head.target_ids()
-    overlap, agree, count = [0.0] * unroll, [0] * unroll, [0] * unroll
-    covered, argmax_in = 0.0, 0
-    for start in range(0, len(split), batch):
-        idx = list(range(start, min(len(split), start + batch)))
-        b = make_batch(split, idx, t2d, unroll)
-        p_full = _target_probs(target, [split.samples[i] for i in idx], pad) if target is not None else None
-        for k, (logits, lab) in enumerate(zip(_forward(head, b, embedding, unroll), b.labels)):
-            q = logits.float().softmax(-1)  # (N, Vd)
-            if p_full is None:
-                p, best = lab.p, lab.argmax
-                overlap[k] += float(torch.minimum(p, q.gather(-1, lab.draft_ids.clamp(min=0))).sum())
-            else:
-                p_rows = p_full[lab.gen_pos]  # (N, V)
-                p, best = p_rows[:, ids], p_rows.argmax(-1)
-                overlap[k] += float(torch.minimum(p, q).sum())  # q is 0 outside the draft vocabulary
-            agree[k] += int((ids[q.argmax(-1)] == best).sum())
-            count[k] += q.shape[0]
-            if k == 0:
-                covered += float(p.sum())
-                argmax_in += int((t2d[best] >= 0).sum())
-    head.train(was_training)
-    n = [max(1, c) for c in count]
-    return _Heldout(
-        tuple(o / c for o, c in zip(overlap, n)),
-        tuple(a / c for a, c in zip(agree, n)),
-        covered / n[0],
-        argmax_in / n[0],
-        count[0],
-    )
-
-
-def _target_probs(target: PreTrainedModel, samples: list[dict], pad: int) -> torch.Tensor:
-    """(Σ G, V) the target's T=1 distribution at each generated position of ``samples``, in order."""
-    seqs = [torch.cat([x["prompt"], x["gen"]]).long() for x in samples]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, s in enumerate(seqs):
-        ids[row, : len(s)] = s
-        mask[row, : len(s)] = 1
-    logits = target(input_ids=ids, attention_mask=mask).logits
-    # Position P + t - 1 predicts generated token t.
-    rows = [logits[r, len(x["prompt"]) - 1 : len(x["prompt"]) - 1 + len(x["gen"])] for r, x in enumerate(samples)]
-    return torch.cat(rows).float().softmax(-1)
-
-
-def _step_times(target: PreTrainedModel, head: Eagle3Head, context: list[int], rounds: int = 3) -> tuple[float, float]:
-    """Median seconds of one target decode step and one cached head step (as the drafter runs it, logits
-    included), taken in turns; both timings wait for the device before reading the clock."""
-    drafter = Eagle3Drafter(head, target)
-    device = drafter.device
-    t_target, t_head = [], []
-    for _ in range(rounds):  # in turns, so that both see the same background load
-        t_target.append(decode_step_seconds(target, context=len(context), steps=16, warmup=4)[0])
-        t_head.append(drafter.step_seconds(context, device, repeats=16))
-    return statistics.median(t_target), statistics.median(t_head)
-
-
-# --------------------------------------------------------------------------- model
-
-
-def _head_config(target: PreTrainedModel, draft_vocab: int, layer_ids: tuple[int, ...]) -> Eagle3Config:
-    """A head with the target's layer shape (EAGLE-3 uses the target's own decoder-layer config)."""
-    tc = target.config.get_text_config()
-    heads = int(tc.num_attention_heads)
-    hidden = int(tc.hidden_size)
-    default = default_layer_ids(len(decoder_layers(target) or ()) or int(tc.num_hidden_layers))
-    return Eagle3Config(
-        hidden_size=hidden,
-        intermediate_size=int(getattr(tc, "intermediate_size", None) or 4 * hidden),
-        num_attention_heads=heads,
-        num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
-        vocab_size=model_vocab_size(target),
-        draft_vocab_size=draft_vocab,
-        head_dim=getattr(tc, "head_dim", None) or hidden // heads,
-        rms_norm_eps=float(getattr(tc, "rms_norm_eps", None) or 1e-6),
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta(tc)},
-        max_position_embeddings=int(getattr(tc, "max_position_embeddings", None) or 2048),
-        layer_ids=None if tuple(layer_ids) == default else tuple(layer_ids),  # default: engines need no ids
-    )
-
-
-def _build_head(target: PreTrainedModel, vocab_ids: torch.Tensor, layer_ids: tuple[int, ...], seed: int) -> Eagle3Head:
-    """A fresh head that starts out reading like the target's last layers.
-
-    ``fc`` passes the highest feature through (the target's residual stream entering
-    layer N-3), and ``norm`` and ``lm_head`` are the target's final norm and its output
-    rows of the draft vocabulary, so the head's output starts in the space the target
-    predicts from. On SmolLM2-135M this beat a random fc and a random lm_head.
-    """
-    torch.manual_seed(seed)
-    head = Eagle3Head(_head_config(target, len(vocab_ids), layer_ids))
-    hidden = head.config.hidden_size
-    with torch.no_grad():
-        head.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
-        if head.config.feature_width == len(layer_ids) * hidden:
-            head.fc.weight.zero_()
-            head.fc.weight[:, -hidden:] = torch.eye(hidden)
-        out = target.get_output_embeddings().weight
-        if out.shape[1] == head.config.hidden_size:
-            head.lm_head.weight.copy_(out[vocab_ids].float())
-        norm = getattr(target.get_decoder(), "norm", None)
-        if isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.shape == head.norm.weight.shape:
-            head.norm.weight.copy_(norm.weight.float())
-    return head
-
-
 # --------------------------------------------------------------------------- training
 
 
@@ -387,10 +152,10 @@ def _train(
 
     def loss_of(idx: list[int]) -> torch.Tensor:
         batch = make_batch(train, idx, t2d, s.unroll)
-        return _loss(_forward(head, batch, embedding, s.unroll), batch.labels)
+        return ttt.loss(ttt.forward(head, batch, embedding, s.unroll), batch.labels)
 
     def check() -> tuple[float, tuple]:
-        r = _evaluate(head, heldout, t2d, embedding, s.unroll, 2 * s.batch)
+        r = evaluation.evaluate(head, heldout, t2d, embedding, s.unroll, 2 * s.batch)
         return r.accepted, (round(r.alpha[0], 4), round(r.agreement[0], 4), round(r.accepted, 4))
 
     # EAGLE-3's AdamW betas and clip; no weight decay on a head this small.
@@ -512,13 +277,13 @@ def train_eagle3_head(
     embedding = target_model.get_input_embeddings().weight.detach().float()
 
     # 3. Train with the training-time test.
-    head = _build_head(target_model, vocab_ids, layer_ids, seed)
+    head = ttt.build_head(target_model, vocab_ids, layer_ids, seed)
     fitted = _train(head, train, heldout, t2d, embedding, out / "train", s, progress)
 
     # 4. Measure it: α and agreement per step against the target's exact p, and the cost ratio.
-    final = _evaluate(head, heldout, t2d, embedding, unroll, 4, target=target_model, pad=pad)
+    final = evaluation.evaluate(head, heldout, t2d, embedding, unroll, 4, target=target_model, pad=pad)
     context = torch.cat([heldout.samples[0]["prompt"], heldout.samples[0]["gen"]]).tolist()[:64]
-    t_target, t_head = _step_times(target_model, head, context)
+    t_target, t_head = evaluation.step_times(target_model, head, context)
     forecast = forecast_speedup(final.alpha[0], final.agreement[0], t_target, t_head)
 
     # 5. Write the head in bfloat16; engines read the target's embedding, so it is not stored.
@@ -584,7 +349,7 @@ def _draft_vocabulary_ids(vocab_file: Path, train: StagedSplit, size: int, vocab
 def _report(
     head: Eagle3Head,
     s: _Settings,
-    final: _Heldout,
+    final: evaluation.Heldout,
     forecast: SpeedupForecast,
     fitted: tuple[list[float], float, list[tuple], int],
     step_seconds: tuple[float, float],
@@ -618,81 +383,3 @@ def _report(
         **asdict(forecast),
         heldout=tuple(tuple(check) for check in checks),
     )
-
-
-# --------------------------------------------------------------------------- model card
-
-
-def model_card(out_dir: str | Path, title: str = "EAGLE-3 head", note: str = "") -> str:
-    """A README (markdown) for the head in ``out_dir``: how it was trained and what it measures, from the
-    run's own ``distill_report.json`` and ``train/settings.json``; ``note`` is a paragraph added after the
-    first one (say, what exactly the target was)."""
-    out = Path(out_dir)
-    r = json.loads((out / REPORT).read_text())
-    s = json.loads((out / "train" / "settings.json").read_text())
-    conf = json.loads((out / "config.json").read_text())
-    verifier = conf.get("speculators_config", {}).get("verifier", {}).get("name_or_path", r["target"])
-    depth = " | ".join(str(k + 1) for k in range(len(r["alpha_by_depth"])))
-    rule = "|".join(["---"] * (len(r["alpha_by_depth"]) + 1))
-    return f"""# {title}
-
-An EAGLE-3 draft head (Li et al., arXiv 2503.01840) for `{verifier}`: one decoder layer that drafts from the
-target's own hidden states entering layers {", ".join(map(str, r["layer_ids"]))}, over a draft vocabulary of
-{r["draft_vocab"]:,} tokens. {r["head_params"]:,} parameters, {r["head_bytes"] / 1e6:.1f} MB in bfloat16
-({r["format"]} layout, without the target's embedding: engines use the target's).
-{chr(10) + note.strip() + chr(10) if note.strip() else ""}
-```python
-from hfspec import SpeculativeGenerator
-
-gen = SpeculativeGenerator.from_pretrained(TARGET, "path/to/this/directory")  # TARGET: the target's directory
-```
-
-```python
-from vllm import LLM
-
-llm = LLM(model="{verifier}",
-          speculative_config={{"method": "eagle3", "model": "path/to/this/directory", "num_speculative_tokens": {r["gamma_greedy"]}}})
-```
-
-## How it was made
-
-`hfspec distill --kind eagle3` (`hfspec/training/eagle3.py`, recipe in `scripts/train_eagle3_head.sh`):
-
-- **text**: {r["train_tokens"]:,} tokens the target generated itself (continuations of up to {s["seq_len"]} tokens
-  of the chat prompts in `hfspec/prompts/distill.txt`: greedy for a third of the first pass over the prompts,
-  sampled at T in [0.7, 1] otherwise), with the target's top-{s["top_k"]} log-probabilities at every generated
-  position; held out: {r["eval_tokens"]:,} positions of text from prompts not used in training;
-- **features**: one teacher-forced target forward per sample, hidden states stored in bfloat16;
-- **draft vocabulary**: the {r["draft_vocab"]:,} most frequent generated tokens of the training text (prompt tokens
-  not counted), sorted by id;
-- **training-time test**: {s["unroll"]} unrolled draft steps, each reading the head's own output of the step
-  before; loss Σ_k 0.8^k · cross-entropy to the target's top-{s["top_k"]} distribution restricted to the draft
-  vocabulary and renormalised, on generated positions only; AdamW (betas 0.9, 0.95), peak learning rate
-  {s["lr"]:g} with warm-up and cosine decay to 10%, gradient clipping at 0.5, {r["steps"]:,} steps of
-  {s["batch"]} sequences; the weights of the best held-out check (every {s["eval_every"]} steps, best at step
-  {r["best_step"]:,}) are kept. fc starts by passing the highest feature through; norm and lm_head start as the
-  target's final norm and output rows;
-- **time**: text generation {hours(r["gen_seconds"])} and features {hours(r["feature_seconds"])} (summed over
-  the processes that staged them), training {hours(r["train_seconds"])} ({r["step_seconds"]:.2f} s per step,
-  held-out checks included).
-
-## What it measures
-
-On the held-out text, teacher-forced (the drafts before step k are the target's own tokens), against the
-target's exact distribution p at T=1; q is the head's, zero outside the draft vocabulary:
-
-| draft step | {depth} |
-|{rule}|
-| α = E[Σ min(p, q)] | {" | ".join(f"{a:.3f}" for a in r["alpha_by_depth"])} |
-| greedy agreement (argmax q = argmax p) | {" | ".join(f"{a:.3f}" for a in r["agreement_by_depth"])} |
-
-| | |
-|---|---|
-| target mass on the draft vocabulary | {r["vocab_coverage"]:.3f} (target argmax inside it: {r["argmax_coverage"]:.3f}) |
-| expected accepted drafts per step at γ = {r["unroll"]}, T=1 | {r["accepted_length"]:.2f} |
-| decode step, batch 1: target / head | {r["target_step_ms"]:.1f} ms / {r["head_step_ms"]:.2f} ms |
-| cost ratio c | {r["cost_ratio"]:.3f} |
-| predicted speedup (Leviathan et al.), greedy / T=1 | {r["speedup_greedy"]:.2f}× at γ={r["gamma_greedy"]} / {r["speedup_sampled"]:.2f}× at γ={r["gamma_sampled"]} |
-
-Decoding with it stays exactly lossless whatever these numbers are: the head only changes speed.
-"""
