@@ -72,7 +72,7 @@ def random_dist(g: torch.Generator, *shape: int, peak: float = 3.0) -> torch.Ten
     return torch.softmax(torch.randn(*shape, V, generator=g) * peak, dim=-1)
 
 
-def two_level_samples(residual_update: bool, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def two_level_samples(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Counts of the first two tokens when a two-level tree (children drawn without replacement by
     ``tree.expand``) is verified against hand-made p, and the exact joint p1(x) p2(y | x)."""
     g = torch.Generator().manual_seed(seed)
@@ -87,7 +87,7 @@ def two_level_samples(residual_update: bool, rows: int, seed: int) -> tuple[np.n
     q = torch.cat([q1.expand(rows, 3, V), q2[t1].gather(1, f2[:, :, None].expand(-1, -1, V))], 1)
     p = torch.cat([p1.expand(rows, 1, V), p2[t1], p2[t2]], 1)  # after a depth-2 node: any p (a bonus, unused)
     hand = TreeProposal(tokens, parents, q, torch.cat([r1, r2], 1))
-    path, accepted, nxt = tree.verify_tree(hand, p, g, residual_update=residual_update)
+    path, accepted, nxt = tree.verify_tree(hand, p, g)
     counts = np.zeros((V, V))
     for b in range(rows):
         drawn = tokens[b, path[b, : accepted[b]]].tolist() + [int(nxt[b])]
@@ -97,10 +97,11 @@ def two_level_samples(residual_update: bool, rows: int, seed: int) -> tuple[np.n
     return counts, (p1[:, None] * p2).numpy()
 
 
-def test_multi_draft_acceptance_is_exact_and_the_negative_control_fails():
-    counts, exact = two_level_samples(True, 6000, seed=1)
+def test_multi_draft_acceptance_is_exact_and_the_negative_control_fails(monkeypatch):
+    counts, exact = two_level_samples(6000, seed=1)
     assert chi_square_pvalue(counts, exact) > ALPHA
-    counts, exact = two_level_samples(False, 6000, seed=1)
+    monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the wrong rule: a rejected child leaves p as it was
+    counts, exact = two_level_samples(6000, seed=1)
     assert chi_square_pvalue(counts, exact) < ALPHA
 
 

@@ -51,15 +51,14 @@ def verify_tree_greedy(
 
 
 def verify_tree(
-    tree: TreeProposal, p: torch.Tensor, generator: torch.Generator | None = None, residual_update: bool = True
+    tree: TreeProposal, p: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multi-draft speculative sampling over a tree (module docstring): exact at any temperature.
 
     ``p`` (B, N+1, V): the target's distribution after the root (column 0) and after each node
     (column 1 + node). Returns ``(path, accepted, next_token)`` as ``verify_tree_greedy``: the
     next token comes from the last residual when every child of the last accepted node was
-    rejected, or is the bonus token from p after an accepted leaf. ``residual_update=False``
-    drops the residual step (a deliberately wrong rule, for tests that must detect it).
+    rejected, or is the bonus token from p after an accepted leaf.
     """
     batch, n = tree.tokens.shape
     vocab = p.shape[-1]
@@ -76,9 +75,7 @@ def verify_tree(
     path = torch.full((batch, max(tree.gamma, 1)), -1, dtype=torch.long, device=tree.tokens.device)
     next_token = torch.empty(batch, dtype=torch.long, device=tree.tokens.device)
     for b in range(batch):  # a walk per row; at most a few dozen small steps
-        nodes, token = _walk(
-            tree.parents[b].tolist(), tree.tokens[b], q[b], p[b], real[b].tolist(), generator, residual_update
-        )
+        nodes, token = _walk(tree.parents[b].tolist(), tree.tokens[b], q[b], p[b], real[b].tolist(), generator)
         path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
         next_token[b] = token
     return path, (path >= 0).sum(dim=1), next_token
@@ -91,7 +88,6 @@ def _walk(
     p: torch.Tensor,
     real: list[bool],
     generator: torch.Generator | None,
-    residual_update: bool,
 ) -> tuple[list[int], torch.Tensor]:
     """One row of ``verify_tree``: the accepted nodes and the next token."""
     children: dict[int, list[int]] = {}
@@ -112,8 +108,7 @@ def _walk(
             if bool(sampling.accept(q_child[x], target[x], generator)):  # P = min(1, p'(x) / q'(x))
                 accepted = child
                 break
-            if residual_update:
-                target = sampling.residual(target, q_child)
+            target = sampling.residual(target, q_child)
             tried[x] = True
         if accepted is None:  # every child rejected (or a leaf reached): the residual, or the bonus from p
             return path, sampling.sample(target[None], generator)[0]
