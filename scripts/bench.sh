@@ -14,7 +14,7 @@ out="${BENCH_OUT:-runs/bench}"
 part="${1:-all}"
 [ $# -gt 0 ] && shift
 mkdir -p "$out"
-eagle="hfspec/drafts/smollm2-135m-instruct-eagle3"
+eagle="hfspec/data/drafts/smollm2-135m-instruct-eagle3"
 common=(--target offline --draft shipped --threads 2 --warmup 1 --batch-size 0)
 
 run() {  # run NAME ARGS...: one bench run, its table in $out/NAME.txt and its results in $out/NAME.json
@@ -45,7 +45,7 @@ fi
 # 2. Drafting by lookup on input-grounded prompts (summaries, rewrites, code edits, answers from a passage):
 #    n-gram and the hybrid against transformers' prompt lookup, greedy.
 if [[ $part == all || $part == grounded ]]; then
-    run grounded --prompts-file hfspec/prompts/grounded.jsonl --num-prompts 16 --max-new-tokens 64 --modes greedy \
+    run grounded --prompts-file hfspec/data/prompts/grounded.jsonl --num-prompts 16 --max-new-tokens 64 --modes greedy \
         --gamma 3 --gammas 3 --drafters ngram,hybrid --skip assisted,hfspec,hfspec-heuristic,hfspec-cost "$@"
 fi
 # 3. The same drafters on the open-ended prompts, where lookup finds little: gamma="auto" must fall back.
@@ -55,6 +55,6 @@ if [[ $part == all || $part == open ]]; then
 fi
 # 4. Half open-ended, half grounded: the hybrid against each of its parts.
 if [[ $part == all || $part == mixed ]]; then
-    run mixed --prompts-file hfspec/prompts/mixed.jsonl --num-prompts 16 --max-new-tokens 48 --modes greedy \
+    run mixed --prompts-file hfspec/data/prompts/mixed.jsonl --num-prompts 16 --max-new-tokens 48 --modes greedy \
         --gamma 3 --gammas 3 --drafters ngram,hybrid --skip assisted,hfspec,hfspec-heuristic,hfspec-cost "$@"
 fi

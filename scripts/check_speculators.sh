@@ -15,7 +15,7 @@ vLLM and SGLang serve:
      embedding the head's or the verifier's, and its draft logits on one input equal hfspec's. speculators
      0.9.0 leaves an embedding the checkpoint lacks uninitialised (reported as
      speculators_left_embed_tokens_uninitialised, then replaced by the verifier's as the library intends);
-  2. the shipped head (hfspec/drafts/smollm2-135m-instruct-eagle3) loads the same way, with the offline
+  2. the shipped head (hfspec/data/drafts/smollm2-135m-instruct-eagle3) loads the same way, with the offline
      SmolLM2-135M-Instruct target as its verifier;
   3. a small random head that speculators builds (Eagle3DraftModel.from_training_args, the constructor of its
      training CLI) and saves loads in hfspec: its draft logits equal speculators' own on one input, and

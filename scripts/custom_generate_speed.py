@@ -2,7 +2,7 @@
 
 The target is SmolLM2-135M-Instruct (``hfspec.models.assets.offline_target_path``), the draft the model shipped with hfspec
 (``hfspec.models.assets.shipped_draft_path``), both loaded by transformers in float32 and used as they are. For the first
---prompts chat prompts of hfspec/prompts/bench.jsonl, greedy, --new-tokens each, every round times in turn (the
+--prompts chat prompts of hfspec/data/prompts/bench.jsonl, greedy, --new-tokens each, every round times in turn (the
 order rotating from round to round):
 
 - ``plain``: ``model.generate(ids)``, one prompt at a time;
@@ -40,7 +40,7 @@ import hfspec  # noqa: E402
 from hfspec import fast  # noqa: E402
 from hfspec.models.assets import offline_target_float32, shipped_draft_path, shipped_head_path  # noqa: E402
 
-PROMPTS = Path(__file__).resolve().parents[1] / "hfspec" / "prompts" / "bench.jsonl"
+PROMPTS = Path(__file__).resolve().parents[1] / "hfspec" / "data" / "prompts" / "bench.jsonl"
 HOOK = {"custom_generate": hfspec.CUSTOM_GENERATE, "trust_remote_code": True}
 
 

@@ -40,11 +40,11 @@ from hfspec import FixedGamma, SpeculativeGenerator
 from hfspec.bench.field import load_prompts
 from hfspec.drafters.factory import load_draft
 from hfspec.measure.timing import cpu_model
-from hfspec.models import assets, wheels
+from hfspec.models import assets, paths, wheels
 from hfspec.models.presets import load_preset
 
 SCRIPTS = Path(__file__).resolve().parent
-PROMPTS = Path(assets.__file__).resolve().parent / "prompts"
+PROMPTS = paths.DATA / "prompts"
 PRESET = "qwen2.5-coder-1.5b-offline"
 MODES = {
     "greedy": ("code.jsonl", {"do_sample": False}),

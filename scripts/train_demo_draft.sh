@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train the shipped draft for SmolLM2-135M-Instruct (hfspec/drafts/smollm2-135m-instruct-draft)
+# Train the shipped draft for SmolLM2-135M-Instruct (hfspec/data/drafts/smollm2-135m-instruct-draft)
 # on a 2-core CPU. Everything lands under runs/ (gitignored); every step resumes when rerun.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +28,6 @@ mkdir -p runs/stageB1 && ln -sfn ../demo/data runs/stageB1/data
 nice -n 5 python -m hfspec.training $COMMON --out runs/stageB1 $ARCH --steps 3600 --lr 5e-3 --init-from runs/final
 
 # 5. Copy the draft (fp16 weights, tokenizer, report) into the package.
-DEST=hfspec/drafts/smollm2-135m-instruct-draft
+DEST=hfspec/data/drafts/smollm2-135m-instruct-draft
 mkdir -p "$DEST"
 cp runs/stageB1/{config.json,generation_config.json,model.safetensors,tokenizer.json,tokenizer_config.json,chat_template.jinja,distill_report.json} "$DEST"/

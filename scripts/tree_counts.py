@@ -2,7 +2,7 @@
 
 The target is SmolLM2-135M-Instruct (``hfspec.models.assets.offline_target_path``), the draft the model shipped with
 hfspec (``hfspec.models.assets.shipped_draft_path``), or with ``--drafter eagle3`` the shipped EAGLE-3 head. Each
-setting generates --new-tokens for the first --prompts chat prompts of hfspec/prompts/bench.jsonl, one batch, and
+setting generates --new-tokens for the first --prompts chat prompts of hfspec/data/prompts/bench.jsonl, one batch, and
 reports per setting: tokens committed per target pass
 (vLLM's mean accepted length), draft forwards per pass, tree nodes verified per pass, and the steps by accepted
 depth. Every setting's output must equal the first's (greedy is exact, so they all equal the target's own).
@@ -24,7 +24,7 @@ from hfspec import SpeculativeGenerator  # noqa: E402
 from hfspec.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from hfspec.models.assets import offline_target_float32, shipped_draft_path, shipped_head_path  # noqa: E402
 
-PROMPTS = Path(__file__).resolve().parents[1] / "hfspec" / "prompts" / "bench.jsonl"
+PROMPTS = Path(__file__).resolve().parents[1] / "hfspec" / "data" / "prompts" / "bench.jsonl"
 
 
 def main() -> None:

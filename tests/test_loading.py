@@ -175,7 +175,7 @@ def test_every_shipped_preset_is_valid():
 
 def test_checkout_configs_link_points_at_the_shipped_presets():
     root = Path(__file__).resolve().parent.parent
-    assert (root / "configs").resolve() == (root / "hfspec" / "configs").resolve()
+    assert (root / "configs").resolve() == (root / "hfspec" / "data" / "presets").resolve()
 
 
 def write(path: Path, text: str) -> Path:

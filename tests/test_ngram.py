@@ -459,7 +459,7 @@ def test_presets_name_ngram_and_the_hybrid(model_dir, tmp_path):
 
 
 def read_jsonl(name: str) -> list[dict]:
-    path = Path(hfspec.__file__).parent / "prompts" / name
+    path = Path(hfspec.__file__).parent / "data" / "prompts" / name
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
@@ -476,4 +476,4 @@ def test_the_grounded_and_mixed_prompt_sets_ship_with_the_package():
     assert sum(m in bench for m in mixed) == sum(m in grounded for m in mixed) == len(mixed) // 2
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     data = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert "prompts/*" in data["tool"]["setuptools"]["package-data"]["hfspec"]
+    assert "data/prompts/*" in data["tool"]["setuptools"]["package-data"]["hfspec"]

@@ -33,7 +33,7 @@ PACKAGE = ROOT / "hfspec"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Folders whose every file the package reads (presets, the shipped draft and head, prompt sets, transformers'
 # custom_generate entry), relative to the package.
-DATA_DIRS = ("configs", "drafts", "prompts", "assisted/custom_generate")
+DATA_DIRS = ("data", "assisted/custom_generate")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
@@ -74,7 +74,7 @@ def left_out(patterns: list[str]) -> list[str]:
 def test_the_wheel_carries_every_file_the_kernels_and_presets_read():
     patterns = PYPROJECT["tool"]["setuptools"]["package-data"]["hfspec"]
     assert any(p.name == "vec.h" for p in kernel_files())  # the includes are followed
-    assert {"drafts/smollm2-135m-instruct-draft/model.safetensors", "configs/smollm2-offline.json"} <= {
+    assert {"data/drafts/smollm2-135m-instruct-draft/model.safetensors", "data/presets/smollm2-offline.json"} <= {
         str(p.relative_to(PACKAGE)) for p in data_files()
     }
     assert left_out(patterns) == [], "add these to [tool.setuptools.package-data] in pyproject.toml"
@@ -82,9 +82,17 @@ def test_the_wheel_carries_every_file_the_kernels_and_presets_read():
 
 def test_a_header_left_out_of_the_patterns_is_found():
     # The negative control: the patterns as they were when a built wheel could not compile its kernels.
-    old = ["assisted/custom_generate/*.py", "configs/*.json", "cpu/csrc/*.cpp", "drafts/**/*", "prompts/*"]
+    old = [
+        "assisted/custom_generate/*.py",
+        "data/presets/*.json",
+        "cpu/csrc/*.cpp",
+        "data/drafts/**/*",
+        "data/prompts/*",
+    ]
     assert left_out(old) == ["cpu/csrc/vec.h"]
-    assert "drafts/smollm2-135m-instruct-eagle3/config.json" in left_out([p for p in old if p != "drafts/**/*"])
+    assert "data/drafts/smollm2-135m-instruct-eagle3/config.json" in left_out(
+        [p for p in old if p != "data/drafts/**/*"]
+    )
 
 
 def test_the_version_has_one_source():

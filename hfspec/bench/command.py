@@ -137,7 +137,7 @@ def _pair_options(pair: argparse._ArgumentGroup) -> None:
     pair.add_argument(
         "--config",
         metavar="NAME",
-        help="a pair preset (a name from hfspec/configs or a JSON path): sets the target and the "
+        help="a pair preset (a name from hfspec/data/presets or a JSON path): sets the target and the "
         "draft, and the dtype and γ unless --dtype/--gamma are given",
     )
     pair.add_argument(
@@ -179,7 +179,7 @@ def _workload_options(work: argparse._ArgumentGroup) -> None:
         type=Path,
         default=None,
         help='prompts: JSONL with a "prompt" field, or plain text with one prompt per line '
-        "(default: the package's prompts/bench.jsonl); prompts go through the target's "
+        "(default: the package's data/prompts/bench.jsonl); prompts go through the target's "
         "chat template when it has one",
     )
     work.add_argument("--num-prompts", type=int, default=12, help="use the first N prompts (default: 12)")

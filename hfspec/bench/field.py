@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from hfspec.errors import HfspecError
+from hfspec.models.paths import DATA
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "bench.jsonl"
+DEFAULT_PROMPTS = DATA / "prompts" / "bench.jsonl"
 MAIN = "draft"  # the drafter key of the main draft
 GAMMA0 = "hfspec-g0"  # hfspec drafting nothing: the baseline on hfspec's own kernels
 PLAIN_KERNEL = "plain-kernel"  # the target's own generate() on hfspec's CPU kernels: greedy hfspec's exact reference

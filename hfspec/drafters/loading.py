@@ -1,7 +1,7 @@
 """Loading a target/draft pair and its tokenizer: ``load_pair``, above every drafter (``hfspec.drafters.factory``).
 
 A *preset* is one JSON file naming a target, a draft and the settings that suit
-them (γ, dtype, chat, sampling defaults). Presets ship in ``hfspec/configs/``
+them (γ, dtype, chat, sampling defaults). Presets ship in ``hfspec/data/presets/``
 and are found by name (``hfspec.models.presets``); any other JSON file works by path.
 
 A model is named by a local directory, a GGUF file, a hub name or one of four special names (``"offline"``,

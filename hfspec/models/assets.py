@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from hfspec.errors import HfspecError, SetupError
 from hfspec.models import wheels
-from hfspec.models.paths import cache_dir  # here too: callers (and tests) find the cache root through assets
+from hfspec.models.paths import DATA, cache_dir  # here too: callers (and tests) find the cache root through assets
 
 __all__ = [
     "OFFLINE_GGUF",
@@ -54,12 +54,12 @@ _FLOAT32_WEIGHTS = "model.safetensors"
 
 def shipped_draft_path() -> Path:
     """Directory of the draft for SmolLM2-135M-Instruct committed in the package."""
-    return Path(__file__).resolve().parent.parent / "drafts" / _DRAFT_DIR
+    return DATA / "drafts" / _DRAFT_DIR
 
 
 def shipped_head_path() -> Path:
     """Directory of the EAGLE-3 head for SmolLM2-135M-Instruct committed in the package."""
-    return Path(__file__).resolve().parent.parent / "drafts" / _HEAD_DIR
+    return DATA / "drafts" / _HEAD_DIR
 
 
 def offline_target_dir() -> Path:

@@ -1,6 +1,6 @@
 """Pair presets: a ready target/draft pair and the settings that suit it, one JSON file each.
 
-Shipped presets live in ``hfspec/configs``; ``load_preset`` reads one by name or path and checks every key, type
+Shipped presets live in ``hfspec/data/presets``; ``load_preset`` reads one by name or path and checks every key, type
 and value, naming the allowed keys in its error.
 """
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hfspec.errors import HfspecError
+from hfspec.models.paths import DATA
 
 __all__ = [
     "ALLOWED_KEYS",
@@ -25,7 +26,7 @@ __all__ = [
     "preset_names",
 ]
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+PRESET_DIR = DATA / "presets"
 DEFAULT_PRESET = "smollm2-offline"  # the pair used when none is named
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -119,7 +120,7 @@ ALLOWED_KEYS = tuple(_TYPES)
 
 
 def preset_names() -> list[str]:
-    """Names of the presets shipped in ``hfspec/configs``."""
+    """Names of the presets shipped in ``hfspec/data/presets``."""
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
 

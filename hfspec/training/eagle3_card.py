@@ -46,7 +46,7 @@ llm = LLM(model="{verifier}",
 `hfspec distill --kind eagle3` (`hfspec/training/eagle3.py`, recipe in `scripts/train_eagle3_head.sh`):
 
 - **text**: {r["train_tokens"]:,} tokens the target generated itself (continuations of up to {s["seq_len"]} tokens
-  of the chat prompts in `hfspec/prompts/distill.txt`: greedy for a third of the first pass over the prompts,
+  of the chat prompts in `hfspec/data/prompts/distill.txt`: greedy for a third of the first pass over the prompts,
   sampled at T in [0.7, 1] otherwise), with the target's top-{s["top_k"]} log-probabilities at every generated
   position; held out: {r["eval_tokens"]:,} positions of text from prompts not used in training;
 - **features**: one teacher-forced target forward per sample, hidden states stored in bfloat16;

@@ -1,6 +1,6 @@
 """Staging of target-generated text: what every kind of draft trains on.
 
-The target continues the prompts of ``hfspec/prompts/distill.txt`` (chat prompts through
+The target continues the prompts of ``hfspec/data/prompts/distill.txt`` (chat prompts through
 its chat template, ``raw: `` lines as plain text), greedy for a third of the first pass
 and sampled at T in [0.7, 1] otherwise. For every generated position the top-k
 log-probabilities of its T=1 distribution p are kept (Leviathan et al., arXiv
@@ -24,11 +24,12 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec.measure.timing import now
+from hfspec.models.paths import DATA
 from hfspec.training.target import pad_id
 
 __all__ = ["PROMPTS", "StagingSettings", "claim_lock", "load_samples", "stage_text"]
 
-PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "distill.txt"
+PROMPTS = DATA / "prompts" / "distill.txt"
 _RAW = "raw: "  # prompt-file prefix for text continued without the chat template
 EVAL_SEED_OFFSET = 1_000_003  # the eval split's shards draw from seeds the train split never uses
 
