@@ -56,7 +56,7 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     """A public name, imported from its module the first time it is asked for (then kept here)."""
-    if name not in _EXPORTS:  # a submodule (``from hfspec.decoding import sampling``) is imported by Python itself
+    if name not in _EXPORTS:  # a submodule (``from hfspec import tree``) is imported by Python itself
         raise AttributeError(f"module 'hfspec' has no attribute {name!r}")
     module = importlib.import_module(_EXPORTS[name])
     value = module if module.__name__.endswith(f".{name}") else getattr(module, name)

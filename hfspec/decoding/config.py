@@ -143,13 +143,3 @@ def eos_ids(config: GenerationConfig) -> list[int]:
     if eos is None:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
-
-
-def check_gamma(gamma: Any) -> int:
-    if isinstance(gamma, bool) or not isinstance(gamma, int):
-        raise HfspecTypeError(
-            f"gamma (γ, drafts per step) must be a positive integer, 'auto' or a GammaPolicy, got {gamma!r}"
-        )
-    if gamma < 1:
-        raise HfspecError(f"gamma (γ, drafts per step) must be >= 1, got {gamma}")
-    return gamma

@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 
-from hfspec.decoding.config import check_gamma
 from hfspec.drafters.hybrid import Outcome
 from hfspec.errors import HfspecError
 from hfspec.measure.alpha import AlphaEstimate
 from hfspec.measure.costs import Costs, Price
-from hfspec.policy.simple import FixedGamma, GammaPolicy, Step, TreeStep
+from hfspec.policy.simple import FixedGamma, GammaPolicy, Step, TreeStep, check_gamma
 from hfspec.tree.acceptance import TreeAcceptance, first_children
 from hfspec.tree.build import shape
 

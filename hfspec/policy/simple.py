@@ -7,10 +7,12 @@ the policy that measures what pays where it runs, is ``hfspec.policy.auto``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from hfspec.drafters.hybrid import Outcome
+from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.measure.alpha import AlphaEstimate
 from hfspec.measure.costs import Price
 
@@ -140,6 +142,17 @@ class FixedGamma(GammaPolicy):
 
     def __str__(self) -> str:
         return f"fixed({self.value})"
+
+
+def check_gamma(gamma: Any) -> int:
+    """A fixed γ as given by a caller, checked: a positive integer."""
+    if isinstance(gamma, bool) or not isinstance(gamma, int):
+        raise HfspecTypeError(
+            f"gamma (γ, drafts per step) must be a positive integer, 'auto' or a GammaPolicy, got {gamma!r}"
+        )
+    if gamma < 1:
+        raise HfspecError(f"gamma (γ, drafts per step) must be >= 1, got {gamma}")
+    return gamma
 
 
 @dataclass
