@@ -244,10 +244,11 @@ def complete(
     tree: int | str | None = "auto",
     threads: int | None = None,
 ) -> Completion:
-    """Generate for text prompts with ``gen``. The settings ``generation_config`` sets (``hfspec.decoding.config.settings``)
-    override ``preset``'s sampling settings, which override the target's generation config; decoding is greedy
-    unless one of them samples, and ``DEFAULT_MAX_NEW_TOKENS`` long unless one of them (or the target's generation
-    config) sets ``max_new_tokens``. Other unset settings come from ``preset``. ``threads``: the CPU threads of the call (None: the generator's)."""
+    """Generate for text prompts with ``gen``. The settings ``generation_config`` sets
+    (``hfspec.decoding.config.settings``) override ``preset``'s sampling settings, which override the target's
+    generation config; decoding is greedy unless one of them samples, and ``DEFAULT_MAX_NEW_TOKENS`` long unless one of
+    them (or the target's generation config) sets ``max_new_tokens``. Other unset settings come from ``preset``.
+    ``threads``: the CPU threads of the call (None: the generator's)."""
     if gen.tokenizer is None:
         raise HfspecError(
             "the generator has no tokenizer; build it with SpeculativeGenerator(target, draft, tokenizer)"
@@ -328,8 +329,8 @@ def generate(
     in one target forward; ``None`` drafts chains; ``"auto"`` (the default) lets ``gamma="auto"`` choose
     each step between the chain and trees (see ``SpeculativeGenerator.generate``).
     ``generation_config`` (a ``transformers.GenerationConfig``) sets any of them at once; the keyword arguments
-    override it. ``seed`` makes sampling reproducible. ``load_kwargs`` go to ``hfspec.drafters.loading.load_pair`` (``dtype``,
-    ``device``, ``device_map``, ``fast_kernels=False`` to keep torch's own linears on CPU, ...).
+    override it. ``seed`` makes sampling reproducible. ``load_kwargs`` go to ``hfspec.drafters.loading.load_pair``
+    (``dtype``, ``device``, ``device_map``, ``fast_kernels=False`` to keep torch's own linears on CPU, ...).
     ``threads`` is the CPU threads the call (and a first load of the pair) runs on, as llama.cpp's ``-t``; by
     default torch's count. With ``return_stats`` the result is ``(text, stats)``.
     """

@@ -1,9 +1,9 @@
 """``SpeculativeGenerator``: a target and a drafter, loaded or given, and ``generate`` over them.
 
 The generator checks the pair once, resolves each call's settings, γ policy and tree budget, and runs the call's
-loop (``hfspec.decoding.loop.Call``: propose → verify → roll back → accept). What it learns across calls stays here: the
-costs measured for ``gamma="auto"`` (kept on disk by ``hfspec.measure.cost_cache``), the acceptance seen so far, whether
-the target reads draft trees exactly, and the CPU thread count the kernels were fitted to.
+loop (``hfspec.decoding.loop.Call``: propose → verify → roll back → accept). What it learns across calls stays here:
+the costs measured for ``gamma="auto"`` (kept on disk by ``hfspec.measure.cost_cache``), the acceptance seen so far,
+whether the target reads draft trees exactly, and the CPU thread count the kernels were fitted to.
 """
 
 from __future__ import annotations
@@ -231,8 +231,8 @@ class SpeculativeGenerator:
         cls, target: str | Path, draft: str | Path, *, ngram: bool = False, threads: int | None = None, **kwargs: Any
     ) -> SpeculativeGenerator:
         """Load both models and the target's tokenizer by hub name, local directory or GGUF file (see
-        ``hfspec.drafters.loading``); ``draft="ngram"`` needs no model. A draft whose own tokenizer differs from the target's
-        drafts through ``hfspec.drafters.cross_tokenizer`` without being asked. Both models run hfspec's CPU
+        ``hfspec.drafters.loading``); ``draft="ngram"`` needs no model. A draft whose own tokenizer differs from the
+        target's drafts through ``hfspec.drafters.cross_tokenizer`` without being asked. Both models run hfspec's CPU
         kernel where they sit on CPU in fp32 or bf16 (``fast_kernels=False`` keeps torch's linears); the
         constructor, given models, leaves them as they are (``hfspec.fast.accelerate(model)`` opts in).
         ``threads`` (as llama.cpp's ``-t``) is the CPU threads the loading and every ``generate`` call run on."""

@@ -1,8 +1,8 @@
 """One request's sampling settings: a frozen value, validated once where it is built, carried to the math per row.
 
 As vLLM's ``SamplingParams``: the boundary (a server request, an API call) builds one ``SamplingParams``; from
-then on nothing re-reads an option list. ``warpers()`` is what ``hfspec.decoding.sampling.warped_probs`` applies to a row's
-logits (temperature, top-k, top-p, min-p, in transformers' order), and the server's batch keeps one value per
+then on nothing re-reads an option list. ``warpers()`` is what ``hfspec.decoding.sampling.warped_probs`` applies to a
+row's logits (temperature, top-k, top-p, min-p, in transformers' order), and the server's batch keeps one value per
 row, so that greedy rows sit beside sampled rows of different temperatures. ``key()`` is the setting under which
 ``gamma="auto"`` remembers how well drafts are accepted (greedy and each temperature accept differently).
 """

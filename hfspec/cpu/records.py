@@ -1,7 +1,7 @@
 """Small JSON records kept in hfspec's cache: what a process measured once per machine, for the next process.
 
-The kernel plan (:mod:`hfspec.cpu.plan`) and ``gamma="auto"``'s costs (:mod:`hfspec.measure.cost_cache`) are kept this way.
-A record is read only when it is whole JSON and this user's, in a directory no one else may write
+The kernel plan (:mod:`hfspec.cpu.plan`) and ``gamma="auto"``'s costs (:mod:`hfspec.measure.cost_cache`) are kept this
+way. A record is read only when it is whole JSON and this user's, in a directory no one else may write
 (:func:`hfspec.cpu.toolchain.unsafe`); anything else reads as absent, and the caller measures again. It is written to
 a temporary file and renamed over the old one, so that concurrent processes never see half a file: the last one to
 finish wins, and each wrote a whole record.

@@ -16,8 +16,8 @@ built afresh for each call by ``SpeculativeGenerator.generate``. State passes be
 ``Proposal`` (``hfspec.drafters``) goes into verification, which returns a ``Verdict``
 per row (the drafts kept and the next token) for the rollback and the commit. The rows'
 bookkeeping lives in ``hfspec.decoding.rows``, the processing of logits and what drafters see in
-``hfspec.decoding.scoring``, the counts in ``hfspec.decoding.stats``. The loop drives any ``Drafter`` through its interface and
-never asks which kind it has.
+``hfspec.decoding.scoring``, the counts in ``hfspec.decoding.stats``. The loop drives any ``Drafter`` through its
+interface and never asks which kind it has.
 
 Cache invariant (checked every step): the target's cache holds every committed token
 except the last one (the *pending* token, fed at the start of the next step). A drafter

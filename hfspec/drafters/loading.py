@@ -13,8 +13,9 @@ the draft (a drafter, a loaded model, an EAGLE-3 head, a path or one of those na
 The models loaded here run hfspec's CPU kernel (``hfspec.fast.accelerate_loaded``: on CPU with
 fp32 or bf16 weights) unless ``fast_kernels=False``; a model a caller built and passed in is
 never changed (``make_drafter`` loads a draft path as it is). A GGUF target or draft
-(a ``.gguf`` path, or ``gguf_file``/``draft_gguf_file``) on CPU keeps its quantized blocks (``hfspec.models.gguf_native``)
-unless ``gguf_native=False`` or ``fast_kernels=False``, which dequantize it as transformers does.
+(a ``.gguf`` path, or ``gguf_file``/``draft_gguf_file``) on CPU keeps its quantized blocks
+(``hfspec.models.gguf_native``) unless ``gguf_native=False`` or ``fast_kernels=False``, which dequantize it as
+transformers does.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def load_pair(
     draft_bits: int | None = DRAFT_BITS,
     arithmetic: str = ARITHMETIC,
 ) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
-    """Load ``(target, draft, tokenizer)`` by hub name, local directory or GGUF file (``hfspec.models.sources.locate``); the
-    draft may be a ``Drafter``.
+    """Load ``(target, draft, tokenizer)`` by hub name, local directory or GGUF file (``hfspec.models.sources.locate``);
+    the draft may be a ``Drafter``.
 
     ``dtype`` applies to both models unless ``draft_dtype`` is given. ``device_map``
     (e.g. ``"auto"``) spreads the target with accelerate; the draft then goes to

@@ -1,7 +1,7 @@
 """``gamma="auto"``'s costs, kept on disk per machine, model pair, dtype and kernel build, and reused.
 
-Measuring what a step costs (``hfspec.measure.costs.measure``: the target over 1..K+1 new tokens and a drafting step) takes
-seconds, and the same pair on the same machine costs the same in the next process. So the costs are kept as the
+Measuring what a step costs (``hfspec.measure.costs.measure``: the target over 1..K+1 new tokens and a drafting step)
+takes seconds, and the same pair on the same machine costs the same in the next process. So the costs are kept as the
 kernel plan is (``hfspec.cpu.plan``, ``hfspec.cpu.records``): one small JSON file per key under
 ``$HFSPEC_CACHE/costs`` (:func:`directory`; delete it to measure again), read at a generator's first
 ``gamma="auto"`` call (with whether the target reads draft trees exactly, ``hfspec.tree.probe``: another few

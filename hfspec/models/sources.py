@@ -1,10 +1,10 @@
 """Where a model named by the user is: a local directory, a GGUF file in one, a hub repository, or a name hfspec knows.
 
 Every place that takes a model by name (``--target``/``--draft``, ``SpeculativeGenerator.from_pretrained``,
-``hfspec.generate``, ``hfspec.drafters.loading``, presets) resolves it with :func:`locate`, once, to a :class:`ModelSource`:
-the directory or hub name transformers loads from and the GGUF file in it, if any. A path to a GGUF file is its
-directory with that file as ``gguf_file`` (how llama.cpp users name a model, ``-m model.gguf``); so is a local
-directory that holds a single ``.gguf`` and no other weights. A local file that is not a whole GGUF model (a
+``hfspec.generate``, ``hfspec.drafters.loading``, presets) resolves it with :func:`locate`, once, to a
+:class:`ModelSource`: the directory or hub name transformers loads from and the GGUF file in it, if any. A path to a
+GGUF file is its directory with that file as ``gguf_file`` (how llama.cpp users name a model, ``-m model.gguf``); so is
+a local directory that holds a single ``.gguf`` and no other weights. A local file that is not a whole GGUF model (a
 text file, an empty or a truncated file) is refused here, in one line naming it and the forms accepted.
 
 Four names are special: ``"offline"`` as the target is SmolLM2-135M-Instruct, built without a model hub

@@ -1,7 +1,7 @@
 """Loading one model and its tokenizer: dtypes and devices, a causal LM's weights, hfspec's CPU kernels on them.
 
-A GGUF model (a ``.gguf`` path, or ``gguf_file``) on CPU keeps its quantized blocks (``hfspec.models.gguf_native``) where
-the caller asks for it (``native``), else transformers dequantizes it. ``accelerate`` puts a loaded model on
+A GGUF model (a ``.gguf`` path, or ``gguf_file``) on CPU keeps its quantized blocks (``hfspec.models.gguf_native``)
+where the caller asks for it (``native``), else transformers dequantizes it. ``accelerate`` puts a loaded model on
 hfspec's CPU kernel (``hfspec.fast.accelerate_loaded``) and logs what it did. A GGUF model's tokenizer is read from
 its directory's own tokenizer files when it has them, else converted from the file once and kept
 (``hfspec.models.gguf_meta``). The checks of the loading options live here too, so that every loader says the same.

@@ -90,8 +90,8 @@ class Tuning:
         return self.memory.setdefault(key, _evidence())
 
     def remember(self, seen: dict[Any, tuple[float, float]]) -> None:
-        """Start from the acceptance an earlier process saw (``hfspec.measure.cost_cache``): (accepted, trials) by key of
-        ``memory``. What this generator has seen itself stays."""
+        """Start from the acceptance an earlier process saw (``hfspec.measure.cost_cache``): (accepted, trials) by key
+        of ``memory``. What this generator has seen itself stays."""
         for key, (accepted, trials) in seen.items():
             if key not in self.memory:
                 self.memory[key] = _evidence()

@@ -3,8 +3,8 @@
 The server's engine (``hfspec.serve.engine``) runs this batch's ``step`` in a loop. A request joins between
 steps: ``prefill_alone`` prefills its prompt alone (the target, and the drafter's catch-up), then ``merge`` merges
 its caches into the batch's, left-padded with holes (``KVState.merge``); a row leaves by ``leave`` as soon as it
-finishes or is cancelled. The step is the generator's (``hfspec.decoding.loop.Call``: propose → verify → roll back → accept),
-with the sampling math done per row:
+finishes or is cancelled. The step is the generator's (``hfspec.decoding.loop.Call``: propose → verify → roll
+back → accept), with the sampling math done per row:
 
 - **Settings per row.** Each row keeps its ``SamplingParams``: a greedy row takes the target's argmax (exact,
   Leviathan et al.'s greedy case), a sampled row its own warpers (``sampling.warped_probs``), so that greedy rows
