@@ -1,9 +1,9 @@
 """model.generate with and without ``custom_generate=hfspec.CUSTOM_GENERATE``, side by side, on the offline pair.
 
-The target is SmolLM2-135M-Instruct (``hfspec.models.assets.offline_target_path``), the draft the model shipped with hfspec
-(``hfspec.models.assets.shipped_draft_path``), both loaded by transformers in float32 and used as they are. For the first
---prompts chat prompts of hfspec/data/prompts/bench.jsonl, greedy, --new-tokens each, every round times in turn (the
-order rotating from round to round):
+The target is SmolLM2-135M-Instruct (``hfspec.models.assets.offline_target_path``), the draft the model shipped with
+hfspec (``hfspec.models.assets.shipped_draft_path``), both loaded by transformers in float32 and used as they are. For
+the first --prompts chat prompts of hfspec/data/prompts/bench.jsonl, greedy, --new-tokens each, every round times in
+turn (the order rotating from round to round):
 
 - ``plain``: ``model.generate(ids)``, one prompt at a time;
 - ``assisted``: transformers' assisted generation, ``model.generate(ids, assistant_model=draft)``;

@@ -1,7 +1,7 @@
 """One target step t(1) and verification costs v(k) = t(k) / t(1) of a GGUF target, in int8 and float32 arithmetic.
 
-Loads the file with its blocks kept (``hfspec.models.gguf_native``) once per arithmetic, puts it on hfspec's kernels, fills
-a cache with ``--depth`` tokens, then times a forward of k new tokens against it (the cache cropped back after
+Loads the file with its blocks kept (``hfspec.models.gguf_native``) once per arithmetic, puts it on hfspec's kernels,
+fills a cache with ``--depth`` tokens, then times a forward of k new tokens against it (the cache cropped back after
 each), the arithmetics taking turns so that a busy machine disturbs both alike. Prints JSON with the CPU's
 ``lscpu`` model name and the load average: on a shared machine the numbers say so.
 

