@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import zipfile
+from pathlib import Path
 
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+import hfspec
 from hfspec.models import assets
 from hfspec.models.sources import lone_gguf
 
@@ -87,12 +89,12 @@ def test_failed_download_raises_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_shipped_drafts_are_inside_the_package():
-    package = assets.Path(assets.__file__).resolve().parent
+    package = Path(hfspec.__file__).resolve().parent
     for path, name in (
         (assets.shipped_draft_path(), "smollm2-135m-instruct-draft"),
         (assets.shipped_head_path(), "smollm2-135m-instruct-eagle3"),
     ):
-        assert path.name == name and path.parent.parent == package
+        assert path.name == name and path.parent == package / "data" / "drafts"
         assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
 
 
