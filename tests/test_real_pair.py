@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfspec import SpeculativeGenerator
+from hfspec.cpu import fast
 from hfspec.models import assets
 from hfspec.models.assets import cache_dir, offline_target_float32, shipped_draft_path, shipped_head_path
 
@@ -27,8 +28,10 @@ def use_session_build(mp, request):
 
 
 @pytest.fixture(scope="module")
-def real_pair(request):
+def real_pair(request, library):
     # The user's built copy when there is one, else the session's fresh build (which test_assets makes anyway).
+    # Both models on hfspec's kernels: exact comparisons across row counts run on kernels that promise the bits
+    # (torch's own linears may give another row count other bits on another CPU).
     with pytest.MonkeyPatch.context() as mp:
         if not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():
             use_session_build(mp, request)
@@ -36,6 +39,8 @@ def real_pair(request):
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)
     draft = AutoModelForCausalLM.from_pretrained(shipped_draft_path(), dtype=torch.float32).eval()
+    fast.accelerate(target)
+    fast.accelerate(draft)
     return target, draft, tok
 
 
@@ -163,7 +168,7 @@ def test_trees_on_the_real_pair_equal_the_target_and_beat_the_chain(real_pair, r
 def test_the_offline_target_from_its_gguf_computes_its_float32_copys_logits(request, monkeypatch, library):
     # hfspec loads the offline target from the GGUF kept beside its float32 copy, blocks kept
     # (hfspec.models.gguf_native): on the kernels the two give the same logits bit for bit.
-    from hfspec.cpu import fast, quant
+    from hfspec.cpu import quant
     from hfspec.models import gguf_native
 
     if quant.kernel() is None:
