@@ -28,6 +28,24 @@ def test_serve_flags(capsys):
     assert "--port: must be a port number" in capsys.readouterr().err
 
 
+def test_serve_takes_the_ngram_flag_as_generate_does(monkeypatch, capsys):
+    pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hfspec[serve]'")
+    from hfspec import api
+    from hfspec.errors import HfspecError
+
+    asked = []
+
+    def resolve(target, draft, config, ngram=None):
+        asked.append((target, draft, config, ngram))
+        raise HfspecError("stop here")
+
+    monkeypatch.setattr(api, "resolve_preset", resolve)
+    assert cli.main(["serve", "--config", "smollm2-offline", "--ngram"]) == cli.EXIT_USAGE
+    assert cli.main(["serve", "--target", "t", "--draft", "d", "--no-ngram"]) == cli.EXIT_USAGE
+    assert asked == [(None, None, "smollm2-offline", True), ("t", "d", None, False)]
+    assert "stop here" in capsys.readouterr().err
+
+
 def test_a_signal_ends_the_streams_in_flight_and_the_server_exits():
     pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hfspec[serve]'")
     import httpx

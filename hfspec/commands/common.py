@@ -85,6 +85,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         help=f"a pair preset: a shipped name ({', '.join(preset_names())}) or a JSON file",
     )
     pair.add_argument(
+        "--ngram",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add n-gram lookup to the draft model: each step, per prompt, the lookup's proposal "
+        "where it is expected to get more tokens accepted, the model's otherwise; no draft forward "
+        "when every prompt takes the lookup (default: the preset's, else off)",
+    )
+    pair.add_argument(
         "--device",
         metavar="DEVICE",
         help="where to run: cpu, cuda, cuda:1, mps, or 'auto' to spread the target "

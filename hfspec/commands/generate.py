@@ -97,14 +97,6 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         "running acceptance rate and --draft-cost",
     )
     spec.add_argument(
-        "--ngram",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="add n-gram lookup to the draft model: each step, per prompt, the lookup's proposal "
-        "where it is expected to get more tokens accepted, the model's otherwise; no draft forward "
-        "when every prompt takes the lookup (default: the preset's, else off)",
-    )
-    spec.add_argument(
         "--tree",
         type=tree_value,
         metavar="N|auto",

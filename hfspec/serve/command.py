@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         from hfspec.serve.server import SHUTDOWN_SECONDS, Server
     except ModuleNotFoundError:
         raise HfspecError(EXTRA) from None
-    preset = api.resolve_preset(args.target, args.draft, args.config)
+    preset = api.resolve_preset(args.target, args.draft, args.config, args.ngram)
     gen = api.load(preset, threads=args.threads, **load_kwargs(args))
     gen.threads = args.threads  # every step of the engine runs on them (None: torch's count)
     engine = make_engine(gen, args.model_name or default_model_name(preset, gen), args)
