@@ -161,3 +161,45 @@ def test_concurrent_clients_each_get_the_answer_they_get_alone(client, pair):
         answers = list(pool.map(lambda a: ask(*a), asks))
     expected = [hfspec.generate(p, target=pair[0], draft=pair[1], max_new_tokens=n, chat=c) for p, n, c in asks]
     assert answers == expected
+
+
+def test_a_client_leaving_while_queued_never_takes_a_row(pair, monkeypatch):
+    # One row: a long answer holds it, a second request waits behind it and its client leaves before any chunk.
+    from hfspec.serve import batch
+    from hfspec.serve.engine import BatchEngine
+
+    step, pause = batch.Batch.step, [0.3]  # a slow machine while the long answer runs
+    monkeypatch.setattr(batch.Batch, "step", lambda self: (time.sleep(pause[0]), step(self))[1])
+    api.clear_cache()
+    gen = api.load(Preset(name="custom", target=pair[0], draft=pair[1]))
+    engine = BatchEngine.from_generator(gen, model_name="tiny", max_batch=1, max_queue=4)
+    engine.eos = []  # and no answer ends early: the long one holds the row to its budget
+
+    def metric(url: str, name: str) -> float:
+        return float(re.search(rf"^{name} (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1))
+
+    with running_server(create_app(engine, gen.tokenizer), engine) as url, httpx.Client(timeout=30) as c:
+        long = {"prompt": "w20", "max_tokens": 100, "temperature": 0, "stream": True}
+        with c.stream("POST", url + "/v1/completions", json=long) as r:
+            lines = r.iter_lines()  # kept: a dropped iterator would close the stream
+            assert next(line for line in lines if line.startswith("data:"))
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/completions", json={**long, "max_tokens": 5}, timeout=0.5)  # its own client
+            deadline = time.monotonic() + 10
+            while metric(url, "hfspec_requests_waiting") or metric(url, "hfspec_requests_cancelled_total") != 1:
+                assert time.monotonic() < deadline, (
+                    metric(url, "hfspec_requests_waiting"),
+                    metric(url, "hfspec_requests_cancelled_total"),
+                    engine.running,
+                )
+                time.sleep(0.05)
+            assert engine.running == 1  # the long answer, still streaming
+            pause[0] = 0.0
+        deadline = time.monotonic() + 10
+        while running(url) != (0.0, 2.0):
+            assert time.monotonic() < deadline, running(url)
+            time.sleep(0.05)
+        short = {"prompt": "w10 w11 w12", "max_tokens": N, "temperature": 0}
+        answer = c.post(url + "/v1/completions", json=short).json()
+        assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == N
+    api.clear_cache()
