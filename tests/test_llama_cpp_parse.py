@@ -30,20 +30,17 @@ build: 0c1e570 (1)
 
 PROMPT = "<|im_start|>user\nWrite a haiku.<|im_end|>\n<|im_start|>assistant\n"
 SPEC_STDOUT = "\n\n" + PROMPT + "Waves fold into foam\nsalt on the wind\n\n"
+# As llama.cpp 0c1e570 prints them (log lines carry a timestamp and a level letter).
 SPEC_STDERR = """\
-llama_model_loader: loaded meta data with 26 key-value pairs
-encoded   24 tokens in    0.512 seconds, speed:   46.875 t/s
-decoded   98 tokens in    5.880 seconds, speed:   16.667 t/s
-
-n_draft   = 3
-n_predict = 98
-n_drafted = 120
-n_accept  = 106
-accept    = 88.333%
-
-draft:
-
-statistics     draft-simple: #calls(b,g,a) =    1     40     40, #gen drafts =     40, #acc drafts =    38
+0.03.574.605 W load: control-looking token: 128247 '</s>' was not control-type; this is probably a bug in the model.
+1.30.107.762 I encoded   24 tokens in    0.512 seconds, speed:   46.875 t/s
+1.30.107.783 I decoded   98 tokens in    5.880 seconds, speed:   16.667 t/s
+1.30.107.802 I n_draft   = 3
+1.30.107.812 I n_predict = 98
+1.30.107.822 I n_drafted = 120
+1.30.107.831 I n_accept  = 106
+1.30.107.841 I accept    = 88.333%
+1.30.107.991 I common_perf_print: prompt eval time =   4677.76 ms /    38 tokens ( 123.09 ms per token)
 """
 
 
@@ -81,9 +78,9 @@ def test_speculative_stats_and_text() -> None:
     assert run.acceptance == pytest.approx(106 / 120)
 
 
-def test_speculative_reads_prefixed_log_lines_and_reports_what_is_missing() -> None:
-    prefixed = "\n".join(f"0.01.234.567 I {line}" if line else line for line in SPEC_STDERR.splitlines())
-    assert llama_cpp.parse_speculative(SPEC_STDOUT, prefixed, PROMPT).accepted == 106
+def test_speculative_reads_log_lines_without_prefixes_and_reports_what_is_missing() -> None:
+    bare = "\n".join(line.split(" ", 2)[2] for line in SPEC_STDERR.splitlines())  # --no-log-prefix
+    assert llama_cpp.parse_speculative(SPEC_STDOUT, bare, PROMPT).accepted == 106
     with pytest.raises(ValueError, match="printed no line matching"):
         llama_cpp.parse_speculative(SPEC_STDOUT, "failed to initialize speculative decoding\n", PROMPT)
 
