@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -255,6 +256,7 @@ def main() -> int:
         tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True, tokenize=False)
         for p in prompts
     ]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the finally below stops llama-server
     server = Server(tools["llama-server"], args.target, args.threads)
     try:
         runs = {"plain": lambda text: server(text, args.new)}

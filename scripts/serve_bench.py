@@ -289,9 +289,14 @@ def main(argv: list[str] | None = None) -> int:
         args.server, args.start = [list(s) for s in args.server], [list(s) for s in args.start]
         results = asyncio.run(bench(servers, args))
     finally:
-        for process in processes:
+        for process in processes:  # all told first, so that they stop together
             process.send_signal(signal.SIGTERM)
-            process.wait(30)
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
     if not args.samples:
         for levels in results["servers"].values():
             for lv in levels:
