@@ -9,9 +9,17 @@ its costs on its first request). Reported per server and client count: total com
 the wall time, and p50/p90/p99 of the time to first token and of the time per output token after the first, in
 one JSON object (stdout or ``--json``) and a table on stderr.
 
+With ``--llama-server PATH`` (a llama-server binary, e.g. from scripts/build_llama_cpp.py) it also starts
+llama-server on ``--gguf-target`` alone (``llama``) and with ``--gguf-draft`` (``llama-spec``: ``-md DRAFT
+--spec-type draft-simple``), each on a free loopback port with ``--llama-threads`` threads and as many slots as
+the largest client count, and measures them with the same clients and prompts. The servers take turns client
+count by client count, so that a busy machine disturbs them alike.
+
     python scripts/serve_bench.py --server hfspec=http://127.0.0.1:8000 --server llama=http://127.0.0.1:8080
     python scripts/serve_bench.py --start "default=--config smollm2-offline" \\
         --start "g0=--config smollm2-offline --gamma 0" --clients 1,4,16
+    python scripts/serve_bench.py --llama-server ~/.cache/hfspec/llama.cpp/0.3.36/build/bin/llama-server \\
+        --start "default=--target T.gguf --draft D.gguf -t 2" --start "g0=--target T.gguf --draft D.gguf -t 2 --gamma 0"
 """
 
 from __future__ import annotations
@@ -28,8 +36,11 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import httpx
+
+from hfspec.bench import llama_cpp
 
 PROMPTS = (
     "Write a haiku about the sea.",
@@ -138,8 +149,29 @@ def free_port() -> int:
 def start_server(args: str, wait: float) -> tuple[subprocess.Popen, str]:
     """``python -m hfspec serve ARGS`` on a free port; returns once /health answers."""
     port = free_port()
-    command = [sys.executable, "-m", "hfspec", "serve", *shlex.split(args), "--port", str(port)]
-    process = subprocess.Popen(command)
+    return started([sys.executable, "-m", "hfspec", "serve", *shlex.split(args), "--port", str(port)], port, wait)
+
+
+def start_llama_server(args: argparse.Namespace, draft: bool) -> tuple[subprocess.Popen, str]:
+    """llama-server on the GGUF target (with the draft model if ``draft``) on a free port."""
+    port = free_port()
+    command = llama_cpp.server_command(
+        args.llama_server,
+        args.gguf_target,
+        port=port,
+        threads=args.llama_threads,
+        slots=max(args.clients),
+        slot_context=args.max_tokens + 1024,
+        draft=args.gguf_draft if draft else None,
+    )
+    return started(command, port, args.start_timeout, quiet=True)
+
+
+def started(command: list[str], port: int, wait: float, quiet: bool = False) -> tuple[subprocess.Popen, str]:
+    """Runs ``command`` (a server that listens on ``port``); returns once /health answers."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.DEVNULL if quiet else None
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
@@ -153,6 +185,16 @@ def start_server(args: str, wait: float) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
     process.terminate()
     raise RuntimeError(f"'{' '.join(command)}' did not answer /health within {wait:.0f} s")
+
+
+def llama_target() -> Path:
+    cache = Path(os.environ.get("HFSPEC_CACHE", "~/.cache/hfspec")).expanduser()
+    return cache / "qwen2.5-coder-1.5b-instruct/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"
+
+
+def llama_draft() -> Path:
+    cache = Path(os.environ.get("HFSPEC_CACHE", "~/.cache/hfspec")).expanduser()
+    return cache / "qwen2.5-coder-0.5b-instruct/Qwen2.5-Coder-0.5B-Instruct.gguf"
 
 
 def labelled(text: str) -> tuple[str, str]:
@@ -199,15 +241,17 @@ def table(results: dict) -> str:
 
 
 async def bench(servers: list[tuple[str, str]], args: argparse.Namespace) -> dict:
-    results: dict = {"machine": machine(), "settings": vars(args).copy(), "servers": {}}
+    settings = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in vars(args).items()}
+    results: dict = {"machine": machine(), "settings": settings, "servers": {label: [] for label, _ in servers}}
+    models = {}
     for label, url in servers:
-        model = await model_of(url)
+        models[label] = await model_of(url)
         async with httpx.AsyncClient(timeout=600) as client:  # warm-up: hfspec measures its costs at first
-            await one(client, url, model, PROMPTS[0], args.max_tokens)
-        results["servers"][label] = [
-            {"url": url, "model": model, **await level(url, model, n, max(n, args.requests), args.max_tokens)}
-            for n in args.clients
-        ]
+            await one(client, url, models[label], PROMPTS[0], args.max_tokens)
+    for n in args.clients:  # the servers in turns, client count by client count
+        for label, url in servers:
+            lv = await level(url, models[label], n, max(n, args.requests), args.max_tokens)
+            results["servers"][label].append({"url": url, "model": models[label], **lv})
     return results
 
 
@@ -219,24 +263,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="requests per client count (at least the clients)")
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds a started server may take to load")
+    parser.add_argument(
+        "--llama-server", type=Path, metavar="PATH", help="also start this llama-server, plain and with the draft"
+    )
+    parser.add_argument("--gguf-target", type=Path, default=llama_target(), help="llama-server's target GGUF")
+    parser.add_argument("--gguf-draft", type=Path, default=llama_draft(), help="llama-server's draft GGUF")
+    parser.add_argument("--llama-threads", type=int, default=2, help="llama-server's -t (default 2)")
     parser.add_argument("--json", metavar="PATH", help="write the JSON here instead of stdout")
     parser.add_argument("--samples", action="store_true", help="keep every request's timings in the JSON")
     args = parser.parse_args(argv)
-    if not args.server and not args.start:
-        parser.error("give at least one --server LABEL=URL or --start LABEL=ARGS")
-    started: list[subprocess.Popen] = []
+    if not args.server and not args.start and not args.llama_server:
+        parser.error("give at least one --server LABEL=URL, --start LABEL=ARGS or --llama-server PATH")
+    processes: list[subprocess.Popen] = []
     try:
         servers = list(args.server)
         for label, serve_args in args.start:
             process, url = start_server(serve_args, args.start_timeout)
-            started.append(process)
+            processes.append(process)
             servers.append((label, url))
+        if args.llama_server:
+            for label, draft in (("llama", False), ("llama-spec", True)):
+                process, url = start_llama_server(args, draft)
+                processes.append(process)
+                servers.append((label, url))
         args.server, args.start = [list(s) for s in args.server], [list(s) for s in args.start]
         results = asyncio.run(bench(servers, args))
     finally:
-        for process in started:
+        for process in processes:  # all told first, so that they stop together
             process.send_signal(signal.SIGTERM)
-            process.wait(30)
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
     if not args.samples:
         for levels in results["servers"].values():
             for lv in levels:
