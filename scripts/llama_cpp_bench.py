@@ -36,10 +36,11 @@ import httpx
 import torch
 from tqdm.auto import tqdm
 
-from hfspec import FixedGamma, SpeculativeGenerator, assets
+from hfspec import FixedGamma, SpeculativeGenerator
 from hfspec.bench import llama_cpp
 from hfspec.bench.field import load_prompts
-from hfspec.timing import cpu_model
+from hfspec.measure.timing import cpu_model
+from hfspec.models import assets
 
 CACHE = Path(os.environ.get("HFSPEC_CACHE", "~/.cache/hfspec")).expanduser()
 TARGET = CACHE / "qwen2.5-coder-1.5b-instruct/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"
