@@ -100,6 +100,17 @@ inline float round_half(float f) {
     return half_to_float(h);
 }
 
+// The next tile's block b (its 16 weight rows from ``next``, ldw apart; nothing where ``next`` is null), into L2 as
+// this tile's block b is read: a short row (K = 1536 is 864 bytes of Q4_K) ends before the hardware's stream
+// prefetcher has ramped up. Always inlined: as a function of its own GCC finds it "looping const" (a prefetch has no
+// result) and drops the calls.
+template <int NB>
+__attribute__((always_inline)) inline void prefetch_block(const uint8_t* next, int64_t ldw, int64_t b) {
+    if (!next) return;
+    for (int c = 0; c < 16; ++c)
+        for (int off = 0; off < NB; off += 64) __builtin_prefetch(next + c * ldw + b * NB + off, 0, 2);
+}
+
 // -- activations: each row on its own ---------------------------------------------------------------------------
 
 // The quantized rows of one call: codes (M x K, K apart, in the layout the weight format's dots read), per block
@@ -347,8 +358,9 @@ inline __m512i reduce16(__m512i* v) {
 // A, M and the float steps for 16 rows at a time, rows as lanes; each lane runs the reference's order.
 template <int T>
 void k_block_grouped(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
-                     int64_t b, float (*acc)[ROWS]) {
+                     int64_t b, float (*acc)[ROWS], const uint8_t* next) {
     const int64_t blocks = K / 256;
+    prefetch_block<T == Q4_K ? 144 : T == Q5_K ? 176 : 210>(next, ldw, b);
     for (int c = 0; c < C; ++c) {
         const uint8_t* wb = w + c * ldw + b * (T == Q4_K ? 144 : T == Q5_K ? 176 : 210);
         KBlock kb;
@@ -382,12 +394,13 @@ void k_block_grouped(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_
 // reduction serves 16 columns and the float steps run 16 columns per instruction, each lane in the reference's order.
 template <int T>
 void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
-                  float (*acc)[ROWS]) {
+                  float (*acc)[ROWS], const uint8_t* next) {
     constexpr int NB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
     const int64_t blocks = K / 256;
     __m512 sum[GROUPED_MIN - 1];
     for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
+        prefetch_block<NB>(next, ldw, b);
         __m512i v[GROUPED_MIN - 1][GROUP];
         alignas(64) int32_t mins[GROUPED_MIN - 1][GROUP] = {};
         alignas(64) float d[GROUP] = {}, dmin[GROUP] = {};
@@ -601,7 +614,8 @@ constexpr int nbytes() {
 
 // acc[c][r] = the reference's R for output column c < C of the tile at w (ldw bytes apart) and input row m0 + r.
 template <int T>
-void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K, float (*acc)[ROWS]) {
+void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K, float (*acc)[ROWS],
+          const uint8_t* next) {
     constexpr bool k = T == Q4_K || T == Q5_K || T == Q6_K;
     constexpr int E = k ? 256 : 32;
     const int64_t blocks = K / E;
@@ -610,16 +624,17 @@ void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R
         for (int r = 0; r < ROWS; ++r) acc[c][r] = 0.0f;
 #if defined(HFSPEC_INT8_AVX512)
     if constexpr (k)
-        if (R < GROUPED_MIN) return tile_columns<T>(w, ldw, C, a, m0, R, K, acc);
+        if (R < GROUPED_MIN) return tile_columns<T>(w, ldw, C, a, m0, R, K, acc, next);
 #endif
     for (int64_t b = 0; b < blocks; ++b) {
 #if defined(HFSPEC_INT8_AVX512)
         if constexpr (k)
             if (R >= GROUPED_MIN) {
-                k_block_grouped<T>(w, ldw, C, a, m0, R, K, b, acc);
+                k_block_grouped<T>(w, ldw, C, a, m0, R, K, b, acc, next);
                 continue;
             }
 #endif
+        prefetch_block<nbytes<T>()>(next, ldw, b);
         const int8_t* q = a.q.data() + m0 * K + b * E;
         const float* da = a.d.data() + b;
         for (int c = 0; c < C; ++c) {
@@ -671,7 +686,9 @@ void linear(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const fl
         float acc[COLS][ROWS];
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
             const int R = (int)(M - m0 < ROWS ? M - m0 : ROWS);
-            tile<T>(w + n0 * ldw, ldw, C, a, m0, R, K, acc);
+            // the next tile's weights are prefetched by the first pass of rows over this one
+            const uint8_t* next = m0 == 0 && n0 + 2 * COLS <= N ? w + (n0 + COLS) * ldw : nullptr;
+            tile<T>(w + n0 * ldw, ldw, C, a, m0, R, K, acc, next);
             for (int c = 0; c < C; ++c)
                 for (int r = 0; r < R; ++r)
                     y[(m0 + r) * ldy + n0 + c] = bias ? acc[c][r] + bias[n0 + c] : acc[c][r];
