@@ -399,10 +399,11 @@ void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
     const int64_t blocks = K / 256;
     __m512 sum[GROUPED_MIN - 1];
     for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
+    constexpr int J = T == Q6_K ? 8 : 4;  // int16 pairs of multipliers of the bsum terms
     for (int64_t b = 0; b < blocks; ++b) {
         prefetch_block<NB>(next, ldw, b);
         __m512i v[GROUPED_MIN - 1][GROUP];
-        alignas(64) int32_t mins[GROUPED_MIN - 1][GROUP] = {};
+        alignas(64) int32_t mult[J][GROUP] = {};  // column c's multiplier pairs in lane c
         alignas(64) float d[GROUP] = {}, dmin[GROUP] = {};
         for (int c = 0; c < GROUP; ++c) {
             if (c >= C) {
@@ -414,30 +415,25 @@ void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
             kblock<T>(wb, kb);
             d[c] = half_at(wb + (T == Q6_K ? 208 : 0));
             if constexpr (T != Q6_K) dmin[c] = half_at(wb + 2);
-            const __m256i mult = _mm256_load_si256((const __m256i*)kb.mult);
-            for (int r = 0; r < R; ++r) {
-                const int16_t* bs = a.bsums.data() + ((m0 + r) * blocks + b) * 16;
-                v[r][c] = kb.dot(a.q.data() + (m0 + r) * K + b * 256);
-                const __m256i b16 = _mm256_loadu_si256((const __m256i*)bs);
-                if constexpr (T == Q6_K) {  // the offset 32: minus 32 * sum_j sc_j * bsum_j
-                    const __m256i off = _mm256_madd_epi16(mult, b16);
-                    v[r][c] = _mm512_sub_epi32(v[r][c],
-                                               _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_slli_epi32(off, 5), 0));
-                } else {  // M = sum_j m_j * (bsum 2j + bsum 2j + 1)
-                    const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(b16), _mm256_extracti128_si256(b16, 1));
-                    const __m128i prod = _mm_madd_epi16(_mm256_castsi256_si128(mult), pairs);
-                    const __m128i h = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0x4E));
-                    mins[r][c] = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
-                }
-            }
+            for (int j = 0; j < J; ++j) mult[j][c] = kb.mult[j];
+            for (int r = 0; r < R; ++r) v[r][c] = kb.dot(a.q.data() + (m0 + r) * K + b * 256);
         }
         const __m512 dv = _mm512_load_ps(d), dminv = _mm512_load_ps(dmin);
         for (int r = 0; r < R; ++r) {
-            const __m512 da = _mm512_set1_ps(a.d[(m0 + r) * blocks + b]);
-            sum[r] = _mm512_add_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16(v[r])), _mm512_mul_ps(dv, da)));
+            // The bsum terms of 16 columns at once (as k_block_grouped, with columns as lanes): Q6_K's offset 32
+            // * sum_j sc_j * bsum_j, Q4_K/Q5_K's M = sum_j m_j * (the codes' sum over sub-block j).
+            const int64_t row = m0 + r;
+            const int32_t* pairs = a.pairs.data() + ((row / GROUP) * blocks + b) * 8 * GROUP + row % GROUP;
+            __m512i mins = _mm512_setzero_si512();
+            for (int j = 0; j < J; ++j)
+                mins = _mm512_add_epi32(
+                    mins, _mm512_madd_epi16(_mm512_load_si512((const void*)mult[j]), _mm512_set1_epi32(pairs[j * GROUP])));
+            __m512i dots = reduce16(v[r]);
+            if constexpr (T == Q6_K) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(mins, 5));
+            const __m512 da = _mm512_set1_ps(a.d[row * blocks + b]);
+            sum[r] = _mm512_add_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dv, da)));
             if constexpr (T != Q6_K)
-                sum[r] = _mm512_sub_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)mins[r])),
-                                                             _mm512_mul_ps(dminv, da)));
+                sum[r] = _mm512_sub_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dminv, da)));
         }
     }
     for (int r = 0; r < R; ++r) {
