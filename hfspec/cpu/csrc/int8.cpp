@@ -127,7 +127,7 @@ struct Acts {
 
 constexpr int GROUP = 16;  // rows per lane-vector in the grouped layout
 constexpr int ROWS = 32;   // input rows per pass: their codes of one super-block (8 KB) stay in L1
-constexpr int GROUPED_MIN = 9;  // from this many rows on, AVX-512 sums K-quant rows 16 at a time
+constexpr int GROUPED_MIN = 17;  // from this many rows on, AVX-512 sums K-quant rows 16 at a time
 
 // Q8_K, as ggml's quantize_row_q8_K_ref.
 void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
