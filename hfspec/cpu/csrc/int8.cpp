@@ -18,10 +18,12 @@
 // offset (Q6_K's 32) comes off as 32 * sum_j sc_j * bsum_j. Each super-block's codes and scales are unpacked once and
 // used for every input row. On AVX-512 the per-output sums of 16 outputs are gathered into the lanes of one vector by
 // a transposing reduction, so the float steps run 16 outputs per instruction, each lane in the reference's order:
-// up to 8 rows take 16 output columns as lanes, more rows take 16 rows as lanes. (512-bit maddubs and vpdpwssd both
-// issue on one port, so this is 32 multiply-adds per cycle, as two fp32 FMA ports: vpdpbusd with the sub-block
-// scales applied after the reduction would double it.) The 32-weight formats take a portable path (integer loops
-// the compiler vectorizes) in this version.
+// up to 16 rows take 16 output columns as lanes (the bsum terms then also 16 columns per instruction), more rows take
+// 16 rows as lanes. The next tile's weight rows are prefetched into L2 as a tile is read. (Tried and measured slower
+// on a Xeon with AVX-512 VNNI: transposing each super-block's codes of 16 columns so that vpdpbusd with a row's
+// broadcast codes sums 16 columns per instruction, with one vpmulld by the scales per sub-block -- the transpose,
+// the scales' gathering and vpmulld's latency cost more than the horizontal sums they save, at 4-16 rows.) The
+// 32-weight formats take a portable path (integer loops the compiler vectorizes) in this version.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -390,7 +392,7 @@ void k_block_grouped(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_
     }
 }
 
-// The whole tile for a few rows (R < GROUPED_MIN): output columns as lanes, 16 at a time, so one transposing
+// The whole tile for up to 16 rows (R < GROUPED_MIN): output columns as lanes, 16 at a time, so one transposing
 // reduction serves 16 columns and the float steps run 16 columns per instruction, each lane in the reference's order.
 template <int T>
 void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
