@@ -8,12 +8,16 @@ which is also the kernel's row-count invariance.
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from hfspec.cpu import int8, int8_reference
+from hfspec.cpu import int8, int8_reference, kernels
 
 FORMATS = list(int8_reference.BLOCK)
 ROWS = [*range(1, 18), 33, 65, 200]
@@ -114,3 +118,41 @@ def test_the_reference_is_close_to_the_dequantized_product():
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(6))
     got, want = int8_reference.linear(x, w[ok], "Q4_K"), x @ values[ok].T
     assert (got - want).norm() <= 0.05 * want.norm()
+
+
+# The paths this CPU's build does not take, built on their own (-O1: seconds) where the CPU can run them; each must
+# give the reference's bits, as the native build does (integer sums are exact, the float steps the same).
+OTHER_PATHS = {"avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}), "scalar": ([], set())}
+
+
+@pytest.fixture(scope="module")
+def other_paths(tmp_path_factory, ik) -> dict[str, int8.Int8Kernel]:
+    flags = set(kernels._cpu_flags().split())
+    source = Path(int8.__file__).parent / "csrc" / "int8.cpp"
+    out = tmp_path_factory.mktemp("int8-paths")
+    common = ["-O1", "-march=x86-64", *kernels.SOURCE_FLAGS["int8.cpp"], "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    jobs = {
+        isa: subprocess.Popen(
+            ["g++", *common, *extra, "-o", str(out / f"{isa}.so"), str(source)], stderr=subprocess.PIPE, text=True
+        )
+        for isa, (extra, needs) in OTHER_PATHS.items()
+        if needs <= flags
+    }
+    found = {}
+    for isa, job in jobs.items():
+        assert job.wait() == 0, job.stderr.read()[-1500:]
+        path = out / f"{isa}.so"
+        found[isa] = int8._bind(kernels.KernelLibrary(path, isa, 0.0, (), {}, ctypes.CDLL(str(path))))
+        assert found[isa].isa == isa
+    return found
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_path_gives_the_references_bits(other_paths, fmt):
+    w = blocks(fmt, 19, 512, seed=7)
+    x = inputs(33, 512, seed=8)
+    expect = int8_reference.linear(x, w, fmt).view(torch.int32)
+    for isa, other in other_paths.items():
+        for m in (1, 5, 16, 17, 33):
+            got = kernel_out(other, x[:m], w, fmt, None, 2)
+            assert torch.equal(got.view(torch.int32), expect[:m]), f"{fmt}: {m} rows on the {isa} path"

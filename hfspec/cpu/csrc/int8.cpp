@@ -18,10 +18,12 @@
 // offset (Q6_K's 32) comes off as 32 * sum_j sc_j * bsum_j. Each super-block's codes and scales are unpacked once and
 // used for every input row. On AVX-512 the per-output sums of 16 outputs are gathered into the lanes of one vector by
 // a transposing reduction, so the float steps run 16 outputs per instruction, each lane in the reference's order:
-// up to 8 rows take 16 output columns as lanes, more rows take 16 rows as lanes. (512-bit maddubs and vpdpwssd both
-// issue on one port, so this is 32 multiply-adds per cycle, as two fp32 FMA ports: vpdpbusd with the sub-block
-// scales applied after the reduction would double it.) The 32-weight formats take a portable path (integer loops
-// the compiler vectorizes) in this version.
+// up to 16 rows take 16 output columns as lanes (the bsum terms then also 16 columns per instruction), more rows take
+// 16 rows as lanes. The next tile's weight rows are prefetched into L2 as a tile is read. (Tried and measured slower
+// on a Xeon with AVX-512 VNNI: transposing each super-block's codes of 16 columns so that vpdpbusd with a row's
+// broadcast codes sums 16 columns per instruction, with one vpmulld by the scales per sub-block -- the transpose,
+// the scales' gathering and vpmulld's latency cost more than the horizontal sums they save, at 4-16 rows.) The
+// 32-weight formats take a portable path (integer loops the compiler vectorizes) in this version.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -100,6 +102,17 @@ inline float round_half(float f) {
     return half_to_float(h);
 }
 
+// The next tile's block b (its 16 weight rows from ``next``, ldw apart; nothing where ``next`` is null), into L2 as
+// this tile's block b is read: a short row (K = 1536 is 864 bytes of Q4_K) ends before the hardware's stream
+// prefetcher has ramped up. Always inlined: as a function of its own GCC finds it "looping const" (a prefetch has no
+// result) and drops the calls.
+template <int NB>
+__attribute__((always_inline)) inline void prefetch_block(const uint8_t* next, int64_t ldw, int64_t b) {
+    if (!next) return;
+    for (int c = 0; c < 16; ++c)
+        for (int off = 0; off < NB; off += 64) __builtin_prefetch(next + c * ldw + b * NB + off, 0, 2);
+}
+
 // -- activations: each row on its own ---------------------------------------------------------------------------
 
 // The quantized rows of one call: codes (M x K, K apart, in the layout the weight format's dots read), per block
@@ -116,7 +129,7 @@ struct Acts {
 
 constexpr int GROUP = 16;  // rows per lane-vector in the grouped layout
 constexpr int ROWS = 32;   // input rows per pass: their codes of one super-block (8 KB) stay in L1
-constexpr int GROUPED_MIN = 9;  // from this many rows on, AVX-512 sums K-quant rows 16 at a time
+constexpr int GROUPED_MIN = 17;  // from this many rows on, AVX-512 sums K-quant rows 16 at a time
 
 // Q8_K, as ggml's quantize_row_q8_K_ref.
 void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
@@ -347,8 +360,9 @@ inline __m512i reduce16(__m512i* v) {
 // A, M and the float steps for 16 rows at a time, rows as lanes; each lane runs the reference's order.
 template <int T>
 void k_block_grouped(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
-                     int64_t b, float (*acc)[ROWS]) {
+                     int64_t b, float (*acc)[ROWS], const uint8_t* next) {
     const int64_t blocks = K / 256;
+    prefetch_block<T == Q4_K ? 144 : T == Q5_K ? 176 : 210>(next, ldw, b);
     for (int c = 0; c < C; ++c) {
         const uint8_t* wb = w + c * ldw + b * (T == Q4_K ? 144 : T == Q5_K ? 176 : 210);
         KBlock kb;
@@ -378,18 +392,20 @@ void k_block_grouped(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_
     }
 }
 
-// The whole tile for a few rows (R < GROUPED_MIN): output columns as lanes, 16 at a time, so one transposing
+// The whole tile for up to 16 rows (R < GROUPED_MIN): output columns as lanes, 16 at a time, so one transposing
 // reduction serves 16 columns and the float steps run 16 columns per instruction, each lane in the reference's order.
 template <int T>
 void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
-                  float (*acc)[ROWS]) {
+                  float (*acc)[ROWS], const uint8_t* next) {
     constexpr int NB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
     const int64_t blocks = K / 256;
     __m512 sum[GROUPED_MIN - 1];
     for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
+    constexpr int J = T == Q6_K ? 8 : 4;  // int16 pairs of multipliers of the bsum terms
     for (int64_t b = 0; b < blocks; ++b) {
+        prefetch_block<NB>(next, ldw, b);
         __m512i v[GROUPED_MIN - 1][GROUP];
-        alignas(64) int32_t mins[GROUPED_MIN - 1][GROUP] = {};
+        alignas(64) int32_t mult[J][GROUP] = {};  // column c's multiplier pairs in lane c
         alignas(64) float d[GROUP] = {}, dmin[GROUP] = {};
         for (int c = 0; c < GROUP; ++c) {
             if (c >= C) {
@@ -401,30 +417,25 @@ void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
             kblock<T>(wb, kb);
             d[c] = half_at(wb + (T == Q6_K ? 208 : 0));
             if constexpr (T != Q6_K) dmin[c] = half_at(wb + 2);
-            const __m256i mult = _mm256_load_si256((const __m256i*)kb.mult);
-            for (int r = 0; r < R; ++r) {
-                const int16_t* bs = a.bsums.data() + ((m0 + r) * blocks + b) * 16;
-                v[r][c] = kb.dot(a.q.data() + (m0 + r) * K + b * 256);
-                const __m256i b16 = _mm256_loadu_si256((const __m256i*)bs);
-                if constexpr (T == Q6_K) {  // the offset 32: minus 32 * sum_j sc_j * bsum_j
-                    const __m256i off = _mm256_madd_epi16(mult, b16);
-                    v[r][c] = _mm512_sub_epi32(v[r][c],
-                                               _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_slli_epi32(off, 5), 0));
-                } else {  // M = sum_j m_j * (bsum 2j + bsum 2j + 1)
-                    const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(b16), _mm256_extracti128_si256(b16, 1));
-                    const __m128i prod = _mm_madd_epi16(_mm256_castsi256_si128(mult), pairs);
-                    const __m128i h = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0x4E));
-                    mins[r][c] = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
-                }
-            }
+            for (int j = 0; j < J; ++j) mult[j][c] = kb.mult[j];
+            for (int r = 0; r < R; ++r) v[r][c] = kb.dot(a.q.data() + (m0 + r) * K + b * 256);
         }
         const __m512 dv = _mm512_load_ps(d), dminv = _mm512_load_ps(dmin);
         for (int r = 0; r < R; ++r) {
-            const __m512 da = _mm512_set1_ps(a.d[(m0 + r) * blocks + b]);
-            sum[r] = _mm512_add_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16(v[r])), _mm512_mul_ps(dv, da)));
+            // The bsum terms of 16 columns at once (as k_block_grouped, with columns as lanes): Q6_K's offset 32
+            // * sum_j sc_j * bsum_j, Q4_K/Q5_K's M = sum_j m_j * (the codes' sum over sub-block j).
+            const int64_t row = m0 + r;
+            const int32_t* pairs = a.pairs.data() + ((row / GROUP) * blocks + b) * 8 * GROUP + row % GROUP;
+            __m512i mins = _mm512_setzero_si512();
+            for (int j = 0; j < J; ++j)
+                mins = _mm512_add_epi32(
+                    mins, _mm512_madd_epi16(_mm512_load_si512((const void*)mult[j]), _mm512_set1_epi32(pairs[j * GROUP])));
+            __m512i dots = reduce16(v[r]);
+            if constexpr (T == Q6_K) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(mins, 5));
+            const __m512 da = _mm512_set1_ps(a.d[row * blocks + b]);
+            sum[r] = _mm512_add_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dv, da)));
             if constexpr (T != Q6_K)
-                sum[r] = _mm512_sub_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)mins[r])),
-                                                             _mm512_mul_ps(dminv, da)));
+                sum[r] = _mm512_sub_ps(sum[r], _mm512_mul_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dminv, da)));
         }
     }
     for (int r = 0; r < R; ++r) {
@@ -601,7 +612,8 @@ constexpr int nbytes() {
 
 // acc[c][r] = the reference's R for output column c < C of the tile at w (ldw bytes apart) and input row m0 + r.
 template <int T>
-void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K, float (*acc)[ROWS]) {
+void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K, float (*acc)[ROWS],
+          const uint8_t* next) {
     constexpr bool k = T == Q4_K || T == Q5_K || T == Q6_K;
     constexpr int E = k ? 256 : 32;
     const int64_t blocks = K / E;
@@ -610,16 +622,17 @@ void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R
         for (int r = 0; r < ROWS; ++r) acc[c][r] = 0.0f;
 #if defined(HFSPEC_INT8_AVX512)
     if constexpr (k)
-        if (R < GROUPED_MIN) return tile_columns<T>(w, ldw, C, a, m0, R, K, acc);
+        if (R < GROUPED_MIN) return tile_columns<T>(w, ldw, C, a, m0, R, K, acc, next);
 #endif
     for (int64_t b = 0; b < blocks; ++b) {
 #if defined(HFSPEC_INT8_AVX512)
         if constexpr (k)
             if (R >= GROUPED_MIN) {
-                k_block_grouped<T>(w, ldw, C, a, m0, R, K, b, acc);
+                k_block_grouped<T>(w, ldw, C, a, m0, R, K, b, acc, next);
                 continue;
             }
 #endif
+        prefetch_block<nbytes<T>()>(next, ldw, b);
         const int8_t* q = a.q.data() + m0 * K + b * E;
         const float* da = a.d.data() + b;
         for (int c = 0; c < C; ++c) {
@@ -671,7 +684,9 @@ void linear(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const fl
         float acc[COLS][ROWS];
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
             const int R = (int)(M - m0 < ROWS ? M - m0 : ROWS);
-            tile<T>(w + n0 * ldw, ldw, C, a, m0, R, K, acc);
+            // the next tile's weights are prefetched by the first pass of rows over this one
+            const uint8_t* next = m0 == 0 && n0 + 2 * COLS <= N ? w + (n0 + COLS) * ldw : nullptr;
+            tile<T>(w + n0 * ldw, ldw, C, a, m0, R, K, acc, next);
             for (int c = 0; c < C; ++c)
                 for (int r = 0; r < R; ++r)
                     y[(m0 + r) * ldy + n0 + c] = bias ? acc[c][r] + bias[n0 + c] : acc[c][r];
