@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from hfspec.cpu import int8, int8_reference, kernels
+from hfspec.cpu import int8, int8_reference, kernels, toolchain
 
 FORMATS = list(int8_reference.BLOCK)
 ROWS = [*range(1, 18), 33, 65, 200]
@@ -127,10 +127,10 @@ OTHER_PATHS = {"avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
 
 @pytest.fixture(scope="module")
 def other_paths(tmp_path_factory, ik) -> dict[str, int8.Int8Kernel]:
-    flags = set(kernels._cpu_flags().split())
+    flags = set(toolchain.cpu_flags().split())
     source = Path(int8.__file__).parent / "csrc" / "int8.cpp"
     out = tmp_path_factory.mktemp("int8-paths")
-    common = ["-O1", "-march=x86-64", *kernels.SOURCE_FLAGS["int8.cpp"], "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    common = ["-O1", "-march=x86-64", *toolchain.SOURCE_FLAGS["int8.cpp"], "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
     jobs = {
         isa: subprocess.Popen(
             ["g++", *common, *extra, "-o", str(out / f"{isa}.so"), str(source)], stderr=subprocess.PIPE, text=True
