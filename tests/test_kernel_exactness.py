@@ -137,7 +137,7 @@ def test_tree_samples_match_the_target(tree_models, name, calls):
 
 def test_negative_control_tree_without_the_residual_update_is_detected(tree_models, calls, monkeypatch):
     target, draft, tok = tree_models
-    monkeypatch.setattr(tree, "verify_tree", functools.partial(tree.verify_tree, residual_update=False))
+    monkeypatch.setattr(tree, "verify", functools.partial(tree.verify, residual_update=False))
     with on_kernel(target, draft):
         pv, _ = tree_pvalue(
             SpeculativeGenerator(target, draft, tok), SETTINGS["t0.7_top_k"], 6, seed=3, samples=SAMPLES

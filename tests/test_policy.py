@@ -12,7 +12,7 @@ from hfspec.acceptance import Acceptance
 from hfspec.costs import Costs, Price
 from hfspec.drafters import Drafter, Proposal
 from hfspec.drafters.hybrid import HybridDrafter, Outcome
-from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, TreeStep, Tuning
+from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, Tuning
 from hfspec.tree import shape as tree_shape
 from hfspec.tree.acceptance import TreeAcceptance, first_children
 
@@ -219,7 +219,7 @@ def hybrid_step(policy: AutoGamma, gamma: int, lookup: tuple[int, bool] | None, 
             None,
             model_gamma * costs.draft,
             costs.verify[width + 1],
-            outcome,
+            outcome=outcome,
         )
     )
 
@@ -323,7 +323,7 @@ def test_the_model_runs_only_where_the_step_pays_for_it():
         assert hybrid.main.runs == runs, (costs, model)
         # Without the model, the row without a lookup proposal drafts nothing; the other keeps its lookup.
         assert proposal.drafted().tolist()[1] == (4 if runs else 0) and proposal.drafted().tolist()[0] > 0
-        outcome = hybrid.commit(ctx, torch.tensor([0, 0]))
+        outcome = hybrid.commit(ctx, torch.full((2, 4), -1))
         assert outcome.model_gamma == 4 * runs and outcome.lookup[1] is None
 
 
@@ -347,16 +347,19 @@ def second_and_third_guesses_hold_the_target(policy: AutoGamma, steps: int = 40,
     Each step took what the costs predict."""
     parents = torch.tensor([[-1, -1, -1, -1, 1, 1, 1, 1]])
     for _ in range(steps):
-        policy.update_tree(
-            TreeStep(
+        policy.update(
+            Step(
                 ROW,
-                nodes,
-                parents,
-                torch.ones_like(parents, dtype=torch.bool),
-                torch.tensor([[1, 6]]),
+                2,
+                torch.tensor([8]),
                 torch.tensor([2]),
+                None,
                 2 * policy.costs.draft,
                 policy.costs.verify[9],
+                path=torch.tensor([[1, 6]]),
+                nodes=nodes,
+                parents=parents,
+                real=torch.ones_like(parents, dtype=torch.bool),
             )
         )
 
@@ -366,16 +369,19 @@ def first_then_second_guess_holds(policy: AutoGamma, steps: int = 40) -> None:
     child, then node 5, node 0's second: a chain of first guesses keeps one draft of two (α about 1/2)."""
     parents = torch.tensor([[-1, -1, -1, -1, 0, 0, 0, 0]])
     for _ in range(steps):
-        policy.update_tree(
-            TreeStep(
+        policy.update(
+            Step(
                 ROW,
-                8,
-                parents,
-                torch.ones_like(parents, dtype=torch.bool),
-                torch.tensor([[0, 5]]),
+                2,
+                torch.tensor([8]),
                 torch.tensor([2]),
+                None,
                 2 * policy.costs.draft,
                 policy.costs.verify[9],
+                path=torch.tensor([[0, 5]]),
+                nodes=8,
+                parents=parents,
+                real=torch.ones_like(parents, dtype=torch.bool),
             )
         )
 

@@ -61,7 +61,6 @@ from hfspec.costs import Costs
 from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecTypeError
-from hfspec.tree.proposal import TreeProposal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -194,31 +193,27 @@ class HybridDrafter(Drafter):
             q = mp.q.new_zeros(batch, width, mp.q.shape[-1])
             q[:, : mp.gamma] = mp.q
             q[use] = sampling.one_hot(tokens[use], q.shape[-1])
-        return Proposal(tokens, q, counts, forwards=mp.draft_forwards())
+        return Proposal.chain(tokens, q, counts, forwards=mp.draft_forwards())
 
-    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal | TreeProposal:
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal:
         """The main drafter's tree with the lookup's tree grafted on (``tree.graft``): the lookup takes up to
         half the budget, the main drafter the rest. A main drafter that cannot build a tree: the hybrid's chain."""
         if self.main.recurrent:
             return self.propose(ctx, depth)
         ng = self.ngram.propose_tree(ctx, max(1, nodes // 2), depth)
-        extra = int(ng.drafted().max()) if isinstance(ng, TreeProposal) else 0
+        extra = int(ng.drafted().max()) if ng.nodes else 0
         main = self.main.propose_tree(ctx, max(1, nodes - extra), depth)
-        if not isinstance(main, TreeProposal):  # the main drafter proposed its chain: verify that alone
+        if main.is_chain:  # the main drafter proposed its chain: verify that alone
             return main
-        return tree.graft(main, ng) if isinstance(ng, TreeProposal) else main
+        return tree.graft(main, ng) if ng.nodes else main
 
-    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        self.main.commit_tree(ctx, path, num_accepted)
-        self.ngram.commit_tree(ctx, path, num_accepted)
-
-    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> Outcome | None:
-        """Both drafters hear the verdict; returns what the proposal told of each row's two proposers (None after
-        a step without a proposal)."""
+    def commit(self, ctx: Context, path: torch.Tensor) -> Outcome | None:
+        """Both drafters hear the verdict; returns what a chain proposal told of each row's two proposers (None
+        after a step without one)."""
         step, self._step = self._step, None
-        outcome = self._learn(step, num_accepted.cpu()) if step is not None else None
-        self.main.commit(ctx, num_accepted)
-        self.ngram.commit(ctx, num_accepted)
+        outcome = self._learn(step, (path >= 0).sum(dim=1).cpu()) if step is not None else None
+        self.main.commit(ctx, path)
+        self.ngram.commit(ctx, path)
         return outcome
 
     def _learn(self, step: dict[str, Any], accepted: torch.Tensor) -> Outcome:

@@ -46,7 +46,6 @@ import torch
 
 from hfspec.drafters import Context, Drafter, Proposal, Stop
 from hfspec.errors import HfspecError
-from hfspec.tree.proposal import TreeProposal
 
 SEPARATOR = -1  # ends each output in the store; equal to no token, so no match crosses it
 
@@ -300,9 +299,9 @@ class NgramDrafter(Drafter):
         counts = torch.tensor([len(t) for t, _, _ in picks], dtype=torch.long).to(device)
         self.match_lengths = torch.tensor([m for _, _, m in picks], dtype=torch.long)
         self.expected = torch.tensor([sum(chance) for _, chance, _ in picks], dtype=torch.float32)
-        return Proposal(tokens, None, counts, forwards=0)
+        return Proposal.chain(tokens, None, counts, forwards=0)
 
-    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal | TreeProposal:
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal:
         """Every continuation of the matched suffix (in the context and in earlier outputs), merged into one
         tree scored by how often each prefix occurred (``trie``); tokens picked deterministically (one-hot q)."""
         self._catch_up(ctx)
@@ -317,7 +316,7 @@ class NgramDrafter(Drafter):
         parents = torch.tensor([[par for _, par, _ in r] for r in table], dtype=torch.long).view(len(rows), width)
         real = torch.tensor([[ok for _, _, ok in r] for r in table], dtype=torch.bool).view(len(rows), width)
         self.expected = real.sum(dim=1).float()
-        return TreeProposal(tokens.to(device), parents.to(device), None, real.to(device), forwards=0)
+        return Proposal(tokens.to(device), None, parents.to(device), real.to(device), forwards=0)
 
     def _tree_row(self, row: TokenIndex, nodes: int, depth: int, vocab: int, own: bool) -> list[tuple[int, int]]:
         """One row's tree (``trie``) from the continuations of every match of the last ``min_match`` tokens, in
@@ -333,9 +332,6 @@ class NgramDrafter(Drafter):
         # A drafter shared with another target may remember ids this vocabulary lacks: cut such paths there.
         continuations = [c[: next((i for i, t in enumerate(c) if t >= vocab), len(c))] for c in continuations]
         return trie([c for c in continuations if c], nodes, self.min_prob)
-
-    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Lookup keeps no draft state: the next call indexes what was committed."""
 
     def _store(self, own: bool) -> list[tuple[TokenIndex, int | None, bool]]:
         """The store as a lookup source (index, excluded end, periodic), unless the row looks at ``own`` context."""

@@ -18,7 +18,7 @@ from hfspec.config import check_gamma
 from hfspec.costs import Costs, Price
 from hfspec.drafters.hybrid import Outcome
 from hfspec.errors import HfspecError
-from hfspec.policy.simple import FixedGamma, GammaPolicy, Step, TreeStep
+from hfspec.policy.simple import FixedGamma, GammaPolicy, Step
 from hfspec.tree.acceptance import TreeAcceptance, first_children
 from hfspec.tree.build import shape
 
@@ -139,7 +139,7 @@ class AutoGamma(GammaPolicy):
     expected tokens per row from acceptance by depth and by rank among siblings, learnt from the
     tree steps taken (``hfspec.tree.acceptance``), over the tree's drafting (one draft forward per
     level until timed) plus a target forward over N+1 tokens. A tree is taken only where it beats
-    every chain; ``tree_nodes()`` tells the loop its budget, and γ is its depth.
+    every chain; ``tree_nodes()`` tells the loop its budget, and γ is its depth; ``update`` learns from either kind of step.
 
     A hybrid drafter (``hfspec.drafters.hybrid``) can take two kinds of step, each priced
     by what it drafts. The lookup alone: row i finds a match with probability m_i and then
@@ -272,7 +272,8 @@ class AutoGamma(GammaPolicy):
     def tree_nodes(self) -> int:
         return self.nodes
 
-    def update_tree(self, step: TreeStep) -> None:
+    def learn_tree(self, step: Step) -> None:
+        """A tree step: acceptance by depth and by sibling rank, the chain's α from its first children, costs."""
         evidence = self.tuning.tree_evidence()
         if self.probing and any(n == step.path.shape[1] for n in step.accepted.tolist()):
             self.probe[1] = self.probe_every  # a tree probe kept a whole path: look again soon
@@ -322,6 +323,9 @@ class AutoGamma(GammaPolicy):
         return drafted >= self.chosen or self.best(drafted)[0] == drafted
 
     def update(self, step: Step) -> None:
+        if step.tree:
+            self.learn_tree(step)
+            return
         drafted, accepted = step.drafted.tolist(), step.accepted.tolist()
         if self.probing and any(d and n == d for d, n in zip(drafted, accepted)):
             self.probe[1] = self.probe_every  # a probe that paid: look again soon

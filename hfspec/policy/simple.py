@@ -64,38 +64,32 @@ def best_gamma(
 
 @dataclass(frozen=True)
 class Step:
-    """What one step did, for the policy to learn from. Tensors are CPU, one entry per active row."""
+    """What one step did, for the policy to learn from: a chain's or a tree's (``hfspec.tree``). Tensors are CPU,
+    one row per active row."""
 
     rows: torch.Tensor  # (B,) long: each row's index in the call's batch
-    gamma: int  # the proposal's width: drafts per row at most (0: a plain step)
-    drafted: torch.Tensor  # (B,) long: drafts each row really proposed (≤ γ)
+    gamma: int  # the proposal's depth: drafts one row can keep at most (0: a plain step)
+    drafted: torch.Tensor  # (B,) long: drafts (a tree: real nodes) each row really proposed
     accepted: torch.Tensor  # (B,) long: drafts each row kept
-    confidence: torch.Tensor | None  # (B, drafted.max()) the drafter's probability of each draft, if it gave one
+    confidence: torch.Tensor | None  # (B, picks) the drafter's probability of each chain draft, if it gave one
     draft_seconds: float  # wall time of drafting (catching up included)
     verify_seconds: float  # wall time of the verification forward, acceptance and rollback
+    path: torch.Tensor | None = None  # (B, D) long: the kept nodes, -1 past accepted[b]
+    nodes: int = 0  # a tree's node budget; 0: a chain
+    parents: torch.Tensor | None = None  # (B, N) long: a tree's parents, -1 for the root's children; None: a chain
+    real: torch.Tensor | None = None  # (B, N) bool: False for padding nodes (None: every node is real)
     outcome: Outcome | None = None  # what the drafter's commit made of the step: a hybrid's two proposers apart
 
-
-@dataclass(frozen=True)
-class TreeStep:
-    """What one tree step did (``hfspec.tree``), for the policy to learn from. Tensors are CPU, one row per
-    active row."""
-
-    rows: torch.Tensor  # (B,) long: each row's index in the call's batch
-    nodes: int  # the node budget asked for
-    parents: torch.Tensor  # (B, N) long: each node's parent, -1 for the root's children
-    real: torch.Tensor  # (B, N) bool: False for padding nodes
-    path: torch.Tensor  # (B, D) long: the kept nodes, -1 past accepted[b]
-    accepted: torch.Tensor  # (B,) long: nodes each row kept
-    draft_seconds: float
-    verify_seconds: float
+    @property
+    def tree(self) -> bool:
+        return self.parents is not None
 
 
 class GammaPolicy:
     """Chooses γ: ``begin(batch)`` once per call, ``gamma(rows)`` before a step, ``stop(i, confidence)``
     while drafting, ``update(step)`` after it. A policy may answer a step with a tree instead of a chain:
-    ``tree_nodes()`` is then its node budget (γ its depth), and ``update_tree`` learns from it; ``price()``
-    says how it priced the step, for the drafter."""
+    ``tree_nodes()`` is then its node budget (γ its depth), and the step's record says so (``Step.tree``);
+    ``price()`` says how it priced the step, for the drafter."""
 
     def begin(self, batch: int) -> None:
         """A generate call of ``batch`` rows starts."""
@@ -116,7 +110,7 @@ class GammaPolicy:
         return False
 
     def update(self, step: Step) -> None:
-        """Learn from the step just taken."""
+        """Learn from the step just taken (a chain's or a tree's)."""
 
     def tree_nodes(self) -> int:
         """The node budget of a tree for the step the last ``gamma`` call chose; 0 drafts a chain."""
@@ -126,9 +120,6 @@ class GammaPolicy:
         """How the step the last ``gamma`` call chose was priced, handed to the drafter with it (a hybrid runs its
         model only where that pays); None: by expected tokens alone."""
         return None
-
-    def update_tree(self, step: TreeStep) -> None:
-        """Learn from the tree step just taken."""
 
 
 @dataclass
@@ -153,6 +144,8 @@ class HeuristicGamma(GammaPolicy):
         return self.value
 
     def update(self, step: Step) -> None:
+        if step.tree:  # the schedule is a chain's
+            return
         if step.gamma and bool((step.accepted == step.drafted).all()):
             self.value = min(self.maximum, self.value + 2)
         else:
@@ -190,6 +183,8 @@ class CostModelGamma(GammaPolicy):
         return best_gamma(min(self.alpha, 0.999), self.cost, self.verify_cost, self.maximum)[0]
 
     def update(self, step: Step) -> None:
+        if step.tree:  # α is a chain's acceptance
+            return
         for d, n in zip(step.drafted.tolist(), step.accepted.tolist()):
             self.evidence.add_step(d, n)
 

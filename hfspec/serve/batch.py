@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from hfspec import sampling
+from hfspec import sampling, tree
 from hfspec.cache import KVState
 from hfspec.drafters import Proposal
 from hfspec.errors import NumericalFault
@@ -194,7 +194,16 @@ class Batch(Call):
         t2 = now(self.device)
         drafted, accepted = verdict.proposal.drafted(), verdict.accepted
         if self.auto is not None and any(s.gamma is None for s in self.states):
-            step = Step(self.rows.index.cpu(), gamma, drafted.cpu(), accepted.cpu(), ctx.confidence(), t1 - t0, t2 - t1)
+            step = Step(
+                self.rows.index.cpu(),
+                gamma,
+                drafted.cpu(),
+                accepted.cpu(),
+                ctx.confidence(),
+                t1 - t0,
+                t2 - t1,
+                path=verdict.path.cpu(),
+            )
             self.auto.update(step)
         block = verdict.tokens()
         committed, has_eos = self.rows.commit(block, accepted + 1)
@@ -233,7 +242,8 @@ class Batch(Call):
             p = sampling.warped_probs(logits[b, : n + 1].contiguous(), state.warpers)[None]  # (1, n+1, V)
             q = proposal.q[b : b + 1, :n] if proposal.q is not None else sampling.one_hot(own, p.shape[-1])
             accepted[b : b + 1], next_token[b : b + 1] = sampling.verify(own, q, p, state.generator)
-        return Verdict(Proposal(drafts, proposal.q, counts), accepted, next_token, start, fed)
+        kept = Proposal.chain(drafts, proposal.q, counts)
+        return Verdict(kept, accepted, next_token, start, fed, tree.chain_path(accepted, gamma))
 
 
 def _check(logits: torch.Tensor, role: str) -> None:
