@@ -87,14 +87,14 @@ def verify(
 def _walk(
     proposal: Proposal, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None, residual_update: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``verify`` on a tree, every row at once: one pass per (depth, sibling rank), each row at its own node."""
+    """``verify`` on a tree, every row at once: one pass per (depth, sibling rank), over the rows that still have a
+    child to try there, each at its own node (so the work is the children tried, as a walk per row would do)."""
     tokens, parents, real = proposal.tokens, proposal.parents, proposal.mask()
     batch, device = tokens.shape[0], tokens.device
-    rows = torch.arange(batch, device=device)
     path = torch.full((batch, max(proposal.gamma, 1)), -1, dtype=torch.long, device=device)
     next_token = torch.zeros(batch, dtype=torch.long, device=device)
     current = torch.full((batch,), -1, dtype=torch.long, device=device)
-    target = p[:, 0]  # (B, V) p' at each row's current node
+    target = p[:, 0].clone()  # (B, V) p' at each row's current node
     tried = torch.zeros_like(target, dtype=torch.bool)  # tokens rejected at the current node
     live = torch.ones(batch, dtype=torch.bool, device=device)  # rows still walking
     for depth in range(path.shape[1] + 1):
@@ -103,27 +103,29 @@ def _walk(
         moved = torch.zeros_like(live)
         for j in range(int(children.sum(dim=1).max()) if depth < path.shape[1] else 0):
             this = children & (rank == j + 1)
-            child = this.long().argmax(dim=1)  # (B,) row b's j-th child, where it has one
+            rows = (this.any(dim=1) & ~moved).nonzero().flatten()  # rows with a j-th child to try
+            child = this[rows].long().argmax(dim=1)
             x = tokens[rows, child]
-            q_child = q[rows, child].masked_fill(tried, 0.0)  # drawn without replacement: tried tokens removed
+            q_child = q[rows, child].masked_fill_(tried[rows], 0.0)  # drawn without replacement: tried ones removed
             mass = q_child.sum(dim=1)
-            # A deterministic child repeating a tried token has nothing left to try.
-            trying = this.any(dim=1) & ~moved & (mass > 0)
-            q_child = q_child / mass.clamp_min(torch.finfo(q_child.dtype).tiny)[:, None]
-            kept = sampling.accept(q_child[rows, x], target[rows, x], generator) & trying  # P = min(1, p'/q')
+            trying = mass > 0  # a deterministic child repeating a tried token has nothing left to try
+            mass = mass.clamp_min(torch.finfo(mass.dtype).tiny)
+            q_x = q_child.gather(1, x[:, None]).squeeze(1) / mass  # q'(x), renormalised
+            kept = sampling.accept(q_x, target[rows, x], generator) & trying  # P = min(1, p'(x) / q'(x))
             rejected = trying & ~kept
-            if residual_update:
-                target = torch.where(rejected[:, None], sampling.residual(target, q_child), target)
+            if residual_update and bool(rejected.any()):
+                out = rows[rejected]
+                target[out] = sampling.residual(target[out], q_child[rejected] / mass[rejected, None])
             tried[rows[rejected], x[rejected]] = True
-            path[:, depth] = torch.where(kept, child, path[:, depth])
-            current = torch.where(kept, child, current)
-            moved |= kept
+            path[rows[kept], depth] = child[kept]
+            current[rows[kept]] = child[kept]
+            moved[rows[kept]] = True
         done = live & ~moved  # every child rejected (or a leaf reached): the residual, or the bonus from p
         if bool(done.any()):
             next_token[done] = sampling.sample(target[done], generator)
         live = moved
         if not bool(live.any()):
             break
-        target = torch.where(moved[:, None], p[rows, current + 1], target)
-        tried &= ~moved[:, None]
+        target[live] = p[live.nonzero().flatten(), current[live] + 1]
+        tried[live] = False
     return path, (path >= 0).sum(dim=1), next_token
