@@ -37,10 +37,9 @@ from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel
 from hfspec import config as cfg
 from hfspec import tree as trees
 from hfspec.cache import KVState
-from hfspec.costs import Price
 from hfspec.drafters import Drafter, Features, Proposal
 from hfspec.models import forward, forward_features, sliding_window, takes_mask_mapping
-from hfspec.policy import GammaPolicy, Step
+from hfspec.policy import GammaPolicy, Plan, Step
 from hfspec.rows import Rows, right_pad
 from hfspec.scoring import DraftContext, Scoring
 from hfspec.stats import Stats, StatsCollector
@@ -107,6 +106,7 @@ class Call:
         self.device = gen.target.get_output_embeddings().weight.device  # where generate put the prompts
         self.sample = conf.do_sample
         self.nodes = nodes  # a tree's node budget per step; 0 for a chain (or the policy's choice)
+        self.depth = trees.shape(nodes)[1] if nodes else 0
         # Sliding windows counted in positions, not cache columns, where the target takes a mask per layer
         # type: the holes that rows keeping fewer drafts leave behind must not use up a row's window.
         self.sliding = (
@@ -123,14 +123,14 @@ class Call:
         rows = self.start(ids, mask)
         while rows.active:
             t0 = now(device)
-            gamma, nodes = self.gamma()
-            proposal, confidence = self.propose(gamma, nodes)  # 1. up to γ drafts per row (or a tree), and their q
+            plan = self.policy.gamma(self.rows.index.cpu()) if not self.nodes else Plan(self.depth, self.nodes)
+            proposal, confidence = self.propose(plan)  # 1. up to γ drafts per row (or a tree), and their q
             t1 = now(device)
             verdict = self.verify(proposal)  # 2-3. one target forward: drafts kept and the next token, per row
-            outcome = self.rollback(verdict)  # 4. both caches forget what was not kept
+            self.rollback(verdict)  # 4. both caches forget what was not kept
             t2 = now(device)
             drafted = proposal.drafted()
-            self.learn(proposal, nodes, drafted, verdict, confidence, outcome, (t1 - t0, t2 - t1))
+            self.learn(plan, proposal, drafted, verdict, confidence, (t1 - t0, t2 - t1))
             block = verdict.tokens()
             committed, has_eos = rows.commit(block, verdict.accepted + 1)  # 5. cut at budgets and EOS
             self.stream(block, committed)
@@ -160,10 +160,9 @@ class Call:
         self.retire(self.rows.exhausted(), torch.zeros_like(self.rows.lengths, dtype=torch.bool))
         return self.rows
 
-    def context(self, price: Price | None = None) -> DraftContext:
-        """What the drafter sees now (with a proposal: how the policy priced it); the step named in errors is the
-        target pass in progress."""
-        return DraftContext(self.rows, self.scoring, self.vocab, self.generator, self.stats.target_passes + 1, price)
+    def context(self) -> DraftContext:
+        """What the drafter sees now; the step named in errors is the target pass in progress."""
+        return DraftContext(self.rows, self.scoring, self.vocab, self.generator, self.stats.target_passes + 1)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
         """Feed all prompt tokens but the last to the target (the last one is pending)."""
@@ -173,56 +172,52 @@ class Call:
         positions = (prefix_mask.cumsum(dim=1) - 1).clamp(min=0)
         self.target_forward(prefix, prefix_mask, positions, prefix_mask.bool(), verification=False, logits_to_keep=1)
 
-    def gamma(self) -> tuple[int, int]:
-        """The step's γ and tree budget: the call's tree, or the policy's γ and tree (0 nodes: a chain); γ (a tree:
-        its depth) cut so that no row drafts past its budget."""
-        if self.nodes:
-            nodes, wanted = self.nodes, trees.shape(self.nodes)[1]
-        else:
-            wanted = self.policy.gamma(self.rows.index.cpu())
-            nodes = self.policy.tree_nodes()
-        return max(0, min(wanted, int(self.rows.left.max()) - 1)), nodes
-
     def learn(
         self,
+        plan: Plan,
         proposal: Proposal,
-        nodes: int,
         drafted: torch.Tensor,
         verdict: Verdict,
         confidence: torch.Tensor | None,
-        outcome: Any,
         seconds: tuple[float, float],
     ) -> None:
-        """Tell the policy what the step did: the proposal (``drafted`` (B,) per row; a tree's shape), the kept
-        path and what the drafter made of it (``outcome``); ``seconds`` of drafting and of verifying."""
+        """Tell the policy what the step did: its plan, the proposal (``drafted`` (B,) per row; a tree's shape; which
+        source drafted each row) and the kept path; ``seconds`` of drafting and of verifying."""
         tree = None if proposal.is_chain else (proposal.parents.cpu(), proposal.mask().cpu())
         self.policy.update(
             Step(
                 self.rows.index.cpu(),
+                plan,
                 proposal.gamma,
                 drafted.cpu(),
                 verdict.accepted.cpu(),
                 confidence,
                 *seconds,
                 path=verdict.path.cpu(),
-                nodes=nodes if tree else 0,
                 parents=tree[0] if tree else None,
                 real=tree[1] if tree else None,
-                outcome=outcome,
+                sources=proposal.sources,
             )
         )
 
-    def propose(self, gamma: int, nodes: int) -> tuple[Proposal, torch.Tensor | None]:
-        """The drafter's proposal (a tree of at most ``nodes`` nodes and γ levels when the step drafts one), priced
-        as the policy priced the step, with its probability of each pick (B, picks) for the policy, if it gave any."""
+    def propose(self, plan: Plan) -> tuple[Proposal, torch.Tensor | None]:
+        """The drafter's proposal for ``plan`` (a tree of at most ``plan.nodes`` nodes when the step drafts one),
+        priced as the policy priced it, with γ (a tree: its depth) cut so that no row drafts past its budget; and
+        its probability of each pick (B, picks) for the policy, if it gave any."""
+        gamma = max(0, min(plan.gamma, int(self.rows.left.max()) - 1))
         if not gamma:
             return Proposal.empty(self.rows.active, self.device), None
-        if nodes:
-            ctx = self.context()
-            proposal = self.drafter.propose_tree(ctx, nodes, gamma)
+        ctx = self.context()
+        if plan.nodes:
+            proposal = self.drafter.propose_tree(ctx, plan.nodes, gamma)
         else:
-            ctx = self.context(self.policy.price())
-            proposal = self.drafter.propose(ctx, gamma, self.policy.stop)
+            drafts: list[torch.Tensor] = []  # the confidence of each draft so far, which the policy's stop reads
+
+            def stop(i: int, confidence: torch.Tensor) -> bool:
+                drafts.append(confidence)
+                return self.policy.stop(plan, drafts)
+
+            proposal = self.drafter.propose(ctx, gamma, stop, plan.price)
         return proposal, ctx.confidence()
 
     def verify(self, proposal: Proposal) -> Verdict:
@@ -292,15 +287,14 @@ class Call:
         where the target has one (trees run only where ``self.sliding`` covers it: see check_tree_attention)."""
         return self.kv.tree_attention(self.target, visible, positions, positions, self.sliding)
 
-    def rollback(self, verdict: Verdict) -> Any:
+    def rollback(self, verdict: Verdict) -> None:
         """The drafter keeps what it needs of its drafts; the target keeps the pending token and the kept path.
         Runs before the commit, with the kept path's tokens written after the committed tokens (drafters read
-        them). Returns what the drafter's commit made of the step, for the policy (a hybrid's ``Outcome``)."""
+        them)."""
         self.rows.write(verdict.tokens())
-        outcome = self.drafter.commit(self.context(), verdict.path)
+        self.drafter.commit(self.context(), verdict.path)
         columns = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1)
         self.kv.keep(verdict.accepted + 1, verdict.start, verdict.fed, columns)
-        return outcome
 
     def stream(self, block: torch.Tensor, count: torch.Tensor | None = None) -> None:
         """Hand the streamer row 0's first ``count[0]`` tokens of ``block`` (B, k), or all of ``block``."""

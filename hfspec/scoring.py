@@ -16,7 +16,6 @@ import torch
 from transformers import LogitsProcessor
 
 from hfspec import sampling
-from hfspec.costs import Price
 from hfspec.errors import NumericalFault
 from hfspec.rows import Rows
 
@@ -95,10 +94,8 @@ class DraftContext:
         vocab: int,
         generator: torch.Generator | None,
         step: int,
-        price: Price | None = None,
     ):
         self.rows, self.scoring, self.vocab, self.generator, self.step = rows, scoring, vocab, generator, step
-        self.price = price
         self.tokens, self.lengths, self.sample = rows.tokens, rows.lengths, scoring.sample
         self.picked: list[torch.Tensor] = []  # (B,) the drafter's probability of each pick, in order
 

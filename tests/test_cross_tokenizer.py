@@ -280,9 +280,9 @@ def test_negative_control_q_without_the_shared_processing_is_detected(pair, monk
     )
     propose = CrossTokenizerDrafter.propose
 
-    def unprocessed_q(self, ctx, gamma, stop=None):
+    def unprocessed_q(self, ctx, gamma, stop=None, price=None):
         raw.clear()
-        out = propose(self, ctx, gamma, stop)
+        out = propose(self, ctx, gamma, stop, price)
         return dataclasses.replace(out, q=torch.stack([torch.softmax(r, dim=-1) for r in raw], dim=1))
 
     monkeypatch.setattr(CrossTokenizerDrafter, "propose", unprocessed_q)

@@ -33,7 +33,7 @@ from hfspec.tree.proposal import Proposal, Sources
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["Context", "Drafter", "Features", "Proposal", "Sources", "Stop", "kept_drafts", "merges_rows"]
+__all__ = ["Context", "Drafter", "Features", "Proposal", "Sources", "Stop", "builds_trees", "kept_drafts", "merges_rows"]
 
 # stop(i, confidence): after i drafts, with (B,) the drafter's probability of each row's
 # last draft, True ends the step's drafting early.
@@ -48,7 +48,7 @@ class Features:
     token each column read; ``valid`` (B, k) bool: the column read a real token (not padding,
     not a padding draft). Columns of the prefill are committed as they come; those of a
     verification (``verification=True``: the pending token, then the drafts) are committed
-    for the first ``num_accepted + 1`` columns, which the next ``commit`` tells.
+    for the pending token and the kept path, which the next ``commit`` tells.
     """
 
     values: torch.Tensor
@@ -65,9 +65,6 @@ class Context(Protocol):
     vocab: int  # ids [0, vocab) are the ones both sides can score
     sample: bool  # False: greedy decoding
     generator: torch.Generator | None
-    # How the γ policy priced the step being proposed (gamma="auto"), for a drafter that can take cheaper steps
-    # (``hfspec.drafters.hybrid``); None: by expected tokens alone, and outside a proposal.
-    price: Price | None
 
     def dists(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft distributions (B, k, V) at k tree nodes from raw logits (B, k, ≥vocab), processed as the
@@ -90,7 +87,8 @@ class Drafter:
     # A short name for stats and errors; the loop and the command line never branch on it.
     kind: str = "drafter"
     # True when each step's rows may draft from two sources (a model, or lookup alone), each priced by the policy
-    # (``Context.price``) and reported by ``commit`` (a hybrid's ``Outcome``); such a drafter drafts no trees.
+    # (the ``price`` handed to ``propose``) and named in the proposal (``Proposal.sources``); such a drafter drafts
+    # no trees.
     mixes_sources: bool = False
     # The draft model this drafter runs as its own, whose cache and state the generator checks; None
     # for lookup and for an EAGLE-3 head (a head is no causal LM: it drafts from the target's features).
@@ -105,8 +103,10 @@ class Drafter:
     def observe(self, ctx: Context, features: Features) -> None:
         """Target features of the columns a target forward just read (only with ``feature_layers``)."""
 
-    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
-        """A chain of up to ``gamma`` drafts per row."""
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
+        """A chain of up to ``gamma`` drafts per row; ``stop`` may end it early; ``price``: how the γ policy priced
+        the step (``gamma="auto"``), for a drafter that can take cheaper steps (``hfspec.drafters.hybrid``); None:
+        by expected tokens alone."""
         raise NotImplementedError
 
     def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal:
@@ -114,12 +114,10 @@ class Drafter:
         build one proposes its chain of ``depth`` drafts."""
         return self.propose(ctx, depth)
 
-    def commit(self, ctx: Context, path: torch.Tensor) -> Any:
+    def commit(self, ctx: Context, path: torch.Tensor) -> None:
         """After each verification: row b kept the nodes ``path[b]`` (B, D) of the last proposal, up to the first
         -1 (a chain's path is 0, 1, …; none for a step without a proposal); their tokens follow the committed ones
-        in ``ctx.tokens``, and ``ctx.lengths`` still counts the tokens before that step. Returns what a γ policy
-        may learn of the step beyond the counts (a hybrid's ``Outcome``: ``Step.outcome``), or None."""
-        return None
+        in ``ctx.tokens``, and ``ctx.lengths`` still counts the tokens before that step."""
 
     def finished(self, row: int, output: torch.Tensor) -> None:
         """Row ``row`` ended with ``output`` (1-D), its committed new tokens; it leaves at the next
@@ -155,6 +153,17 @@ class Drafter:
     def parameters(self) -> int | None:
         """Parameters one drafting step reads: decoding is memory-bound, so this ÷ the target's is a first
         guess at the cost ratio c. 0 for a drafter that runs no model; None when the drafter cannot tell."""
+        return None
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        """The module a drafting step runs (a draft model, a head); None for lookup."""
+        return self.model
+
+    @property
+    def lookup(self) -> Drafter | None:
+        """The n-gram drafter whose store of earlier outputs this drafter drafts from, if any
+        (``hfspec.drafters.ngram``)."""
         return None
 
     @property

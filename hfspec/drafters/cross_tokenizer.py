@@ -48,7 +48,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec.cache import KVState
-from hfspec.costs import forward_seconds
+from hfspec.costs import Price, forward_seconds
 from hfspec.cpu import draft_linear
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_drafts
 from hfspec.drafters.vocabulary import VocabMap, token_bytes, vocab_map
@@ -130,7 +130,7 @@ class CrossTokenizerDrafter(Drafter):
         self.drafts, self.spelled_step = None, False  # nothing of a call cut short is rolled back in this one
         self.device_map = self.map.to(device)
 
-    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
         if not ctx.sample and self.greedy == "slem":
             return self._propose_text(ctx, gamma, stop)
         tokens, qs = [], []

@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from hfspec import tree
 from hfspec.cache import KVState
+from hfspec.costs import Price
 from hfspec.cpu import attention as cpu_attention
 from hfspec.cpu import fast
 from hfspec.cpu.quant import QuantEmbedding
@@ -149,6 +150,10 @@ class Eagle3Drafter(Drafter):
         return cls(load_head(path, dtype=dtype or target.dtype, device=device), target)
 
     @property
+    def module(self) -> torch.nn.Module:
+        return self.head
+
+    @property
     def device(self) -> torch.device:
         return self.head.fc.weight.device
 
@@ -183,7 +188,7 @@ class Eagle3Drafter(Drafter):
     def observe(self, ctx: Context, features: Features) -> None:
         fused = self.head.fuse(features.values.to(device=self.device, dtype=self.head.fc.weight.dtype))
         if features.verification:
-            self.verified = fused  # its first num_accepted + 1 columns are committed at commit
+            self.verified = fused  # the pending column and the kept path are committed at commit
             return
         valid = features.valid.to(self.device)
         order = torch.sort((~valid).long(), dim=1, stable=True).indices  # valid columns first, in order
@@ -216,7 +221,7 @@ class Eagle3Drafter(Drafter):
         return ctx.pick(self._full(logits).to(ctx.tokens.device), i)
 
     @torch.inference_mode()
-    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
         hidden, tokens, positions, valid = self._unfed(ctx)
         # A row's first draft needs one context pair (a one-token prompt has none yet).
         can_draft = self.pending > 0

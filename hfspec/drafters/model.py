@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from hfspec import tree
 from hfspec.cache import KVState
-from hfspec.costs import forward_seconds
+from hfspec.costs import Price, forward_seconds
 from hfspec.cpu import draft_linear
 from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_drafts
 from hfspec.models import check_causal_lm, check_tree_attention, forward, model_vocab_size, sliding_window
@@ -52,7 +52,7 @@ class ModelDrafter(Drafter):
         positions = positions.clamp(min=0)
         return ctx.tokens.gather(1, positions), valid.long(), positions
 
-    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
         feed, valid, positions = self._unfed(ctx)
         tokens, qs = [], []
         for i in range(gamma):

@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from hfspec.drafters import Context, Drafter, Proposal, Stop
+from hfspec.costs import Price
+from hfspec.drafters import Context, Drafter, Proposal, Sources, Stop
 from hfspec.errors import HfspecError
 
 SEPARATOR = -1  # ends each output in the store; equal to no token, so no match crosses it
@@ -216,9 +217,10 @@ class NgramDrafter(Drafter):
     ``candidates``: most recent earlier ends compared per lookup; ``history``: also look up
     earlier outputs of this drafter, at most ``history_tokens`` tokens of them.
 
-    After each ``propose``, ``match_lengths`` (B,) holds m per row and ``expected`` (B,)
-    ΣP, the proposal's expected accepted tokens were its empirical frequencies the
-    acceptance probabilities (0 for rows without a proposal).
+    A proposal's ``sources`` say, per row, how many tokens the lookup drafted after a match of how many
+    (``Sources.lookup``, ``Sources.matched``); after each ``propose``, ``expected`` (B,) holds ΣP, the
+    proposal's expected accepted tokens were its empirical frequencies the acceptance probabilities (0 for
+    rows without a proposal).
     """
 
     kind = "ngram"
@@ -255,7 +257,6 @@ class NgramDrafter(Drafter):
         self.rows: list[TokenIndex] = []
         self.own_context = False  # rows of this drafter look up their own context only (``fork``)
         self.own: list[bool] = []  # per row: its own context only
-        self.match_lengths = torch.zeros(0, dtype=torch.long)
         self.expected = torch.zeros(0)
 
     def start(self, batch: int, device: torch.device) -> None:
@@ -289,17 +290,18 @@ class NgramDrafter(Drafter):
             if n > 0:
                 row.extend(tokens[:n])
 
-    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
         self._catch_up(ctx)
         picks = [self._propose_row(row, gamma, ctx.vocab, own) for row, own in zip(self.rows, self.own)]
         width = max((len(tokens) for tokens, _, _ in picks), default=0)
         device = ctx.tokens.device
         flat = [x for t, _, _ in picks for x in t + [0] * (width - len(t))]
         tokens = torch.tensor(flat, dtype=torch.long).view(len(picks), width).to(device)
-        counts = torch.tensor([len(t) for t, _, _ in picks], dtype=torch.long).to(device)
-        self.match_lengths = torch.tensor([m for _, _, m in picks], dtype=torch.long)
+        counts = torch.tensor([len(t) for t, _, _ in picks], dtype=torch.long)
+        matched = torch.tensor([m for _, _, m in picks], dtype=torch.long)
         self.expected = torch.tensor([sum(chance) for _, chance, _ in picks], dtype=torch.float32)
-        return Proposal.chain(tokens, None, counts, forwards=0)
+        sources = Sources(counts, matched, counts > 0, torch.zeros_like(counts), 0)
+        return Proposal.chain(tokens, None, counts.to(device), forwards=0).with_sources(sources)
 
     def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal:
         """Every continuation of the matched suffix (in the context and in earlier outputs), merged into one
@@ -376,6 +378,10 @@ class NgramDrafter(Drafter):
         """Forget the earlier outputs."""
         if self.history is not None:
             self.history.clear()
+
+    @property
+    def lookup(self) -> NgramDrafter | None:
+        return self if self.history is not None else None
 
     @property
     def parameters(self) -> int:

@@ -45,7 +45,7 @@ from hfspec.drafters import Proposal
 from hfspec.errors import NumericalFault
 from hfspec.generator import SpeculativeGenerator
 from hfspec.loop import Call, Verdict
-from hfspec.policy import GammaPolicy, Step
+from hfspec.policy import GammaPolicy, Plan, Step
 from hfspec.rows import Rows
 from hfspec.sampling import Warpers
 from hfspec.settings import SamplingParams
@@ -79,7 +79,6 @@ class RowContext:
     """What a drafter sees of the batch (``hfspec.drafters.Context``), with ``pick`` done per row."""
 
     generator = None  # no stream shared by the rows: each draws from its own
-    price = None  # drafting priced by expected tokens alone (no hybrid's model switch)
 
     def __init__(self, batch: Batch, gammas: torch.Tensor | None = None):
         self.rows, self.states, self.vocab, self.gammas = batch.rows, batch.states, batch.vocab, gammas
@@ -128,7 +127,7 @@ class Batch(Call):
     def active(self) -> int:
         return len(self.states)
 
-    def context(self, price: object = None) -> RowContext:
+    def context(self) -> RowContext:
         return RowContext(self, self.gammas)
 
     def prefill_alone(self, state: RowState, prompt: list[int], params: SamplingParams, eos: list[int]) -> Batch:
@@ -173,19 +172,21 @@ class Batch(Call):
             self.states = [s for s, done in zip(self.states, finished.tolist()) if not done]
         self.check()
 
-    def plan(self) -> int:
-        """Each row's γ for the next step (``self.gammas``), cut by its budget; returns the widest."""
-        auto = 0
+    def plan(self) -> Plan | None:
+        """Each row's γ for the next step (``self.gammas``), cut by its budget; the batch policy's plan, if asked."""
+        plan = None
         if self.auto is not None and any(s.gamma is None for s in self.states):
-            auto = self.auto.gamma(self.rows.index.cpu())
+            plan = self.auto.gamma(self.rows.index.cpu())
+        auto = plan.gamma if plan is not None else 0
         wanted = torch.tensor([auto if s.gamma is None else s.gamma for s in self.states], device=self.device)
         self.gammas = torch.minimum(wanted, self.rows.left - 1).clamp(min=0)
-        return int(self.gammas.max())
+        return plan
 
     def step(self) -> list[Committed]:
         """propose → verify → roll back → accept, once for every row; what each row committed."""
         t0 = now(self.device)
-        gamma = self.plan()
+        plan = self.plan()
+        gamma = int(self.gammas.max())
         ctx = self.context()
         proposal = self.drafter.propose(ctx, gamma) if gamma else Proposal.empty(self.active, self.device)
         t1 = now(self.device)
@@ -193,18 +194,10 @@ class Batch(Call):
         self.rollback(verdict)
         t2 = now(self.device)
         drafted, accepted = verdict.proposal.drafted(), verdict.accepted
-        if self.auto is not None and any(s.gamma is None for s in self.states):
-            step = Step(
-                self.rows.index.cpu(),
-                gamma,
-                drafted.cpu(),
-                accepted.cpu(),
-                ctx.confidence(),
-                t1 - t0,
-                t2 - t1,
-                path=verdict.path.cpu(),
-            )
-            self.auto.update(step)
+        if plan is not None:
+            rows, seconds = self.rows.index.cpu(), (t1 - t0, t2 - t1)
+            path = verdict.path.cpu()
+            self.auto.update(Step(rows, plan, gamma, drafted.cpu(), accepted.cpu(), ctx.confidence(), *seconds, path))
         block = verdict.tokens()
         committed, has_eos = self.rows.commit(block, accepted + 1)
         exhausted = self.rows.exhausted()

@@ -29,6 +29,7 @@ class Sources:
     n-gram lookup beside a draft model). Tensors are CPU, one entry per row."""
 
     lookup: torch.Tensor  # (B,) long: the lookup's drafts in the row (0: it found no match)
+    matched: torch.Tensor  # (B,) long: the length of the lookup's match (0: none)
     took_lookup: torch.Tensor  # (B,) bool: the row's drafts are the lookup's; else the model's, where it ran
     agree: torch.Tensor  # (B,) long: how many leading lookup drafts equal the model's (rows where both drafted)
     model_gamma: int  # drafts the model was asked for: what the step paid for (0: the model did not run)
