@@ -33,7 +33,17 @@ from hfspec.tree.proposal import Proposal, Sources
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["Context", "Drafter", "Features", "Proposal", "Sources", "Stop", "builds_trees", "kept_drafts", "merges_rows"]
+__all__ = [
+    "Context",
+    "Drafter",
+    "Features",
+    "Proposal",
+    "Sources",
+    "Stop",
+    "builds_trees",
+    "kept_drafts",
+    "merges_rows",
+]
 
 # stop(i, confidence): after i drafts, with (B,) the drafter's probability of each row's
 # last draft, True ends the step's drafting early.
