@@ -127,11 +127,10 @@ class Call:
             proposal, confidence = self.propose(plan)  # 1. up to γ drafts per row (or a tree), and their q
             t1 = now(device)
             verdict = self.verify(proposal)  # 2-3. one target forward: drafts kept and the next token, per row
-            self.rollback(verdict)  # 4. both caches forget what was not kept
+            block = self.rollback(verdict)  # 4. both caches forget what was not kept
             t2 = now(device)
             drafted = proposal.drafted()
             self.learn(plan, proposal, drafted, verdict, confidence, (t1 - t0, t2 - t1))
-            block = verdict.tokens()
             committed, has_eos = rows.commit(block, verdict.accepted + 1)  # 5. cut at budgets and EOS
             self.stream(block, committed)
             self.stats.record(
@@ -287,14 +286,18 @@ class Call:
         where the target has one (trees run only where ``self.sliding`` covers it: see check_tree_attention)."""
         return self.kv.tree_attention(self.target, visible, positions, positions, self.sliding)
 
-    def rollback(self, verdict: Verdict) -> None:
+    def rollback(self, verdict: Verdict) -> torch.Tensor:
         """The drafter keeps what it needs of its drafts; the target keeps the pending token and the kept path.
         Runs before the commit, with the kept path's tokens written after the committed tokens (drafters read
-        them)."""
-        self.rows.write(verdict.tokens())
+        them); returns those tokens (``Verdict.tokens``)."""
+        block = verdict.tokens()
+        self.rows.write(block)
         self.drafter.commit(self.context(), verdict.path)
-        columns = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1)
+        columns = None  # a chain's kept columns are in place
+        if not verdict.proposal.is_chain:
+            columns = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1)
         self.kv.keep(verdict.accepted + 1, verdict.start, verdict.fed, columns)
+        return block
 
     def stream(self, block: torch.Tensor, count: torch.Tensor | None = None) -> None:
         """Hand the streamer row 0's first ``count[0]`` tokens of ``block`` (B, k), or all of ``block``."""

@@ -191,14 +191,13 @@ class Batch(Call):
         proposal = self.drafter.propose(ctx, gamma) if gamma else Proposal.empty(self.active, self.device)
         t1 = now(self.device)
         verdict = self.verify(proposal)  # drafts kept and the next token, per row
-        self.rollback(verdict)
+        block = self.rollback(verdict)
         t2 = now(self.device)
         drafted, accepted = verdict.proposal.drafted(), verdict.accepted
         if plan is not None:
             rows, seconds = self.rows.index.cpu(), (t1 - t0, t2 - t1)
             path = verdict.path.cpu()
             self.auto.update(Step(rows, plan, gamma, drafted.cpu(), accepted.cpu(), ctx.confidence(), *seconds, path))
-        block = verdict.tokens()
         committed, has_eos = self.rows.commit(block, accepted + 1)
         exhausted = self.rows.exhausted()
         out = []
