@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # what the names below are, for readers and type checkers
     from hfspec.decoding.stats import RowStats, Stats
     from hfspec.errors import HfspecError, NumericalFault
     from hfspec.generator import GenerateOutput, SpeculativeGenerator
-    from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma
+    from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, Plan, Step
 
 # The public names, by the module that defines them. They are imported on first use (PEP 562), not by
 # ``import hfspec``: torch and transformers take seconds to import, and ``hfspec --version`` needs neither.
@@ -31,6 +31,8 @@ _EXPORTS = {
     "FixedGamma": "hfspec.policy",
     "GammaPolicy": "hfspec.policy",
     "HeuristicGamma": "hfspec.policy",
+    "Plan": "hfspec.policy",  # what a policy's gamma() returns
+    "Step": "hfspec.policy",  # what its update() learns from
     "RowStats": "hfspec.decoding.stats",
     "Stats": "hfspec.decoding.stats",
 }
@@ -47,9 +49,11 @@ __all__ = [
     "HeuristicGamma",
     "HfspecError",
     "NumericalFault",
+    "Plan",
     "RowStats",
     "SpeculativeGenerator",
     "Stats",
+    "Step",
     "__version__",
 ]
 

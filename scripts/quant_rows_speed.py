@@ -136,7 +136,7 @@ def forward(rows: list[int], repeats: int, context: int) -> dict:
             kv.cache,
             logits_to_keep=0,
         )
-        kv.rollback(torch.zeros(1, dtype=torch.long), start, feed)
+        kv.keep(torch.zeros(1, dtype=torch.long), start, feed)
 
     seconds, dropped = quiet_rounds([lambda k=k: step(k) for k in rows], repeats)
     best = dict(zip(rows, seconds))

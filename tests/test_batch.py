@@ -6,7 +6,7 @@ import pytest
 import tiny
 import torch
 
-from hfspec import SpeculativeGenerator
+from hfspec import SpeculativeGenerator, tree
 from hfspec.decoding.loop import Verdict
 from hfspec.decoding.rows import Rows
 from hfspec.drafters import Proposal
@@ -120,8 +120,9 @@ def test_batched_sampling_is_reproducible_and_rows_differ(tiny_pair):
 
 
 def test_a_verdict_commits_the_kept_drafts_then_the_next_token():
-    proposal = Proposal(torch.tensor([[3, 4, 5], [6, 7, 8]]))
-    verdict = Verdict(proposal, torch.tensor([1, 3]), torch.tensor([9, 10]), start=0, fed=torch.zeros(2, 4))
+    proposal, accepted = Proposal(torch.tensor([[3, 4, 5], [6, 7, 8]])), torch.tensor([1, 3])
+    path = tree.chain_path(accepted, 3)
+    verdict = Verdict(proposal, accepted, torch.tensor([9, 10]), start=0, fed=torch.zeros(2, 4), path=path)
     block = verdict.tokens()
     assert block[0, :2].tolist() == [3, 9] and block[1].tolist() == [6, 7, 8, 10]
 

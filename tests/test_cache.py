@@ -70,7 +70,7 @@ def test_single_row_caches_hold_exactly_the_committed_tokens(pair, kind, monkeyp
 
 def test_invariant_check_catches_a_missing_rollback(pair, monkeypatch):
     target, drafts, tok = pair
-    monkeypatch.setattr(KVState, "rollback", lambda self, keep, start, ids=None: None)
+    monkeypatch.setattr(KVState, "keep", lambda self, keep, start, ids=None, path=None: None)
     with pytest.raises(AssertionError, match="cache"):
         SpeculativeGenerator(target, drafts["unrelated"], tok).generate([[7, 8, 9]], max_new_tokens=10, gamma=3)
 
@@ -82,7 +82,7 @@ def test_rollback_leaves_a_cache_equal_to_a_fresh_forward(pair):
     ones = torch.ones_like(seq)
     pos = torch.arange(8)[None]
     forward(target, seq, kv.extend_mask(ones), pos, kv.cache)
-    kv.rollback(torch.tensor([3]), start=2)  # keep 2 + 3 = 5 positions
+    kv.keep(torch.tensor([3]), start=2)  # keep 2 + 3 = 5 positions
     assert kv.length == 5 and kv.cache.get_seq_length() == 5
     nxt = torch.tensor([[20]])
     got = forward(target, nxt, kv.extend_mask(torch.ones_like(nxt)), torch.tensor([[5]]), kv.cache)[:, -1]
@@ -96,7 +96,7 @@ def test_rollback_with_ragged_rows_masks_holes(pair):
     kv = KVState(2, seqs.device)
     pos = torch.arange(5).expand(2, -1)
     forward(target, seqs, kv.extend_mask(torch.ones_like(seqs)), pos, kv.cache)
-    kv.rollback(torch.tensor([1, 3]), start=1)  # row 0 keeps 2 positions, row 1 keeps 4
+    kv.keep(torch.tensor([1, 3]), start=1)  # row 0 keeps 2 positions, row 1 keeps 4
     assert kv.length == 4
     assert kv.mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     # Row 0's next token sits at position 2 and must see exactly [7, 8].

@@ -8,6 +8,7 @@ own tokenizer and saved by path with it.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -26,7 +27,6 @@ from hfspec.bench import Bench, Contender, Mode
 from hfspec.commands import cli
 from hfspec.cpu import fast
 from hfspec.decoding import sampling
-from hfspec.drafters import Proposal
 from hfspec.drafters.cross_tokenizer import PRIME, REWORK, CrossTokenizerDrafter
 from hfspec.drafters.loading import load_pair
 from hfspec.drafters.vocabulary import byte_decoder, vocab_map
@@ -245,7 +245,7 @@ def test_draft_context_is_its_tokenization_of_the_committed_text(pair, monkeypat
             text = tok.decode(ctx.tokens[b, : ctx.lengths[b]].tolist())
             assert row.seq == draft_tok(text, add_special_tokens=False)["input_ids"], (steps, text)
         # Commit nothing of the proposal, and one to three more tokens of each text.
-        drafter.commit(ctx, torch.zeros(2, dtype=torch.long))
+        drafter.commit(ctx, torch.full((2, 2), -1))
         drafter.check(ctx)
         ctx.lengths = torch.tensor([min(int(n) + 1 + steps % 3, len(f)) for n, f in zip(ctx.lengths, full)])
         for b, f in enumerate(full):
@@ -282,10 +282,10 @@ def test_negative_control_q_without_the_shared_processing_is_detected(pair, monk
     )
     propose = CrossTokenizerDrafter.propose
 
-    def unprocessed_q(self, ctx, gamma, stop=None):
+    def unprocessed_q(self, ctx, gamma, stop=None, price=None):
         raw.clear()
-        out = propose(self, ctx, gamma, stop)
-        return Proposal(out.tokens, torch.stack([torch.softmax(r, dim=-1) for r in raw], dim=1), out.counts)
+        out = propose(self, ctx, gamma, stop, price)
+        return dataclasses.replace(out, q=torch.stack([torch.softmax(r, dim=-1) for r in raw], dim=1))
 
     monkeypatch.setattr(CrossTokenizerDrafter, "propose", unprocessed_q)
     prompt = gen.tokenizer("The cat")["input_ids"]

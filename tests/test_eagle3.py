@@ -187,10 +187,10 @@ def record_proposals(drafter: Eagle3Drafter, monkeypatch) -> list:
         seen.append(logits.clone())
         return pick(ctx, logits, i)
 
-    def recording_propose(ctx, gamma, stop=None):
+    def recording_propose(ctx, gamma, stop=None, price=None):
         tokens, lengths = ctx.tokens.clone(), ctx.lengths.clone()
         seen.clear()
-        proposal = propose(ctx, gamma, stop)
+        proposal = propose(ctx, gamma, stop, price)
         records.append((tokens, lengths, proposal, torch.stack(seen, dim=1)))
         return proposal
 

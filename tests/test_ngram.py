@@ -97,7 +97,9 @@ def test_proposal_length_follows_the_match_length_and_gamma():
     assert [len(p) for p in propose(NgramDrafter(min_match=1, factor=2.0), rows, 8)] == [4, 6, 0, 2]
     drafter = NgramDrafter(factor=2.0)
     assert propose(drafter, rows, 8)[1] == pattern[3:9]
-    assert drafter.match_lengths.tolist() == [2, 3, 0, 0]
+    drafter.start(len(rows), torch.device("cpu"))
+    sources = drafter.propose(Ctx(rows), 8).sources  # what the proposal says of its lookup, per row
+    assert sources.matched.tolist() == [2, 3, 0, 0] and sources.lookup.tolist() == [4, 6, 0, 0]
 
 
 def test_a_repeating_pattern_continues_past_the_end_of_the_context():

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from hfspec.drafters import Drafter, Proposal
-from hfspec.drafters.hybrid import HybridDrafter, Outcome
+from hfspec.drafters.hybrid import HybridDrafter
 from hfspec.measure.alpha import AlphaEstimate
 from hfspec.measure.costs import Costs, Price
-from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Step, TreeStep, Tuning
+from hfspec.policy import AutoGamma, CostModelGamma, HeuristicGamma, Plan, Step, Tuning
+from hfspec.policy.auto import AutoPlan
+from hfspec.tree import Sources
 from hfspec.tree import shape as tree_shape
 from hfspec.tree.acceptance import TreeAcceptance, first_children
 
@@ -27,8 +29,10 @@ def step(
     draft_seconds: float | None = None,
     verify_seconds: float | None = None,
     costs: Costs | None = None,
+    plan: Plan | None = None,
 ) -> Step:
-    """A scripted step; by default it took exactly what ``costs`` predict."""
+    """A scripted step of ``plan`` (by default a plain plan of γ); by default it took exactly what ``costs``
+    predict."""
     rows = torch.arange(len(accepted))
     drafted_t = torch.tensor(drafted if drafted is not None else [gamma] * len(accepted))
     if costs is not None:
@@ -36,6 +40,7 @@ def step(
         verify_seconds = costs.verify[gamma + 1] if verify_seconds is None else verify_seconds
     return Step(
         rows,
+        Plan(gamma) if plan is None else plan,
         gamma,
         drafted_t,
         torch.tensor(accepted),
@@ -64,36 +69,36 @@ def test_cost_model_follows_the_acceptance_rate():
     policy = CostModelGamma(cost=0.05)
     for _ in range(50):
         policy.update(step(4, [4]))  # every draft accepted: the estimate of α rises, and so does γ
-    assert policy.alpha > 0.9 and policy.gamma(ROW) == 8
+    assert policy.alpha > 0.9 and policy.gamma(ROW).gamma == 8
     for _ in range(200):
         policy.update(step(4, [0]))
-    assert policy.alpha < 0.1 and policy.gamma(ROW) == 1
+    assert policy.alpha < 0.1 and policy.gamma(ROW).gamma == 1
 
 
 def test_heuristic_grows_after_full_acceptance_and_shrinks_otherwise():
     policy = HeuristicGamma(value=3)
     policy.update(step(3, [3]))
-    assert policy.gamma(ROW) == 5
+    assert policy.gamma(ROW).gamma == 5
     policy.update(step(5, [2]))
-    assert policy.gamma(ROW) == 4
+    assert policy.gamma(ROW).gamma == 4
 
 
 def test_auto_picks_plain_decoding_when_nothing_pays():
     costs = cpu_costs()
     policy = auto(costs, prior=0.05)
-    assert policy.gamma(ROW) == 0
+    assert policy.gamma(ROW).gamma == 0
     # A free verification and a free draft pay even for a poor draft.
     flat = Costs(dict.fromkeys(range(1, 10), 0.04), 0.0)
-    assert auto(flat, prior=0.05).gamma(ROW) >= 1
+    assert auto(flat, prior=0.05).gamma(ROW).gamma >= 1
 
 
 def test_auto_follows_the_measured_verification_cost_not_a_formula():
     # Verifying 2..3 tokens is cheap, 4+ dear (this CPU): a good draft still stops at γ = 2.
     costs = cpu_costs(v=(1.05, 1.10, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0))
-    assert auto(costs, prior=0.8).gamma(ROW) == 2
+    assert auto(costs, prior=0.8).gamma(ROW).gamma == 2
     # On a machine where 5 tokens cost no more than 2 (the EPYC's dip), γ = 4 wins.
     costs = cpu_costs(v=(1.63, 2.01, 1.46, 1.22, 3.0, 3.0, 3.0, 3.0))
-    assert auto(costs, prior=0.6).gamma(ROW) == 4
+    assert auto(costs, prior=0.6).gamma(ROW).gamma == 4
 
 
 def test_auto_comes_back_when_acceptance_rises():
@@ -101,10 +106,11 @@ def test_auto_comes_back_when_acceptance_rises():
     policy = auto(costs, prior=0.05)
     chosen = []
     for _ in range(400):
-        g = policy.gamma(ROW)
+        plan = policy.gamma(ROW)
+        g = plan.gamma
         chosen.append(g)
         # The draft has become perfect: every probe is fully accepted.
-        policy.update(step(g, [g], confidence=[[0.9] * g] if g else None, costs=costs))
+        policy.update(step(g, [g], confidence=[[0.9] * g] if g else None, costs=costs, plan=plan))
     assert chosen[0] == 0, "starts from the poor acceptance the generator remembers"
     assert chosen.count(0) < 20, "a probe notices the change within a few plain steps"
     assert chosen[-1] >= 2
@@ -115,10 +121,11 @@ def test_probes_get_rarer_while_they_fail():
     policy = auto(costs, prior=0.05)
     probes = []
     for i in range(600):
-        g = policy.gamma(ROW)
+        plan = policy.gamma(ROW)
+        g = plan.gamma
         if g:
             probes.append(i)
-        policy.update(step(g, [0] * 1, confidence=[[0.1] * g] if g else None, costs=costs))
+        policy.update(step(g, [0] * 1, confidence=[[0.1] * g] if g else None, costs=costs, plan=plan))
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0]
 
@@ -128,39 +135,42 @@ def test_auto_stops_drafting_early_on_low_confidence():
     policy = auto(costs, prior=0.7)
     # Teach the calibration: confident drafts are accepted, unsure ones are not.
     for i in range(300):
-        policy.gamma(ROW)
+        plan = policy.gamma(ROW)
         if i % 3:
-            policy.update(step(4, [4], confidence=[[0.95] * 4], costs=costs))
+            policy.update(step(4, [4], confidence=[[0.95] * 4], costs=costs, plan=plan))
         else:
-            policy.update(step(4, [1], confidence=[[0.95, 0.1, 0.1, 0.1]], costs=costs))
-    gamma = policy.gamma(ROW)
-    assert gamma >= 4
-    assert not policy.stop(1, torch.tensor([0.95])), "a confident draft: draft on"
-    assert policy.stop(2, torch.tensor([0.05])), "an unsure draft: the next ones will hardly be accepted"
+            policy.update(step(4, [1], confidence=[[0.95, 0.1, 0.1, 0.1]], costs=costs, plan=plan))
+    plan = policy.gamma(ROW)
+    assert plan.gamma >= 4
+    sure, unsure = torch.tensor([0.95]), torch.tensor([0.05])
+    assert not policy.stop(plan, [sure]), "a confident draft: draft on"
+    assert policy.stop(plan, [sure, unsure]), "an unsure draft: the next ones will hardly be accepted"
+    assert not policy.stop(plan, [sure]), "the plan is unchanged by asking: the same drafts, the same answer"
 
 
 def test_auto_measures_nothing_itself_and_keeps_real_step_times():
     costs = cpu_costs()
     policy = auto(costs, prior=0.6)
-    g = policy.gamma(ROW)
+    g = policy.gamma(ROW).gamma
     before = costs.verify_seconds(1, g + 1)
     for _ in range(30):  # the real verification turns out 3x dearer than measured
-        policy.gamma(ROW)
-        policy.update(step(g, [1], confidence=[[0.5] * g], costs=costs, verify_seconds=3 * before))
+        plan = policy.gamma(ROW)
+        policy.update(step(g, [1], confidence=[[0.5] * g], costs=costs, verify_seconds=3 * before, plan=plan))
     assert costs.verify_seconds(1, g + 1) > 2.5 * before
-    assert policy.gamma(ROW) != g or g == 0
+    assert policy.gamma(ROW).gamma != g or g == 0
 
 
 def test_rows_keep_their_own_acceptance():
     costs = cpu_costs(v=(1.0,) * 8)
     policy = auto(costs, prior=0.5, batch=2)
     for _ in range(100):
-        policy.gamma(torch.tensor([0, 1]))
-        policy.update(Step(torch.tensor([0, 1]), 3, torch.tensor([3, 3]), torch.tensor([3, 0]), None, 0.012, 0.04))
+        plan = policy.gamma(torch.tensor([0, 1]))
+        rows, drafted, accepted = torch.tensor([0, 1]), torch.tensor([3, 3]), torch.tensor([3, 0])
+        policy.update(Step(rows, plan, 3, drafted, accepted, None, 0.012, 0.04))
     alpha = policy.alphas(torch.tensor([0, 1]))
     assert alpha[0] > 0.9 and alpha[1] < 0.1
     # The good row alone is worth drafting for; the bad row alone is not.
-    assert policy.gamma(torch.tensor([0])) > policy.gamma(torch.tensor([1]))
+    assert policy.gamma(torch.tensor([0])).gamma > policy.gamma(torch.tensor([1])).gamma
 
 
 def test_acceptance_counts_runs_and_steps_without_drafts_teach_nothing():
@@ -186,7 +196,7 @@ class Stub(Drafter):
     def __init__(self):
         self.runs = 0
 
-    def propose(self, ctx, gamma: int, stop=None) -> Proposal:
+    def propose(self, ctx, gamma: int, stop=None, price=None) -> Proposal:
         self.runs += 1
         return Proposal(torch.ones(ctx.tokens.shape[0], gamma, dtype=torch.long))
 
@@ -202,24 +212,40 @@ def hybrid_auto(costs: Costs, model: float, lookup: float, match: float = 0.5, b
     return policy
 
 
-def hybrid_step(policy: AutoGamma, gamma: int, lookup: tuple[int, bool] | None, model: tuple[int, int] | None) -> None:
-    """A scripted batch-1 hybrid step that took what the costs predict: the lookup's run (None: no match), and the
-    model's (drafted, accepted) if the row took it."""
-    model_gamma = gamma if policy.model else 0
-    outcome = Outcome([lookup], [model], model_gamma)
+def hybrid_step(
+    policy: AutoGamma, plan: AutoPlan, lookup: tuple[int, bool] | None, model: tuple[int, int] | None
+) -> None:
+    """A scripted batch-1 hybrid step of ``plan`` that took what the costs predict: the lookup's run (None: no
+    match), and the model's (drafted, accepted) if the row took it; told as the proposal's sources and the verdict."""
+    gamma = plan.gamma
+    model_gamma = gamma if plan.price.model else 0
     drafted, accepted = model if model is not None else (gamma, lookup[0]) if lookup is not None else (0, 0)
+    if lookup is None:
+        k, agree = 0, 0
+    elif model is None:  # the row took the lookup's proposal
+        k, agree = gamma, 0
+    else:  # the lookup's proposal agreed with the model's kept drafts for its run
+        k, agree = gamma, lookup[0]
+    sources = Sources(
+        torch.tensor([k]),
+        torch.tensor([2 if k else 0]),
+        torch.tensor([model is None and k > 0]),
+        torch.tensor([agree]),
+        model_gamma,
+    )
     costs = policy.costs
     width = max(drafted, model_gamma)
     policy.update(
         Step(
             ROW,
+            plan,
             width,
             torch.tensor([drafted]),
             torch.tensor([accepted]),
             None,
             model_gamma * costs.draft,
             costs.verify[width + 1],
-            outcome,
+            sources=sources,
         )
     )
 
@@ -239,14 +265,15 @@ def test_a_hybrid_whose_model_never_pays_takes_lookup_steps_at_the_lookups_rate(
     policy = hybrid_auto(costs, model=0.3, lookup=0.5, match=1.0)
     chosen = []
     for _ in range(40):
-        g = policy.gamma(ROW)
-        chosen.append((g, policy.model))
-        hybrid_step(policy, g, (g, False), None)
+        plan = policy.gamma(ROW)
+        chosen.append((plan.gamma, plan.price.model))
+        hybrid_step(policy, plan, (plan.gamma, False), None)
     assert all(g > 0 and not model for g, model in chosen), "every step drafts by lookup alone"
     # n-gram lookup alone (no draft cost) with the same acceptance evidence predicts the same γ and rate.
     ngram = alone(cpu_costs(draft_ms=0.0), policy.lookup_by_row)
-    g, rate = policy.gamma(ROW), policy.rate
-    assert g == 8 and ngram.gamma(ROW) == g and ngram.rate == pytest.approx(rate, rel=1e-12)
+    plan, other = policy.gamma(ROW), ngram.gamma(ROW)
+    g, rate = plan.gamma, plan.rate
+    assert g == 8 and other.gamma == g and other.rate == pytest.approx(rate, rel=1e-12)
     assert rate > 1.5 / costs.verify_seconds(1, 1), "well above plain decoding"
 
 
@@ -256,14 +283,15 @@ def test_a_hybrid_whose_lookup_never_matches_prices_as_its_model():
     policy = hybrid_auto(costs, model=0.8, lookup=0.5)
     chosen = []
     for _ in range(40):
-        g = policy.gamma(ROW)
-        chosen.append((g, policy.model))
-        hybrid_step(policy, g, None, (g, g - 1) if policy.model and g else None)
+        plan = policy.gamma(ROW)
+        g, model = plan.gamma, plan.price.model
+        chosen.append((g, model))
+        hybrid_step(policy, plan, None, (g, g - 1) if model and g else None)
     assert all(g > 0 and model for g, model in chosen[10:]), "the model drafts once the lookup has shown it misses"
     assert policy.match_by_row[0].alpha < 0.05
     model = alone(cpu_costs(draft_ms=2.0, v=(1.05,) * 8), policy.by_row)
-    g, rate = policy.gamma(ROW), policy.rate
-    assert model.gamma(ROW) == g and model.rate == pytest.approx(rate, rel=1e-12)
+    plan, other = policy.gamma(ROW), model.gamma(ROW)
+    assert other.gamma == plan.gamma and other.rate == pytest.approx(plan.rate, rel=1e-12)
 
 
 def test_a_hybrid_falls_back_to_plain_decoding_when_neither_part_pays():
@@ -271,9 +299,10 @@ def test_a_hybrid_falls_back_to_plain_decoding_when_neither_part_pays():
     policy = hybrid_auto(costs, model=0.05, lookup=0.05)
     chosen = []
     for _ in range(60):
-        g = policy.gamma(ROW)
+        plan = policy.gamma(ROW)
+        g = plan.gamma
         chosen.append(g)
-        hybrid_step(policy, g, (0, True), (g, 0) if policy.model and g else None)
+        hybrid_step(policy, plan, (0, True), (g, 0) if plan.price.model and g else None)
     assert chosen[-20:].count(0) >= 18, "plain steps, but for a rare probe"
 
 
@@ -281,11 +310,11 @@ def test_a_lookup_that_rarely_matches_is_still_tried_when_a_match_pays():
     # A lookup costs nothing and verifies only the pending token when it finds nothing: worth trying for any match.
     costs = cpu_costs(draft_ms=40.0)
     policy = hybrid_auto(costs, model=0.3, lookup=0.9, match=0.05)
-    g = policy.gamma(ROW)
-    assert g > 0 and not policy.model and policy.rate > 1 / costs.verify_seconds(1, 1)
+    plan = policy.gamma(ROW)
+    assert plan.gamma > 0 and not plan.price.model and plan.rate > 1 / costs.verify_seconds(1, 1)
     # Once the lookup takes time of its own, a rare match no longer pays for it.
     costs.record_lookup(1, 0.010)
-    assert policy.gamma(ROW) == 0
+    assert policy.gamma(ROW).gamma == 0
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -297,16 +326,14 @@ def test_the_hybrid_is_predicted_no_slower_than_the_faster_of_its_parts(seed):
         draft_ms = float(40 * torch.rand(1, generator=rng))
         v = tuple(sorted((1 + 2 * torch.rand(8, generator=rng)).tolist()))
         policy = hybrid_auto(cpu_costs(draft_ms, v), a_model, a_lookup, match=match)
-        policy.gamma(ROW)
-        model = alone(cpu_costs(draft_ms, v), policy.by_row)
-        ngram = alone(cpu_costs(0.0, v), policy.lookup_by_row)
-        model.gamma(ROW), ngram.gamma(ROW)
+        plan = policy.gamma(ROW)
+        model = alone(cpu_costs(draft_ms, v), policy.by_row).gamma(ROW)
+        ngram = alone(cpu_costs(0.0, v), policy.lookup_by_row).gamma(ROW)
         parts = [model.rate, ngram.rate] if match == 1.0 else [model.rate]
-        assert policy.rate >= max(parts) * (1 - 1e-12)
+        assert plan.rate >= max(parts) * (1 - 1e-12)
         # A lookup that costs 2% of a target step keeps the hybrid within 5% of the faster part.
         policy.costs.record_lookup(1, 0.02 * 0.040)
-        policy.gamma(ROW)
-        assert policy.rate >= 0.95 * max(parts)
+        assert policy.gamma(ROW).rate >= 0.95 * max(parts)
 
 
 def test_the_model_runs_only_where_the_step_pays_for_it():
@@ -314,17 +341,18 @@ def test_the_model_runs_only_where_the_step_pays_for_it():
     tokens = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4], [6, 7, 8, 9, 10, 11, 12, 13]])
     dear, cheap = cpu_costs(draft_ms=40.0), cpu_costs(draft_ms=0.4, v=(1.0,) * 8)
     for costs, model, runs in ((None, True, 1), (cheap, True, 1), (dear, True, 0), (cheap, False, 0)):
-        ctx = SimpleNamespace(
-            tokens=tokens, lengths=torch.tensor([8, 8]), vocab=16, price=None if costs is None else Price(costs, model)
-        )
+        ctx = SimpleNamespace(tokens=tokens, lengths=torch.tensor([8, 8]), vocab=16)
         hybrid = HybridDrafter(Stub())
         hybrid.start(2, torch.device("cpu"))
-        proposal = hybrid.propose(ctx, 4)
+        proposal = hybrid.propose(ctx, 4, None, None if costs is None else Price(costs, model))
         assert hybrid.main.runs == runs, (costs, model)
         # Without the model, the row without a lookup proposal drafts nothing; the other keeps its lookup.
         assert proposal.drafted().tolist()[1] == (4 if runs else 0) and proposal.drafted().tolist()[0] > 0
-        outcome = hybrid.commit(ctx, torch.tensor([0, 0]))
-        assert outcome.model_gamma == 4 * runs and outcome.lookup[1] is None
+        # The proposal says what the step paid for and where each row's drafts came from.
+        sources = proposal.sources
+        assert sources.model_gamma == 4 * runs and sources.lookup[1] == 0
+        assert sources.took_lookup.tolist() == [True, False]  # the repeating row keeps its lookup
+        hybrid.commit(ctx, torch.full((2, 4), -1))
 
 
 # -- trees: auto weighs trees against the chain -------------------------------
@@ -341,22 +369,26 @@ def tree_auto(costs: Costs, chain_alpha: float) -> AutoGamma:
     return policy
 
 
-def second_and_third_guesses_hold_the_target(policy: AutoGamma, steps: int = 40, nodes: int = 8) -> None:
+def second_and_third_guesses_hold_the_target(policy: AutoGamma, steps: int = 40, plan: Plan | None = None) -> None:
     """Tree steps of 8 nodes whose root has 4 children and node 1 the other 4: the target takes the root's
     second child (node 1), then that node's third (node 6): the drafter's top-1 misses, its top-2/top-3 hold.
     Each step took what the costs predict."""
     parents = torch.tensor([[-1, -1, -1, -1, 1, 1, 1, 1]])
+    plan = Plan(2, 8) if plan is None else plan
     for _ in range(steps):
-        policy.update_tree(
-            TreeStep(
+        policy.update(
+            Step(
                 ROW,
-                nodes,
-                parents,
-                torch.ones_like(parents, dtype=torch.bool),
-                torch.tensor([[1, 6]]),
+                plan,
+                2,
+                torch.tensor([8]),
                 torch.tensor([2]),
+                None,
                 2 * policy.costs.draft,
                 policy.costs.verify[9],
+                path=torch.tensor([[1, 6]]),
+                parents=parents,
+                real=torch.ones_like(parents, dtype=torch.bool),
             )
         )
 
@@ -366,16 +398,19 @@ def first_then_second_guess_holds(policy: AutoGamma, steps: int = 40) -> None:
     child, then node 5, node 0's second: a chain of first guesses keeps one draft of two (α about 1/2)."""
     parents = torch.tensor([[-1, -1, -1, -1, 0, 0, 0, 0]])
     for _ in range(steps):
-        policy.update_tree(
-            TreeStep(
+        policy.update(
+            Step(
                 ROW,
-                8,
-                parents,
-                torch.ones_like(parents, dtype=torch.bool),
-                torch.tensor([[0, 5]]),
+                Plan(2, 8),
+                2,
+                torch.tensor([8]),
                 torch.tensor([2]),
+                None,
                 2 * policy.costs.draft,
                 policy.costs.verify[9],
+                path=torch.tensor([[0, 5]]),
+                parents=parents,
+                real=torch.ones_like(parents, dtype=torch.bool),
             )
         )
 
@@ -412,8 +447,8 @@ def test_tree_evidence_learns_acceptance_by_rank_and_depth():
 def test_auto_picks_a_tree_when_verification_is_flat_and_lower_guesses_hold_the_target():
     policy = tree_auto(tree_costs({}), chain_alpha=0.3)
     second_and_third_guesses_hold_the_target(policy)
-    depth = policy.gamma(ROW)
-    assert policy.tree_nodes() in (8, 16, 32) and depth == tree_shape(policy.tree_nodes())[1]
+    plan = policy.gamma(ROW)
+    assert plan.nodes in (8, 16, 32) and plan.gamma == tree_shape(plan.nodes)[1]
 
 
 def test_auto_keeps_the_chain_when_verifying_a_tree_is_dear():
@@ -421,12 +456,12 @@ def test_auto_keeps_the_chain_when_verifying_a_tree_is_dear():
     steep = {k: 1.0 + 0.1 * (k - 1) if k <= 3 else k / 2 for k in range(2, 34)}
     policy = tree_auto(tree_costs(steep), chain_alpha=0.3)
     first_then_second_guess_holds(policy)  # trees keep two drafts a step, chains one of two
-    assert policy.gamma(ROW) >= 1 and policy.tree_nodes() == 0
+    plan = policy.gamma(ROW)
+    assert plan.gamma >= 1 and plan.nodes == 0
     assert tree_auto(tree_costs({}), chain_alpha=0.3).tuning.trees  # the same evidence, flat costs: trees offered
     no_trees = auto(tree_costs({}), prior=0.3)  # a call that may not draft trees never gets one
     second_and_third_guesses_hold_the_target(no_trees)
-    no_trees.gamma(ROW)
-    assert no_trees.tree_nodes() == 0
+    assert no_trees.gamma(ROW).nodes == 0
 
 
 def test_costs_of_tree_sizes_leave_the_chains_maximum_alone():
@@ -439,15 +474,16 @@ def test_tree_probes_let_trees_win_once_they_prove_themselves():
     # A poor chain: plain decoding wins, and the cautious prior keeps trees out too.
     costs = tree_costs({k: 1.0 + 0.05 * k for k in range(2, 34)})
     policy = tree_auto(costs, chain_alpha=0.05)
-    assert policy.gamma(ROW) == 0 and policy.tree_nodes() == 0
+    plan = policy.gamma(ROW)
+    assert plan.gamma == 0 and plan.nodes == 0
     nodes = []
     for _ in range(300):
-        g = policy.gamma(ROW)
-        nodes.append(policy.tree_nodes())
-        if policy.tree_nodes():  # the drafter's second and third guesses hold: every tree keeps two levels
-            second_and_third_guesses_hold_the_target(policy, steps=1, nodes=policy.tree_nodes())
+        plan = policy.gamma(ROW)
+        nodes.append(plan.nodes)
+        if plan.nodes:  # the drafter's second and third guesses hold: every tree keeps two levels
+            second_and_third_guesses_hold_the_target(policy, steps=1, plan=plan)
         else:
-            policy.update(step(g, [0], costs=costs))  # the chain's first guess never holds
+            policy.update(step(plan.gamma, [0], costs=costs, plan=plan))  # the chain's first guess never holds
     assert 0 < nodes.index(8) < 40, "a probe drafts a tree within a few probes"
     assert all(n > 0 for n in nodes[-20:]), "trees that pay are taken every step"
 
@@ -461,6 +497,6 @@ def test_a_large_batch_is_priced_by_its_token_rows_and_speculates_less():
     assert costs.verify_seconds(16, 5) == pytest.approx(costs.verify[top] + slope * (80 - top))
     rows = torch.arange(16)
     alone, crowded = auto(costs, prior=0.7), auto(costs, prior=0.7, batch=16)
-    assert crowded.gamma(rows) < alone.gamma(rows[:1])
+    assert crowded.gamma(rows).gamma < alone.gamma(rows[:1]).gamma
     costs.record_verify(16, 3, 0.5 * costs.verify_seconds(16, 3))  # cheaper than priced: the table follows
     assert costs.verify_seconds(16, 4) < costs.rows(64)

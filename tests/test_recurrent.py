@@ -117,7 +117,7 @@ def rolled_back_logits(model, kv: KVState, past: int, keep: int) -> tuple[torch.
             torch.arange(past + s, past + s + step)[None],
             kv.cache,
         )
-    kv.rollback(torch.tensor([keep]), past, block)
+    kv.keep(torch.tensor([keep]), past, block)
     kv.check(torch.tensor([past + keep]), "model")
     nxt = seq[:, -1:]
     got = forward(

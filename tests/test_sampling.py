@@ -133,8 +133,8 @@ def test_a_uniform_of_exactly_zero_keeps_no_token_of_probability_zero(monkeypatc
     n, _ = sampling.verify(torch.tensor([[0]]), torch.tensor([[[1.0, 0.0]]]), tiny)
     assert n.item() == 1  # any p(x) > 0 is kept at u = 0
     # The tree's walk: a root with one child whose token the target gives 0.
-    proposal = tree.TreeProposal(torch.tensor([[0]]), torch.tensor([[-1]]), torch.tensor([[[1.0, 0.0]]]))
-    path, accepted, nxt = tree.verify_tree(proposal, p)
+    proposal = tree.Proposal(torch.tensor([[0]]), torch.tensor([[[1.0, 0.0]]]), torch.tensor([[-1]]))
+    path, accepted, nxt = tree.verify(proposal, p)
     assert accepted.item() == 0 and nxt.item() == 1
 
 

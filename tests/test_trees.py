@@ -21,9 +21,10 @@ from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
 from hfspec.generator import AUTO_TREES
 from hfspec.measure.costs import Costs
-from hfspec.models import adapter, kv_cache
+from hfspec.models import adapter as models
+from hfspec.models import kv_cache as cache
 from hfspec.models.kv_cache import KVState
-from hfspec.tree import TreeProposal
+from hfspec.tree import Proposal
 from hfspec.tree import probe as tree_probe
 
 V = 9
@@ -46,14 +47,14 @@ def test_depths_and_ancestry_of_a_hand_made_tree():
 
 
 def test_greedy_walk_follows_the_target_argmax():
-    hand = TreeProposal(TOKENS, PARENTS)
+    hand = Proposal(TOKENS, parents=PARENTS)
     # argmax after the root is 5 (node 1), after node 1 is 6 (node 4), after node 4 is 3 (the bonus)
     argmax = torch.tensor([[5, 0, 6, 0, 0, 3]])
-    path, accepted, nxt = tree.verify_tree_greedy(hand, argmax)
+    path, accepted, nxt = tree.verify_greedy(hand, argmax)
     assert path.tolist() == [[1, 4]] and accepted.tolist() == [2] and nxt.tolist() == [3]
     # a padding node never matches, even when its token is the argmax
-    padded = TreeProposal(TOKENS, PARENTS, real=torch.tensor([[True, False, True, True, True]]))
-    path, accepted, nxt = tree.verify_tree_greedy(padded, argmax)
+    padded = Proposal(TOKENS, parents=PARENTS, real=torch.tensor([[True, False, True, True, True]]))
+    path, accepted, nxt = tree.verify_greedy(padded, argmax)
     assert accepted.tolist() == [0] and nxt.tolist() == [5]
 
 
@@ -64,7 +65,7 @@ def test_a_child_equal_to_the_target_is_always_accepted_and_one_of_zero_target_m
     q = torch.full((1, 5, V), 1.0 / V)
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
-        path, accepted, _ = tree.verify_tree(TreeProposal(TOKENS, PARENTS, q), p, g)
+        path, accepted, _ = tree.verify(Proposal(TOKENS, q, PARENTS), p, g)
         assert int(path[0, 0]) == 1  # node 0 (token 4) has ~0 target mass; node 1 is accepted with certainty
 
 
@@ -86,8 +87,8 @@ def two_level_samples(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     parents = torch.cat([torch.full_like(f1, -1), f2], 1)
     q = torch.cat([q1.expand(rows, 3, V), q2[t1].gather(1, f2[:, :, None].expand(-1, -1, V))], 1)
     p = torch.cat([p1.expand(rows, 1, V), p2[t1], p2[t2]], 1)  # after a depth-2 node: any p (a bonus, unused)
-    hand = TreeProposal(tokens, parents, q, torch.cat([r1, r2], 1))
-    path, accepted, nxt = tree.verify_tree(hand, p, g)
+    hand = Proposal(tokens, q, parents, torch.cat([r1, r2], 1))
+    path, accepted, nxt = tree.verify(hand, p, g)
     counts = np.zeros((V, V))
     for b in range(rows):
         drawn = tokens[b, path[b, : accepted[b]]].tolist() + [int(nxt[b])]
@@ -121,14 +122,14 @@ def test_expand_draws_children_without_replacement_and_marks_empty_slots():
     assert torch.allclose(cum, torch.tensor([[0.3, 0.2, 0.36]]))
 
 
-def test_keep_path_gathers_the_accepted_columns_and_crops_the_rest():
+def test_keep_gathers_a_tree_path_and_crops_the_rest():
     kv = KVState(2, torch.device("cpu"))
     keys = torch.arange(2 * 7, dtype=torch.float32).view(2, 1, 7, 1)
     kv.append(keys, keys.clone())
     kv.extend_mask(torch.ones(2, 7, dtype=torch.long))
-    kv.keep_path(3, torch.tensor([[0, 2, 3], [0, 1, -1]]), torch.tensor([3, 2]))
+    kv.keep(torch.tensor([3, 2]), 3, path=torch.tensor([[0, 2, 3], [0, 1, -1]]))
     layer = kv.cache.layers[0]
-    assert layer.keys[:, 0, :, 0].tolist() == [[0, 1, 2, 3, 5, 6], [7, 8, 9, 10, 11, 10]]
+    assert layer.keys[:, 0, :, 0].tolist() == [[0, 1, 2, 3, 5, 6], [7, 8, 9, 10, 11, 12]]  # a hole keeps its column
     assert kv.mask.tolist() == [[1] * 6, [1, 1, 1, 1, 1, 0]]
     kv.check(torch.tensor([6, 5]), "test")
 
@@ -229,8 +230,12 @@ def test_greedy_trees_equal_target_greedy_on_ragged_batches(arch, extra, model_d
 
 def test_the_cache_check_catches_a_path_gathered_wrong(tiny_pair, monkeypatch):
     target, draft, tok = tiny_pair("llama")
-    keep_path = KVState.keep_path
-    monkeypatch.setattr(KVState, "keep_path", lambda kv, start, columns, keep: keep_path(kv, start, columns, keep + 1))
+    keep = KVState.keep
+
+    def wrong(kv: KVState, count: torch.Tensor, start: int, ids=None, path=None) -> None:
+        keep(kv, count + 1 if path is not None and bool((path != torch.arange(path.shape[1])).any()) else count, start)
+
+    monkeypatch.setattr(KVState, "keep", wrong)
     with pytest.raises(AssertionError, match="cache"):
         SpeculativeGenerator(target, draft, tok).generate([[5, 6, 7]], max_new_tokens=8, tree=4)
 
@@ -493,9 +498,9 @@ def test_eagle3_tree_samples_match_the_target(model_dir, residual, monkeypatch):
 
 
 def test_graft_adds_lookup_paths_under_the_matching_nodes_once():
-    main = TreeProposal(TOKENS, PARENTS, real=torch.tensor([[True, True, True, True, False]]))
+    main = Proposal(TOKENS, parents=PARENTS, real=torch.tensor([[True, True, True, True, False]]))
     # lookup paths: 4 6 (already there), 4 8 (new, under node 0), 5 6 (node 4 is padding: new), 3 (new root child)
-    extra = TreeProposal(torch.tensor([[4, 5, 3, 6, 8, 6]]), torch.tensor([[-1, -1, -1, 0, 0, 1]]))
+    extra = Proposal(torch.tensor([[4, 5, 3, 6, 8, 6]]), parents=torch.tensor([[-1, -1, -1, 0, 0, 1]]))
     merged = tree.graft(main, extra)
     added = list(zip(merged.tokens[0, 5:].tolist(), merged.parents[0, 5:].tolist()))
     assert added == [(3, -1), (8, 0), (6, 1)] and merged.mask()[0].tolist() == [True] * 4 + [False] + [True] * 3
@@ -537,9 +542,7 @@ def test_the_tree_probe_passes_targets_that_read_trees(arch, extra, model_dir):
 def test_the_tree_probe_catches_a_mask_that_lets_siblings_see_each_other(model_dir, monkeypatch):
     target, _ = tiny.load(model_dir("llama", seed=0, vocab_size=64, eos=None))
     monkeypatch.setattr(
-        kv_cache,
-        "tree_attention",
-        lambda model, full, sliding=None: adapter.tree_attention(model, torch.ones_like(full)),
+        cache, "tree_attention", lambda model, full, sliding=None: models.tree_attention(model, torch.ones_like(full))
     )  # every node sees every node: the attention a careless model would use
     assert not tree_probe.reads_trees(target)
 

@@ -21,18 +21,14 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from hfspec.drafters import Drafter
-from hfspec.drafters.hybrid import HybridDrafter
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.generator import SpeculativeGenerator
 
 
 def lookup_of(drafter: Drafter) -> NgramDrafter | None:
     """The n-gram drafter whose store of earlier outputs ``drafter`` drafts from; None when it has none."""
-    if isinstance(drafter, HybridDrafter):
-        drafter = drafter.ngram
-    if isinstance(drafter, NgramDrafter) and drafter.history is not None:
-        return drafter
-    return None
+    lookup = drafter.lookup
+    return lookup if isinstance(lookup, NgramDrafter) else None
 
 
 class LookupStores:

@@ -13,11 +13,12 @@ p is the target's distribution and q the draft's, as in the paper:
 
 ``Call.run`` is that step, on one screen; a ``Call`` holds one call's state (its rows, caches and counts) and is
 built afresh for each call by ``SpeculativeGenerator.generate``. State passes between the steps as values: a
-``Proposal`` (``hfspec.drafters``) goes into verification, which returns a ``Verdict``
-per row (the drafts kept and the next token) for the rollback and the commit. The rows'
+``Proposal`` (``hfspec.tree.proposal``: a chain, or a tree verified in the same one forward) goes into
+verification, which returns a ``Verdict`` per row (the path of drafts kept and the next token) for the rollback
+and the commit. The rows'
 bookkeeping lives in ``hfspec.decoding.rows``, the processing of logits and what drafters see in
-``hfspec.decoding.scoring``, the counts in ``hfspec.decoding.stats``. The loop drives any ``Drafter`` through its
-interface and never asks which kind it has.
+``hfspec.decoding.scoring``, the counts in ``hfspec.decoding.stats``. The loop drives any ``Drafter`` through its interface and
+never asks which kind it has.
 
 Cache invariant (checked every step): the target's cache holds every committed token
 except the last one (the *pending* token, fed at the start of the next step). A drafter
@@ -35,17 +36,14 @@ from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel
 
 from hfspec import tree as trees
 from hfspec.decoding import config as cfg
-from hfspec.decoding import sampling
 from hfspec.decoding.rows import Rows, right_pad
 from hfspec.decoding.scoring import DraftContext, Scoring
 from hfspec.decoding.stats import Stats, StatsCollector
 from hfspec.drafters import Drafter, Features, Proposal
-from hfspec.measure.costs import Price
 from hfspec.measure.timing import now, timed
 from hfspec.models.adapter import forward, forward_features, sliding_window, takes_mask_mapping
 from hfspec.models.kv_cache import KVState
-from hfspec.policy import GammaPolicy, Step, TreeStep
-from hfspec.tree.proposal import TreeProposal
+from hfspec.policy import GammaPolicy, Plan, Step
 
 
 @dataclass(frozen=True)
@@ -68,25 +66,23 @@ class Pair(Protocol):
 
 @dataclass(frozen=True)
 class Verdict:
-    """What one verification decided, per row: the drafts kept (a prefix of the proposal) and the next token.
+    """What one verification decided, per row: the drafts kept (a path from the root of the proposal) and the next
+    token.
 
-    The loop reads only ``accepted`` (how many drafts a row keeps), ``tokens()`` (what it
-    commits) and hands the verdict to ``rollback``. So a proposal of another shape, a
-    tree of drafts verified in one forward, fits the same loop: its verdict adds the
-    kept path's nodes, for ``tokens()`` to read and ``rollback`` to gather the caches by.
+    The loop reads ``accepted`` (how many drafts a row keeps) and ``tokens()`` (what it commits) and hands
+    ``path`` to the rollback, which keeps those columns of both caches.
     """
 
-    proposal: Proposal | TreeProposal
-    accepted: torch.Tensor  # (B,) long: drafts kept, the first accepted[b] of row b's
+    proposal: Proposal
+    accepted: torch.Tensor  # (B,) long: drafts kept, the nodes path[b, :accepted[b]]
     next_token: torch.Tensor  # (B,) long: from the residual at the first rejection, or the bonus token
     start: int  # the target cache's length before the verification forward
-    fed: torch.Tensor  # (B, γ+1) the pending token and the drafts: what the target's new cache columns read
-    path: torch.Tensor | None = None  # (B, D) a tree's accepted nodes, -1 past accepted[b]; None for a chain
+    fed: torch.Tensor  # (B, N+1) the pending token and the drafts: what the target's new cache columns read
+    path: torch.Tensor  # (B, D) the kept nodes, -1 past accepted[b] (a chain's: 0, 1, …)
 
     def tokens(self) -> torch.Tensor:
-        """(B, γ+1) whose first ``accepted[b] + 1`` columns are the tokens row b commits."""
-        drafts = self.proposal.tokens if self.path is None else trees.path_tokens(self.proposal.tokens, self.path)
-        block = torch.cat([drafts, self.next_token[:, None]], dim=1)
+        """(B, D+1) whose first ``accepted[b] + 1`` columns are the tokens row b commits."""
+        block = torch.cat([trees.path_tokens(self.proposal.tokens, self.path), self.next_token[:, None]], dim=1)
         return block.scatter_(1, self.accepted[:, None], self.next_token[:, None])
 
 
@@ -110,6 +106,7 @@ class Call:
         self.device = gen.target.get_output_embeddings().weight.device  # where generate put the prompts
         self.sample = conf.do_sample
         self.nodes = nodes  # a tree's node budget per step; 0 for a chain (or the policy's choice)
+        self.depth = trees.shape(nodes)[1] if nodes else 0
         # Sliding windows counted in positions, not cache columns, where the target takes a mask per layer
         # type: the holes that rows keeping fewer drafts leave behind must not use up a row's window.
         self.sliding = (
@@ -126,15 +123,14 @@ class Call:
         rows = self.start(ids, mask)
         while rows.active:
             t0 = now(device)
-            gamma, nodes = self.gamma()
-            proposal, confidence = self.propose(gamma, nodes)  # 1. up to γ drafts per row (or a tree), and their q
+            plan = self.policy.gamma(self.rows.index.cpu()) if not self.nodes else Plan(self.depth, self.nodes)
+            proposal, confidence = self.propose(plan)  # 1. up to γ drafts per row (or a tree), and their q
             t1 = now(device)
             verdict = self.verify(proposal)  # 2-3. one target forward: drafts kept and the next token, per row
-            outcome = self.rollback(verdict)  # 4. both caches forget what was not kept
+            block = self.rollback(verdict)  # 4. both caches forget what was not kept
             t2 = now(device)
             drafted = proposal.drafted()
-            self.learn(proposal, nodes, drafted, verdict, confidence, outcome, (t1 - t0, t2 - t1))
-            block = verdict.tokens()
+            self.learn(plan, proposal, drafted, verdict, confidence, (t1 - t0, t2 - t1))
             committed, has_eos = rows.commit(block, verdict.accepted + 1)  # 5. cut at budgets and EOS
             self.stream(block, committed)
             self.stats.record(
@@ -163,10 +159,9 @@ class Call:
         self.retire(self.rows.exhausted(), torch.zeros_like(self.rows.lengths, dtype=torch.bool))
         return self.rows
 
-    def context(self, price: Price | None = None) -> DraftContext:
-        """What the drafter sees now (with a proposal: how the policy priced it); the step named in errors is the
-        target pass in progress."""
-        return DraftContext(self.rows, self.scoring, self.vocab, self.generator, self.stats.target_passes + 1, price)
+    def context(self) -> DraftContext:
+        """What the drafter sees now; the step named in errors is the target pass in progress."""
+        return DraftContext(self.rows, self.scoring, self.vocab, self.generator, self.stats.target_passes + 1)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
         """Feed all prompt tokens but the last to the target (the last one is pending)."""
@@ -176,99 +171,88 @@ class Call:
         positions = (prefix_mask.cumsum(dim=1) - 1).clamp(min=0)
         self.target_forward(prefix, prefix_mask, positions, prefix_mask.bool(), verification=False, logits_to_keep=1)
 
-    def gamma(self) -> tuple[int, int]:
-        """The step's γ and tree budget: the call's tree, or the policy's γ and tree (0 nodes: a chain); γ (a tree:
-        its depth) cut so that no row drafts past its budget."""
-        if self.nodes:
-            nodes, wanted = self.nodes, trees.shape(self.nodes)[1]
-        else:
-            wanted = self.policy.gamma(self.rows.index.cpu())
-            nodes = self.policy.tree_nodes()
-        return max(0, min(wanted, int(self.rows.left.max()) - 1)), nodes
-
     def learn(
         self,
-        proposal: Proposal | TreeProposal,
-        nodes: int,
+        plan: Plan,
+        proposal: Proposal,
         drafted: torch.Tensor,
         verdict: Verdict,
         confidence: torch.Tensor | None,
-        outcome: Any,
         seconds: tuple[float, float],
     ) -> None:
-        """Tell the policy what the step did: a chain's drafts (``drafted`` (B,) per row), acceptance and what the
-        drafter made of it (``outcome``), or a tree's accepted path; ``seconds`` of drafting and of verifying."""
-        index, accepted = self.rows.index.cpu(), verdict.accepted.cpu()
-        if verdict.path is None:
-            self.policy.update(Step(index, proposal.gamma, drafted.cpu(), accepted, confidence, *seconds, outcome))
-        else:
-            self.policy.update_tree(
-                TreeStep(
-                    index, nodes, proposal.parents.cpu(), proposal.mask().cpu(), verdict.path.cpu(), accepted, *seconds
-                )
+        """Tell the policy what the step did: its plan, the proposal (``drafted`` (B,) per row; a tree's shape; which
+        source drafted each row) and the kept path; ``seconds`` of drafting and of verifying."""
+        tree = None if proposal.is_chain else (proposal.parents.cpu(), proposal.mask().cpu())
+        self.policy.update(
+            Step(
+                self.rows.index.cpu(),
+                plan,
+                proposal.gamma,
+                drafted.cpu(),
+                verdict.accepted.cpu(),
+                confidence,
+                *seconds,
+                path=verdict.path.cpu(),
+                parents=tree[0] if tree else None,
+                real=tree[1] if tree else None,
+                sources=proposal.sources,
             )
+        )
 
-    def propose(self, gamma: int, nodes: int) -> tuple[Proposal | TreeProposal, torch.Tensor | None]:
-        """The drafter's proposal (a tree of at most ``nodes`` nodes and γ levels when the step drafts one), priced
-        as the policy priced the step, with its probability of each pick (B, picks) for the policy, if it gave any."""
+    def propose(self, plan: Plan) -> tuple[Proposal, torch.Tensor | None]:
+        """The drafter's proposal for ``plan`` (a tree of at most ``plan.nodes`` nodes when the step drafts one),
+        priced as the policy priced it, with γ (a tree: its depth) cut so that no row drafts past its budget; and
+        its probability of each pick (B, picks) for the policy, if it gave any."""
+        gamma = max(0, min(plan.gamma, int(self.rows.left.max()) - 1))
         if not gamma:
             return Proposal.empty(self.rows.active, self.device), None
-        if nodes:
-            ctx = self.context()
-            proposal = self.drafter.propose_tree(ctx, nodes, gamma)
+        ctx = self.context()
+        if plan.nodes:
+            proposal = self.drafter.propose_tree(ctx, plan.nodes, gamma)
         else:
-            ctx = self.context(self.policy.price())
-            proposal = self.drafter.propose(ctx, gamma, self.policy.stop)
+            drafts: list[torch.Tensor] = []  # the confidence of each draft so far, which the policy's stop reads
+
+            def stop(i: int, confidence: torch.Tensor) -> bool:
+                drafts.append(confidence)
+                return self.policy.stop(plan, drafts)
+
+            proposal = self.drafter.propose(ctx, gamma, stop, plan.price)
         return proposal, ctx.confidence()
 
-    def verify(self, proposal: Proposal | TreeProposal) -> Verdict:
-        """One target forward over the pending token and the drafts; accept per row (Leviathan et al., Alg. 1;
-        greedy: while the draft is the target's argmax)."""
-        if isinstance(proposal, TreeProposal):
-            return self.verify_tree(proposal)
-        rows, drafts, gamma = self.rows, proposal.tokens, proposal.gamma
-        start = self.kv.length
-        if gamma:  # the buffer holds the drafts: processors read them as context
-            rows.write(drafts)
-        fed = torch.cat([rows.pending(), drafts], dim=1)  # (B, γ+1)
-        columns = torch.arange(gamma + 1, device=drafts.device)
-        real = columns[None, :] <= proposal.drafted()[:, None]
-        self.kv.snapshot()
-        logits = self.target_forward(
-            fed, torch.ones_like(fed), (rows.lengths - 1)[:, None] + columns, real, verification=True
-        )[..., : self.vocab]
-        p = self.scoring.probs(
-            logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target", self.stats.target_passes + 1
-        )  # (B, γ+1, V); scores when greedy
-        if not self.sample:
-            accepted, next_token = sampling.verify_greedy(drafts, p.argmax(dim=-1), proposal.counts)
-        else:
-            q = proposal.q if proposal.q is not None else sampling.one_hot(drafts, p.shape[-1])
-            accepted, next_token = sampling.verify(drafts, q, p, self.generator, proposal.counts)
-        return Verdict(proposal, accepted, next_token, start, fed)
-
-    def verify_tree(self, proposal: TreeProposal) -> Verdict:
-        """One target forward over the pending token and every node, each attending to the committed tokens
-        and its own ancestors; accept along one path (``hfspec.tree``)."""
-        rows, batch = self.rows, proposal.tokens.shape[0]
+    def verify(self, proposal: Proposal) -> Verdict:
+        """One target forward over the pending token and every draft, each attending to the committed tokens and its
+        own ancestors (a chain's: the drafts before it); accept along one path per row (``hfspec.tree.verify``:
+        Leviathan et al., Alg. 1, with siblings tried in turn; greedy: while the draft is the target's argmax)."""
+        rows = self.rows
         start = self.kv.length
         fed = torch.cat([rows.pending(), proposal.tokens], dim=1)  # (B, N+1); column 0 is the root
-        parents = torch.cat([torch.full((batch, 1), -1, device=fed.device, dtype=torch.long), proposal.parents + 1], 1)
-        depth = trees.depths(parents) - 1  # the root at depth 0
-        positions = (rows.lengths - 1)[:, None] + depth
-        self.kv.extend_mask(torch.ones_like(fed))
         real = torch.cat([torch.ones_like(fed[:, :1], dtype=torch.bool), proposal.mask()], dim=1)
-        logits = self.target_forward(
-            fed, None, positions, real, True, attention=self.attention(trees.ancestry(parents), positions)
-        )[..., : self.vocab]
+        self.kv.snapshot()
+        if proposal.is_chain:
+            if proposal.nodes:  # the buffer holds the drafts: processors read them as context
+                rows.write(proposal.tokens)
+            columns = torch.arange(proposal.nodes + 1, device=fed.device)
+            logits = self.target_forward(fed, torch.ones_like(fed), (rows.lengths - 1)[:, None] + columns, real, True)
+        else:  # a tree reads its ancestors through a prepared mask (no processor reads the context: see generator)
+            parents = torch.cat([torch.full_like(fed[:, :1], -1), proposal.parents + 1], dim=1)
+            positions = (rows.lengths - 1)[:, None] + trees.depths(parents) - 1  # the root at depth 0
+            self.kv.extend_mask(torch.ones_like(fed))
+            attention = self.attention(trees.ancestry(parents), positions)
+            logits = self.target_forward(fed, None, positions, real, True, attention=attention)
         p = self.scoring.probs(
-            logits.to(rows.tokens.device), rows.tokens, rows.lengths, 0, "target", self.stats.target_passes + 1
+            logits[..., : self.vocab].to(rows.tokens.device),
+            rows.tokens,
+            rows.lengths,
+            0,
+            "target",
+            self.stats.target_passes + 1,
         )  # (B, N+1, V); scores when greedy
         if not self.sample:
-            path, accepted, next_token = trees.verify_tree_greedy(proposal, p.argmax(dim=-1))
+            path, accepted, next_token = trees.verify_greedy(proposal, p.argmax(dim=-1))
         else:
-            path, accepted, next_token = trees.verify_tree(proposal, p, self.generator)
-        self.stats.record_tree(proposal.drafted(), accepted)
+            path, accepted, next_token = trees.verify(proposal, p, self.generator)
+        if not proposal.is_chain:
+            self.stats.record_tree(proposal.drafted(), accepted)
         return Verdict(proposal, accepted, next_token, start, fed, path)
 
     def target_forward(
@@ -302,18 +286,18 @@ class Call:
         where the target has one (trees run only where ``self.sliding`` covers it: see check_tree_attention)."""
         return self.kv.tree_attention(self.target, visible, positions, positions, self.sliding)
 
-    def rollback(self, verdict: Verdict) -> Any:
-        """The drafter keeps what it needs of its drafts; the target keeps the pending token and the kept drafts.
-        Runs before the commit, while the verified drafts still follow the committed tokens (drafters read them).
-        Returns what the drafter's commit made of a chain's step, for the policy (a hybrid's ``Outcome``)."""
-        if verdict.path is not None:  # a tree: both caches gather the accepted path
-            self.drafter.commit_tree(self.context(), verdict.path, verdict.accepted)
+    def rollback(self, verdict: Verdict) -> torch.Tensor:
+        """The drafter keeps what it needs of its drafts; the target keeps the pending token and the kept path.
+        Runs before the commit, with the kept path's tokens written after the committed tokens (drafters read
+        them); returns those tokens (``Verdict.tokens``)."""
+        block = verdict.tokens()
+        self.rows.write(block)
+        self.drafter.commit(self.context(), verdict.path)
+        columns = None  # a chain's kept columns are in place
+        if not verdict.proposal.is_chain:
             columns = torch.cat([torch.zeros_like(verdict.path[:, :1]), verdict.path + 1], dim=1)
-            self.kv.keep_path(verdict.start, columns, verdict.accepted + 1)
-            return None
-        outcome = self.drafter.commit(self.context(), verdict.accepted)
-        self.kv.rollback(verdict.accepted + 1, verdict.start, verdict.fed)
-        return outcome
+        self.kv.keep(verdict.accepted + 1, verdict.start, verdict.fed, columns)
+        return block
 
     def stream(self, block: torch.Tensor, count: torch.Tensor | None = None) -> None:
         """Hand the streamer row 0's first ``count[0]`` tokens of ``block`` (B, k), or all of ``block``."""

@@ -18,7 +18,6 @@ from transformers import LogitsProcessor
 from hfspec.decoding import sampling
 from hfspec.decoding.rows import Rows
 from hfspec.errors import NumericalFault
-from hfspec.measure.costs import Price
 
 
 class Scoring:
@@ -30,7 +29,7 @@ class Scoring:
         self.needs_context = sampling.needs_context(processors)
         self.head, self.warpers = sampling.split_processors(processors) if sample else (processors, None)
 
-    def probs(
+    def checked(
         self, logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, extra: int, role: str, step: int
     ) -> torch.Tensor:
         """Process raw ``logits`` (B, k, V): probabilities when sampling, else scores, for argmax.
@@ -59,7 +58,7 @@ class Scoring:
         return sampling.warped_probs(scores.reshape(batch * k, vocab), self.warpers).view(batch, k, vocab)
 
     def process(self, logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, extra: int) -> torch.Tensor:
-        """Apply the head processors to ``logits`` (B, k, V) as ``probs`` places them; all positions in one
+        """Apply the head processors to ``logits`` (B, k, V) as ``checked`` places them; all positions in one
         call when no processor reads the context."""
         batch, k, vocab = logits.shape
         if not self.head:
@@ -95,10 +94,8 @@ class DraftContext:
         vocab: int,
         generator: torch.Generator | None,
         step: int,
-        price: Price | None = None,
     ):
         self.rows, self.scoring, self.vocab, self.generator, self.step = rows, scoring, vocab, generator, step
-        self.price = price
         self.tokens, self.lengths, self.sample = rows.tokens, rows.lengths, scoring.sample
         self.picked: list[torch.Tensor] = []  # (B,) the drafter's probability of each pick, in order
 

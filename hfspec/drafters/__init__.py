@@ -1,9 +1,10 @@
 """Drafters: whatever proposes the tokens that the target verifies.
 
 The loop knows a drafter only through the small interface below, as vLLM's
-rejection sampler knows its proposers: ``propose`` returns γ tokens per row with
-the exact distribution ``q`` each was drawn from, and ``commit`` says how many the
-target accepted so that the drafter can roll back. A drafter that picks its tokens
+rejection sampler knows its proposers: ``propose`` returns a ``Proposal`` (``hfspec.tree.proposal``: a chain of
+γ tokens per row, or from ``propose_tree`` a tree) with the exact distribution ``q`` each was drawn from, and
+``commit`` says which of them the target kept (the accepted path) so that the drafter can roll back. A drafter
+that picks its tokens
 deterministically (n-gram lookup, an argmax) returns ``q=None``: its q is one-hot,
 and the acceptance rule min(1, p/q) of Leviathan et al. (arXiv 2211.17192) then
 accepts a token x with probability p(x) and resamples from p without x.
@@ -27,48 +28,26 @@ import torch
 
 from hfspec.decoding import sampling
 from hfspec.measure.costs import Price
-from hfspec.tree.proposal import TreeProposal
+from hfspec.tree.proposal import Proposal, Sources
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+__all__ = [
+    "Context",
+    "Drafter",
+    "Features",
+    "Proposal",
+    "Sources",
+    "Stop",
+    "builds_trees",
+    "kept_drafts",
+    "merges_rows",
+]
+
 # stop(i, confidence): after i drafts, with (B,) the drafter's probability of each row's
 # last draft, True ends the step's drafting early.
 Stop = Callable[[int, torch.Tensor], bool]
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """Draft tokens for one step.
-
-    ``tokens`` (B, γ) long; ``q`` (B, γ, V) the distributions they were drawn from, or
-    ``None`` when each token was picked deterministically (a one-hot q); ``counts``
-    (B,) the drafts of each row, ≤ γ, whose later columns are padding that is never
-    accepted (``None``: γ for every row); ``forwards`` the draft forwards it took
-    (``None``: one per column, γ).
-    """
-
-    tokens: torch.Tensor
-    q: torch.Tensor | None = None
-    counts: torch.Tensor | None = None
-    forwards: int | None = None
-
-    @property
-    def gamma(self) -> int:
-        return self.tokens.shape[1]
-
-    def draft_forwards(self) -> int:
-        return self.gamma if self.forwards is None else self.forwards
-
-    def drafted(self) -> torch.Tensor:
-        """(B,) drafts per row."""
-        if self.counts is None:
-            return torch.full((self.tokens.shape[0],), self.gamma, dtype=torch.long, device=self.tokens.device)
-        return self.counts
-
-    @classmethod
-    def empty(cls, batch: int, device: torch.device) -> Proposal:
-        return cls(torch.zeros(batch, 0, dtype=torch.long, device=device))
 
 
 @dataclass(frozen=True)
@@ -79,7 +58,7 @@ class Features:
     token each column read; ``valid`` (B, k) bool: the column read a real token (not padding,
     not a padding draft). Columns of the prefill are committed as they come; those of a
     verification (``verification=True``: the pending token, then the drafts) are committed
-    for the first ``num_accepted + 1`` columns, which the next ``commit`` tells.
+    for the pending token and the kept path, which the next ``commit`` tells.
     """
 
     values: torch.Tensor
@@ -96,9 +75,6 @@ class Context(Protocol):
     vocab: int  # ids [0, vocab) are the ones both sides can score
     sample: bool  # False: greedy decoding
     generator: torch.Generator | None
-    # How the γ policy priced the step being proposed (gamma="auto"), for a drafter that can take cheaper steps
-    # (``hfspec.drafters.hybrid``); None: by expected tokens alone, and outside a proposal.
-    price: Price | None
 
     def dists(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft distributions (B, k, V) at k tree nodes from raw logits (B, k, ≥vocab), processed as the
@@ -121,7 +97,8 @@ class Drafter:
     # A short name for stats and errors; the loop and the command line never branch on it.
     kind: str = "drafter"
     # True when each step's rows may draft from two sources (a model, or lookup alone), each priced by the policy
-    # (``Context.price``) and reported by ``commit`` (a hybrid's ``Outcome``); such a drafter drafts no trees.
+    # (the ``price`` handed to ``propose``) and named in the proposal (``Proposal.sources``); such a drafter drafts
+    # no trees.
     mixes_sources: bool = False
     # The draft model this drafter runs as its own, whose cache and state the generator checks; None
     # for lookup and for an EAGLE-3 head (a head is no causal LM: it drafts from the target's features).
@@ -136,23 +113,21 @@ class Drafter:
     def observe(self, ctx: Context, features: Features) -> None:
         """Target features of the columns a target forward just read (only with ``feature_layers``)."""
 
-    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
+        """A chain of up to ``gamma`` drafts per row; ``stop`` may end it early; ``price``: how the γ policy priced
+        the step (``gamma="auto"``), for a drafter that can take cheaper steps (``hfspec.drafters.hybrid``); None:
+        by expected tokens alone."""
         raise NotImplementedError
 
-    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal | TreeProposal:
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal:
         """Up to ``nodes`` drafts as a tree at most ``depth`` deep (``hfspec.tree``); a drafter that cannot
         build one proposes its chain of ``depth`` drafts."""
         return self.propose(ctx, depth)
 
-    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """After a tree's verification: row b kept the nodes ``path[b, :num_accepted[b]]`` of the last tree."""
-        raise NotImplementedError(f"{type(self).__name__} proposed no tree")
-
-    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> Any:
-        """After each verification: row b kept ``num_accepted[b]`` drafts of the last proposal
-        (0 for a step without one). ``ctx.lengths`` still counts the tokens before that step. Returns what
-        a γ policy may learn of the step beyond the counts (a hybrid's ``Outcome``: ``Step.outcome``), or None."""
-        return None
+    def commit(self, ctx: Context, path: torch.Tensor) -> None:
+        """After each verification: row b kept the nodes ``path[b]`` (B, D) of the last proposal, up to the first
+        -1 (a chain's path is 0, 1, …; none for a step without a proposal); their tokens follow the committed ones
+        in ``ctx.tokens``, and ``ctx.lengths`` still counts the tokens before that step."""
 
     def finished(self, row: int, output: torch.Tensor) -> None:
         """Row ``row`` ended with ``output`` (1-D), its committed new tokens; it leaves at the next
@@ -191,6 +166,17 @@ class Drafter:
         return None
 
     @property
+    def module(self) -> torch.nn.Module | None:
+        """The module a drafting step runs (a draft model, a head); None for lookup."""
+        return self.model
+
+    @property
+    def lookup(self) -> Drafter | None:
+        """The n-gram drafter whose store of earlier outputs this drafter drafts from, if any
+        (``hfspec.drafters.ngram``)."""
+        return None
+
+    @property
     def recurrent(self) -> bool:
         """True when the drafter's state cannot hold a masked hole, so rows must run one at a time."""
         return False
@@ -199,16 +185,18 @@ class Drafter:
         return {"kind": self.kind}
 
 
-def kept_fed_drafts(
-    ctx: Context, drafts: torch.Tensor, num_accepted: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a draft model that fed its own drafts (B, γ) to its cache, all but the last: ``(fed, kept)``, the fed
-    drafts and how many of them per row to keep, those accepted that the committed text also begins with
-    (under a hybrid, another drafter's proposal may have been the one verified). ``ctx.lengths`` still counts
-    the tokens before the step."""
-    fed = drafts[:, :-1]
-    committed = ctx.tokens.gather(1, ctx.lengths[:, None] + torch.arange(fed.shape[1], device=ctx.tokens.device))
-    return fed, torch.minimum(sampling.first_rejection(fed == committed), num_accepted)
+def kept_drafts(ctx: Context, drafts: torch.Tensor, path: torch.Tensor, fed: int) -> torch.Tensor:
+    """(B,) how many nodes of the kept ``path`` (B, D) a draft model whose own proposal was ``drafts`` (B, N) keeps
+    in its cache, which holds its first ``fed`` nodes: the leading nodes it fed that are its own, tokens and all
+    (under a hybrid, another drafter's proposal may have been the one verified). ``ctx.tokens`` holds the kept
+    path's tokens after ``ctx.lengths``."""
+    width = path.shape[1]
+    if not width or not drafts.shape[1]:
+        return torch.zeros_like(ctx.lengths)
+    nodes = path.clamp(min=0, max=drafts.shape[1] - 1)
+    committed = ctx.tokens.gather(1, ctx.lengths[:, None] + torch.arange(width, device=ctx.tokens.device))
+    mine = (path >= 0) & (path < fed) & (drafts.gather(1, nodes) == committed)
+    return sampling.first_rejection(mine)
 
 
 def merges_rows(drafter: Drafter) -> bool:

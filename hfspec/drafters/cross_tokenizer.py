@@ -48,10 +48,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec.cpu import draft_linear
-from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
+from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_drafts
 from hfspec.drafters.vocabulary import VocabMap, token_bytes, vocab_map
 from hfspec.errors import HfspecError, HfspecTypeError
-from hfspec.measure.costs import forward_seconds
+from hfspec.measure.costs import Price, forward_seconds
 from hfspec.measure.timing import median_seconds
 from hfspec.models.adapter import check_causal_lm, forward, model_vocab_size, same_tokenizer
 from hfspec.models.kv_cache import KVState
@@ -130,7 +130,7 @@ class CrossTokenizerDrafter(Drafter):
         self.drafts, self.spelled_step = None, False  # nothing of a call cut short is rolled back in this one
         self.device_map = self.map.to(device)
 
-    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
         if not ctx.sample and self.greedy == "slem":
             return self._propose_text(ctx, gamma, stop)
         tokens, qs = [], []
@@ -146,7 +146,7 @@ class CrossTokenizerDrafter(Drafter):
 
         self._draft(ctx, gamma, stop, choose)
         self.drafts = torch.stack(tokens, dim=1)
-        return Proposal(self.drafts, torch.stack(qs, dim=1) if ctx.sample else None)
+        return Proposal.chain(self.drafts, torch.stack(qs, dim=1) if ctx.sample else None)
 
     def _draft(self, ctx: Context, gamma: int, stop: Stop | None, choose: Any) -> None:
         """Catch up, then up to γ draft forwards; ``choose(logits (B, V_draft), i)`` takes draft i and returns
@@ -162,15 +162,16 @@ class CrossTokenizerDrafter(Drafter):
                 return
             feed, valid, positions = own[:, None].to(feed.device), torch.ones_like(feed[:, :1]), (fed + i)[:, None]
 
-    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+    def commit(self, ctx: Context, path: torch.Tensor) -> None:
         if self.spelled_step:  # the draft's own tokens: the next catch-up re-reads what was accepted
-            self.kv.rollback(torch.zeros_like(self.kv.mask[:, 0]), self.start_col)
+            self.kv.keep(torch.zeros_like(self.kv.mask[:, 0]), self.start_col)
             self.spelled_step = False
         if self.drafts is None:
             return
-        fed_drafts, kept = kept_fed_drafts(ctx, self.drafts, num_accepted)
-        self.kv.rollback(kept.to(self.kv.mask.device), self.start_col)
-        own = self.map.to_draft[fed_drafts.cpu()].tolist()
+        fed = self.drafts.shape[1] - 1  # the last draft is never fed
+        kept = kept_drafts(ctx, self.drafts, path, fed)
+        self.kv.keep(kept.to(self.kv.mask.device), self.start_col)
+        own = self.map.to_draft[self.drafts[:, :fed].cpu()].tolist()
         for row, ids, k in zip(self.rows, own, kept.tolist()):
             row.seq.extend(ids[:k])
         self.drafts = None
@@ -248,7 +249,7 @@ class CrossTokenizerDrafter(Drafter):
             [p + [0] * (width - len(p)) for p in proposals], dtype=torch.long, device=ctx.tokens.device
         ).view(len(proposals), width)
         counts = torch.tensor([len(p) for p in proposals], device=ctx.tokens.device)
-        return Proposal(tokens, None, counts, forwards=len(drafted))
+        return Proposal.chain(tokens, None, counts, forwards=len(drafted))
 
     def _spell(self, row: _Row, ids: list[int]) -> list[int]:
         """Target tokens that spell the text of draft tokens ``ids`` after the row's committed text, the
@@ -303,7 +304,7 @@ class CrossTokenizerDrafter(Drafter):
         counts = self.kv.mask.cumsum(dim=1)  # (B, L) tokens held up to each column
         ends = (counts < keep[:, None]).sum(dim=1) + (keep > 0).long()  # column after each row's last kept token
         start = int(ends.min()) if ends.numel() else 0
-        self.kv.rollback(ends - start, start)
+        self.kv.keep(ends - start, start)
 
     def _read(self, row: _Row, ids: list[int], start: int = 0) -> None:
         """Add the text of the committed target tokens ``ids`` (those from ``start`` on) to ``row``.

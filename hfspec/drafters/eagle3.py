@@ -38,10 +38,10 @@ from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head
 from hfspec.heads.eagle3 import Eagle3Head, default_layer_ids
+from hfspec.measure.costs import Price
 from hfspec.measure.timing import timed
 from hfspec.models.adapter import decoder_layers, model_vocab_size
 from hfspec.models.kv_cache import KVState
-from hfspec.tree.proposal import TreeProposal
 
 __all__ = ["Eagle3Drafter", "cached_step"]
 
@@ -150,6 +150,10 @@ class Eagle3Drafter(Drafter):
         return cls(load_head(path, dtype=dtype or target.dtype, device=device), target)
 
     @property
+    def module(self) -> torch.nn.Module:
+        return self.head
+
+    @property
     def device(self) -> torch.device:
         return self.head.fc.weight.device
 
@@ -184,7 +188,7 @@ class Eagle3Drafter(Drafter):
     def observe(self, ctx: Context, features: Features) -> None:
         fused = self.head.fuse(features.values.to(device=self.device, dtype=self.head.fc.weight.dtype))
         if features.verification:
-            self.verified = fused  # its first num_accepted + 1 columns are committed at commit
+            self.verified = fused  # the pending column and the kept path are committed at commit
             return
         valid = features.valid.to(self.device)
         order = torch.sort((~valid).long(), dim=1, stable=True).indices  # valid columns first, in order
@@ -217,7 +221,7 @@ class Eagle3Drafter(Drafter):
         return ctx.pick(self._full(logits).to(ctx.tokens.device), i)
 
     @torch.inference_mode()
-    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
         hidden, tokens, positions, valid = self._unfed(ctx)
         # A row's first draft needs one context pair (a one-token prompt has none yet).
         can_draft = self.pending > 0
@@ -244,13 +248,13 @@ class Eagle3Drafter(Drafter):
         counts = None
         if not bool(can_draft.all()):
             counts = torch.where(can_draft, len(drafts), 0).to(tokens_out.device)
-        return Proposal(tokens_out, torch.stack(qs, dim=1) if ctx.sample else None, counts)
+        return Proposal.chain(tokens_out, torch.stack(qs, dim=1) if ctx.sample else None, counts)
 
     @torch.inference_mode()
-    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> TreeProposal:
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal:
         """An EAGLE-2 dynamic tree (``tree.expand``): one head forward per level, each node reading its parent's
         pre-norm output and its own token, and attending to the context and its ancestors. Every entry built
-        here is dropped at ``commit_tree``; the accepted path returns as target features."""
+        here is dropped at ``commit``; the accepted path returns as target features."""
         hidden, tokens, positions, valid = self._unfed(ctx)
         can_draft = (self.pending > 0).to(ctx.tokens.device)
         h = cached_step(self.head, self._embed(tokens), hidden, positions, self.kv, valid.long())[:, -1:]  # (B, 1, H)
@@ -277,21 +281,14 @@ class Eagle3Drafter(Drafter):
 
         return tree.grow(q, can_draft[:, None], nodes, depth, ctx.sample, ctx.generator, next_level)
 
-    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        self.kv.rollback(torch.zeros_like(self.fed), self.start_col)  # the head's own entries go
-        self.start_col = None
-        if self.verified is not None:  # the target features of the pending token and the accepted path
+    def commit(self, ctx: Context, path: torch.Tensor) -> None:
+        if self.start_col is not None:  # own-output entries go; accepted positions return from target features
+            self.kv.keep(torch.zeros_like(self.fed), self.start_col)
+            self.start_col = None
+        if self.verified is not None:  # the target features of the pending token and the kept path
             columns = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1).clamp(min=0).to(self.device)
             kept = self.verified.gather(1, columns[..., None].expand(-1, -1, self.verified.shape[-1]))
-            self._append(kept, num_accepted.to(self.device) + 1)
-            self.verified = None
-
-    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
-        if self.start_col is not None:  # own-output entries go; accepted positions return from target features
-            self.kv.rollback(torch.zeros_like(self.fed), self.start_col)
-            self.start_col = None
-        if self.verified is not None:
-            self._append(self.verified, num_accepted.to(self.device) + 1)
+            self._append(kept, (path >= 0).sum(dim=1).to(self.device) + 1)
             self.verified = None
 
     def select_rows(self, keep: torch.Tensor) -> None:
@@ -355,7 +352,7 @@ class Eagle3Drafter(Drafter):
             _, seconds = timed(step, dev)
             if i:  # the first call warms up allocators and kernels
                 times.append(seconds)
-            kv.rollback(torch.zeros(1, dtype=torch.long, device=dev), start)  # not timed: the next step starts clean
+            kv.keep(torch.zeros(1, dtype=torch.long, device=dev), start)  # not timed: the next step starts clean
         return statistics.median(times)
 
     @property

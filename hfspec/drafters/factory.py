@@ -21,7 +21,7 @@ from hfspec.cpu import draft_linear
 from hfspec.drafters import Drafter
 from hfspec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from hfspec.drafters.eagle3 import Eagle3Drafter
-from hfspec.drafters.hybrid import HybridDrafter, with_ngram
+from hfspec.drafters.hybrid import with_ngram
 from hfspec.drafters.model import ModelDrafter
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError, HfspecTypeError
@@ -51,12 +51,8 @@ log = logging.getLogger(__name__)
 
 def draft_module(draft: PreTrainedModel | Drafter | None) -> torch.nn.Module | None:
     """The module a draft runs: the model itself, a drafter's model, an EAGLE-3 head; None for lookup."""
-    if isinstance(draft, HybridDrafter):
-        return draft_module(draft.main)
-    if isinstance(draft, Eagle3Drafter):
-        return draft.head
     if isinstance(draft, Drafter):
-        return draft.model
+        return draft.module
     return draft
 
 

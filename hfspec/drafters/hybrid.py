@@ -13,14 +13,15 @@ That per-row rule is a rule on tokens per second too, once the step runs the mod
 draft-model step is one batched forward whatever rows use it, so its cost is the step's,
 and a row's best use of a paid step is the proposal with more expected tokens. Whether
 the step pays for the model at all is decided by time: with the step's costs
-(``ctx.price``, from ``gamma="auto"``), the model runs only when the step's expected tokens
+(the ``price`` that ``gamma="auto"`` hands to ``propose``), the model runs only when the step's expected tokens
 with it, Σ (1 + max(E_ngram, E_main)) over the rows, divided by γ draft-model steps and
 the verification over γ+1 tokens, beat those of the lookup alone, Σ (1 + E_ngram) over
 the lookup alone's time (no draft-model step, a verification only as wide as the longest
 lookup proposal). A γ policy may also forbid the model for a step (``Price(model=False)``);
 rows without a lookup proposal then draft nothing. So a step that takes only lookup
 proposals pays no draft-model cost, and the γ policy (``hfspec.policy.AutoGamma``) prices
-it so: it learns the two proposers apart from the ``Outcome`` that ``commit`` returns.
+it so: it learns the two proposers apart from the proposal's ``Sources`` (which source drafted each
+row, whether the model ran) and the verdict.
 
 The main drafter may be a model or an EAGLE-3 head: it hears every verification (and
 the target features it reads), and keeps of its own drafts only those the committed
@@ -57,12 +58,11 @@ import torch
 
 from hfspec import tree
 from hfspec.decoding import sampling
-from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
+from hfspec.drafters import Context, Drafter, Features, Proposal, Sources, Stop
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecTypeError
 from hfspec.measure.alpha import AlphaEstimate
-from hfspec.measure.costs import Costs
-from hfspec.tree.proposal import TreeProposal
+from hfspec.measure.costs import Costs, Price
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -85,13 +85,12 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """What the last proposal told of each row's two proposers, for a γ policy that prices them apart."""
+class _Drafted:
+    """The last proposal as the hybrid's own records learn from it at ``commit``."""
 
-    lookup: list[tuple[int, bool] | None]  # per row: the lookup proposal's run of accepts and a failure after it?
-    # (None: the lookup found no match)
-    model: list[tuple[int, int] | None]  # per row that took the model's proposal: (drafted, accepted)
-    model_gamma: int  # drafts the model was asked for (0: it did not run)
+    sources: Sources
+    drafted: list[int]  # drafts per row in the proposal
+    buckets: list[int]  # per row: the lookup's match-length bucket
 
 
 class HybridDrafter(Drafter):
@@ -102,7 +101,7 @@ class HybridDrafter(Drafter):
     mixes_sources = True
 
     def __init__(self, main: Drafter, ngram: NgramDrafter | None = None):
-        if isinstance(main, (NgramDrafter, HybridDrafter)):
+        if main.mixes_sources or main.parameters == 0:  # lookup, or a hybrid: nothing drafts with a model
             raise HfspecTypeError(f"the main drafter of a hybrid must draft with a model, got a {main.kind} drafter")
         self.main = main
         self.feature_layers = main.feature_layers
@@ -110,12 +109,20 @@ class HybridDrafter(Drafter):
         self.vocab_size = main.vocab_size
         self.ngram_rates = [AlphaEstimate() for _ in range(BUCKETS)]
         self.main_rate = AlphaEstimate()
-        self._step: dict[str, Any] | None = None  # the last proposal, until it is committed
+        self._last: _Drafted | None = None  # the last chain proposal, until it is committed
 
     @property
     def model(self) -> PreTrainedModel | None:
         """The main drafter's model (n-gram lookup has none)."""
         return self.main.model
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        return self.main.module
+
+    @property
+    def lookup(self) -> Drafter | None:
+        return self.ngram.lookup
 
     @property
     def draft_tokenizer(self) -> PreTrainedTokenizerBase | None:
@@ -134,17 +141,17 @@ class HybridDrafter(Drafter):
     def start(self, batch: int, device: torch.device) -> None:
         self.main.start(batch, device)
         self.ngram.start(batch, device)
-        self._step = None
+        self._last = None
 
     def observe(self, ctx: Context, features: Features) -> None:
         self.main.observe(ctx, features)
 
-    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
         # Priced by the step's costs (without a price: by expected tokens alone, as with a fixed γ).
-        costs, model = (None, True) if ctx.price is None else (ctx.price.costs, ctx.price.model)
+        costs, model = (None, True) if price is None else (price.costs, price.model)
         ng = self.ngram.propose(ctx, gamma)
         ng_counts = ng.drafted().cpu()
-        buckets = [bucket(m) for m in self.ngram.match_lengths.tolist()]
+        buckets = [bucket(m) for m in ng.sources.matched.tolist()]
         e_ngram = [self.ngram_rates[j].expected(k) if k else 0.0 for k, j in zip(ng_counts.tolist(), buckets)]
         e_main = self.main_rate.expected(gamma)
         use = torch.tensor(
@@ -154,23 +161,19 @@ class HybridDrafter(Drafter):
         if not bool(use.all()) and not (model and self._model_pays(costs, e_ngram, e_main, ng.gamma, gamma)):
             use = ng_counts > 0  # the lookup alone: rows without a proposal draft nothing
             model = False
-        self._step = {
-            "ngram": ng.tokens.cpu(),
-            "ngram_counts": ng_counts,
-            "buckets": buckets,
-            "use": use,
-            "main": None,
-            "main_counts": None,
-            "gamma": 0,
-        }
         if not model or bool(use.all()):
-            return ng
-        mp = self.main.propose(ctx, gamma, stop)
-        self._step["gamma"] = mp.gamma
-        self._step.update(main=mp.tokens.cpu(), main_counts=mp.drafted().cpu())
-        if not bool(use.any()):
-            return mp
-        return self._merge(ctx, ng, mp, use.to(mp.tokens.device))
+            proposal = ng
+            agree, model_gamma = torch.zeros_like(ng_counts), 0
+        else:
+            mp = self.main.propose(ctx, gamma, stop)
+            proposal = mp if not bool(use.any()) else self._merge(ng, mp, use.to(mp.tokens.device))
+            agree = torch.tensor(
+                [agreement(a[:k], b) for a, b, k in zip(ng.tokens.tolist(), mp.tokens.tolist(), ng_counts.tolist())]
+            )
+            model_gamma = mp.gamma
+        sources = Sources(ng_counts, ng.sources.matched, use, agree, model_gamma)
+        self._last = _Drafted(sources, proposal.drafted().tolist(), buckets)
+        return proposal.with_sources(sources)
 
     @staticmethod
     def _model_pays(costs: Costs | None, e_ngram: list[float], e_main: float, width: int, gamma: int) -> bool:
@@ -183,7 +186,7 @@ class HybridDrafter(Drafter):
         both = (batch + sum(max(e, e_main) for e in e_ngram)) / costs.step_seconds(batch, gamma)
         return both > alone
 
-    def _merge(self, ctx: Context, ng: Proposal, mp: Proposal, use: torch.Tensor) -> Proposal:
+    def _merge(self, ng: Proposal, mp: Proposal, use: torch.Tensor) -> Proposal:
         """One proposal: the n-gram rows where ``use``, the main drafter's elsewhere; padding is zeros."""
         batch, width = mp.tokens.shape[0], max(mp.gamma, ng.gamma)
         tokens = torch.zeros(batch, width, dtype=torch.long, device=mp.tokens.device)
@@ -195,58 +198,41 @@ class HybridDrafter(Drafter):
             q = mp.q.new_zeros(batch, width, mp.q.shape[-1])
             q[:, : mp.gamma] = mp.q
             q[use] = sampling.one_hot(tokens[use], q.shape[-1])
-        return Proposal(tokens, q, counts, forwards=mp.draft_forwards())
+        return Proposal.chain(tokens, q, counts, forwards=mp.draft_forwards())
 
-    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal | TreeProposal:
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal:
         """The main drafter's tree with the lookup's tree grafted on (``tree.graft``): the lookup takes up to
         half the budget, the main drafter the rest. A main drafter that cannot build a tree: the hybrid's chain."""
         if self.main.recurrent:
             return self.propose(ctx, depth)
         ng = self.ngram.propose_tree(ctx, max(1, nodes // 2), depth)
-        extra = int(ng.drafted().max()) if isinstance(ng, TreeProposal) else 0
+        extra = int(ng.drafted().max()) if ng.nodes else 0
         main = self.main.propose_tree(ctx, max(1, nodes - extra), depth)
-        if not isinstance(main, TreeProposal):  # the main drafter proposed its chain: verify that alone
+        if main.is_chain:  # the main drafter proposed its chain: verify that alone
             return main
-        return tree.graft(main, ng) if isinstance(ng, TreeProposal) else main
+        return tree.graft(main, ng) if ng.nodes else main
 
-    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        self.main.commit_tree(ctx, path, num_accepted)
-        self.ngram.commit_tree(ctx, path, num_accepted)
+    def commit(self, ctx: Context, path: torch.Tensor) -> None:
+        """Both drafters hear the verdict; the running records learn from a chain proposal's rows."""
+        last, self._last = self._last, None
+        if last is not None:
+            self._learn(last, (path >= 0).sum(dim=1).tolist())
+        self.main.commit(ctx, path)
+        self.ngram.commit(ctx, path)
 
-    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> Outcome | None:
-        """Both drafters hear the verdict; returns what the proposal told of each row's two proposers (None after
-        a step without a proposal)."""
-        step, self._step = self._step, None
-        outcome = self._learn(step, num_accepted.cpu()) if step is not None else None
-        self.main.commit(ctx, num_accepted)
-        self.ngram.commit(ctx, num_accepted)
-        return outcome
-
-    def _learn(self, step: dict[str, Any], accepted: torch.Tensor) -> Outcome:
-        """Update both running records from this step's outcome (see the module docstring); that outcome."""
-        main, main_counts = step["main"], step["main_counts"]
-        lookup: list[tuple[int, bool] | None] = []
-        model: list[tuple[int, int] | None] = []
-        for b, (n, k, used) in enumerate(zip(accepted.tolist(), step["ngram_counts"].tolist(), step["use"].tolist())):
-            rate = self.ngram_rates[step["buckets"][b]]
+    def _learn(self, last: _Drafted, accepted: list[int]) -> None:
+        """Update both running records from the kept drafts (see the module docstring)."""
+        src = last.sources
+        rows = zip(accepted, src.lookup.tolist(), src.took_lookup.tolist(), src.agree.tolist(), last.drafted)
+        for b, (n, k, used, agree, drafted) in enumerate(rows):
+            rate = self.ngram_rates[last.buckets[b]]
             if used:
                 rate.add(n, n < k)
-                lookup.append((n, n < k))
-                model.append(None)
-            elif main is None:  # no lookup proposal, and no model this step: the row drafted nothing
-                lookup.append(None)
-                model.append(None)
-            else:
-                run: tuple[int, bool] | None = None
+            elif src.model_gamma:
                 if k:  # the n-gram proposal against the committed drafts of the main one
                     seen = min(k, n)
-                    a = agreement(step["ngram"][b, :seen].tolist(), main[b, :seen].tolist())
-                    rate.add(a, a < seen)
-                    run = (a, a < seen)
-                self.main_rate.add(n, n < int(main_counts[b]))
-                lookup.append(run)
-                model.append((int(main_counts[b]), n))
-        return Outcome(lookup, model, step["gamma"])
+                    rate.add(min(agree, seen), agree < seen)
+                self.main_rate.add(n, n < drafted)
 
     def finished(self, row: int, output: torch.Tensor) -> None:
         self.main.finished(row, output)
@@ -270,7 +256,7 @@ class HybridDrafter(Drafter):
         self.ngram.prefill(ctx)
 
     def merge(self, other: Drafter) -> None:
-        assert isinstance(other, HybridDrafter) and self._step is None and other._step is None
+        assert type(other) is type(self) and self._last is None and other._last is None
         self.main.merge(other.main)
         self.ngram.merge(other.ngram)
 
@@ -291,6 +277,6 @@ class HybridDrafter(Drafter):
 
 def with_ngram(drafter: Drafter) -> Drafter:
     """``drafter`` with n-gram lookup added (an n-gram or hybrid drafter is returned as it is)."""
-    if isinstance(drafter, (NgramDrafter, HybridDrafter)):
+    if drafter.mixes_sources or drafter.parameters == 0:
         return drafter
     return HybridDrafter(drafter)

@@ -16,12 +16,10 @@ from transformers import PreTrainedModel
 
 from hfspec import tree
 from hfspec.cpu import draft_linear
-from hfspec.decoding import sampling
-from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_fed_drafts
-from hfspec.measure.costs import forward_seconds
+from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_drafts
+from hfspec.measure.costs import Price, forward_seconds
 from hfspec.models.adapter import check_causal_lm, check_tree_attention, forward, model_vocab_size, sliding_window
 from hfspec.models.kv_cache import KVState
-from hfspec.tree.proposal import TreeProposal
 
 
 class ModelDrafter(Drafter):
@@ -33,8 +31,9 @@ class ModelDrafter(Drafter):
         self.vocab_size = model_vocab_size(model)
         self.kv: KVState | None = None
         self.fed = torch.zeros(0, dtype=torch.long)  # committed tokens in the cache, per row
-        self.drafts: torch.Tensor | None = None  # (B, k) the last proposal, until it is committed
-        self.tree_fed = 0  # how many nodes of the last tree the cache holds (every level but the last)
+        self.drafts: torch.Tensor | None = None  # (B, N) the last proposal's tokens, until it is committed
+        self.drafts_fed = 0  # how many of its nodes the cache holds (a chain's all but the last; a tree's every
+        # level but the last), at columns start_col + node
 
     @property
     def recurrent(self) -> bool:
@@ -53,7 +52,7 @@ class ModelDrafter(Drafter):
         positions = positions.clamp(min=0)
         return ctx.tokens.gather(1, positions), valid.long(), positions
 
-    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
         feed, valid, positions = self._unfed(ctx)
         tokens, qs = [], []
         for i in range(gamma):
@@ -69,9 +68,10 @@ class ModelDrafter(Drafter):
                 break
             feed, valid, positions = token[:, None], torch.ones_like(token)[:, None], (ctx.lengths + i)[:, None]
         self.drafts = torch.stack(tokens, dim=1)
-        return Proposal(self.drafts, torch.stack(qs, dim=1) if ctx.sample else None)
+        self.drafts_fed = self.drafts.shape[1] - 1
+        return Proposal.chain(self.drafts, torch.stack(qs, dim=1) if ctx.sample else None)
 
-    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal | TreeProposal:
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal:
         """An EAGLE-2 dynamic tree (``tree.expand``), one draft forward per level over that level's nodes,
         each attending to the committed tokens and its own ancestors. Every level but the last is fed,
         so the cache's tree columns are the nodes in order, up to the last level."""
@@ -81,14 +81,16 @@ class ModelDrafter(Drafter):
         logits = self._forward(*self._unfed(ctx))
         self.fed, self.start_col = ctx.lengths.clone(), self.kv.length
         q = ctx.dists(logits[:, None].to(ctx.tokens.device))  # (B, 1, V) at the root
-        self.tree_fed = 0
+        self.drafts_fed = 0
 
         def next_level(new: torch.Tensor, frontier: torch.Tensor, parents: torch.Tensor, level: int) -> torch.Tensor:
-            self.tree_fed += new.shape[1]
+            self.drafts_fed += new.shape[1]
             return ctx.dists(self._tree_forward(ctx, parents, new, level).to(q.device))
 
         alive = torch.ones(q.shape[0], 1, dtype=torch.bool, device=q.device)
-        return tree.grow(q, alive, nodes, depth, ctx.sample, ctx.generator, next_level)
+        proposal = tree.grow(q, alive, nodes, depth, ctx.sample, ctx.generator, next_level)
+        self.drafts = proposal.tokens
+        return proposal
 
     def _tree_forward(self, ctx: Context, parents: torch.Tensor, new: torch.Tensor, depth: int) -> torch.Tensor:
         """Logits (B, w, V) after the ``new`` (B, w) nodes at ``depth``, the last of the tree so far."""
@@ -98,14 +100,6 @@ class ModelDrafter(Drafter):
         tree_positions = ctx.lengths[:, None] - 1 + tree.depths(parents)
         mask = self.kv.tree_attention(self.model, visible, positions, tree_positions, sliding_window(self.model))
         return forward(self.model, new, mask, positions, self.kv.cache)
-
-    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        # The accepted path's nodes that were fed (all but a last-level leaf) are kept, gathered in order.
-        fed = (path >= 0) & (path < self.tree_fed)
-        kept = torch.minimum(sampling.first_rejection(fed), num_accepted)
-        self.kv.keep_path(self.start_col, path, kept)
-        self.fed = self.fed + kept
-        self.drafts = None
 
     def _forward(self, feed: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Last-position logits (B, V) after feeding (B, k) tokens; a cache that can only continue its
@@ -123,11 +117,13 @@ class ModelDrafter(Drafter):
             )
         return logits[:, -1]
 
-    def commit(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+    def commit(self, ctx: Context, path: torch.Tensor) -> None:
+        # The kept path's nodes that were fed (a chain's all but its last draft; a tree's all but a last-level leaf)
+        # stay, gathered in order; a tree's other nodes and the rejected drafts go.
         if self.drafts is None:
             return
-        fed_drafts, kept = kept_fed_drafts(ctx, self.drafts, num_accepted)  # the last draft is never fed
-        self.kv.rollback(kept, self.start_col, fed_drafts)
+        kept = kept_drafts(ctx, self.drafts, path, self.drafts_fed)
+        self.kv.keep(kept, self.start_col, self.drafts[:, : self.drafts_fed], path)
         self.fed = self.fed + kept
         self.drafts = None
 

@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
-from hfspec.drafters import Context, Drafter, Proposal, Stop
+from hfspec.drafters import Context, Drafter, Proposal, Sources, Stop
 from hfspec.errors import HfspecError
-from hfspec.tree.proposal import TreeProposal
+from hfspec.measure.costs import Price
 
 SEPARATOR = -1  # ends each output in the store; equal to no token, so no match crosses it
 
@@ -217,9 +217,10 @@ class NgramDrafter(Drafter):
     ``candidates``: most recent earlier ends compared per lookup; ``history``: also look up
     earlier outputs of this drafter, at most ``history_tokens`` tokens of them.
 
-    After each ``propose``, ``match_lengths`` (B,) holds m per row and ``expected`` (B,)
-    ΣP, the proposal's expected accepted tokens were its empirical frequencies the
-    acceptance probabilities (0 for rows without a proposal).
+    A proposal's ``sources`` say, per row, how many tokens the lookup drafted after a match of how many
+    (``Sources.lookup``, ``Sources.matched``); after each ``propose``, ``expected`` (B,) holds ΣP, the
+    proposal's expected accepted tokens were its empirical frequencies the acceptance probabilities (0 for
+    rows without a proposal).
     """
 
     kind = "ngram"
@@ -256,7 +257,6 @@ class NgramDrafter(Drafter):
         self.rows: list[TokenIndex] = []
         self.own_context = False  # rows of this drafter look up their own context only (``fork``)
         self.own: list[bool] = []  # per row: its own context only
-        self.match_lengths = torch.zeros(0, dtype=torch.long)
         self.expected = torch.zeros(0)
 
     def start(self, batch: int, device: torch.device) -> None:
@@ -290,19 +290,20 @@ class NgramDrafter(Drafter):
             if n > 0:
                 row.extend(tokens[:n])
 
-    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None) -> Proposal:
+    def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
         self._catch_up(ctx)
         picks = [self._propose_row(row, gamma, ctx.vocab, own) for row, own in zip(self.rows, self.own)]
         width = max((len(tokens) for tokens, _, _ in picks), default=0)
         device = ctx.tokens.device
         flat = [x for t, _, _ in picks for x in t + [0] * (width - len(t))]
         tokens = torch.tensor(flat, dtype=torch.long).view(len(picks), width).to(device)
-        counts = torch.tensor([len(t) for t, _, _ in picks], dtype=torch.long).to(device)
-        self.match_lengths = torch.tensor([m for _, _, m in picks], dtype=torch.long)
+        counts = torch.tensor([len(t) for t, _, _ in picks], dtype=torch.long)
+        matched = torch.tensor([m for _, _, m in picks], dtype=torch.long)
         self.expected = torch.tensor([sum(chance) for _, chance, _ in picks], dtype=torch.float32)
-        return Proposal(tokens, None, counts, forwards=0)
+        sources = Sources(counts, matched, counts > 0, torch.zeros_like(counts), 0)
+        return Proposal.chain(tokens, None, counts.to(device), forwards=0).with_sources(sources)
 
-    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal | TreeProposal:
+    def propose_tree(self, ctx: Context, nodes: int, depth: int) -> Proposal:
         """Every continuation of the matched suffix (in the context and in earlier outputs), merged into one
         tree scored by how often each prefix occurred (``trie``); tokens picked deterministically (one-hot q)."""
         self._catch_up(ctx)
@@ -317,7 +318,7 @@ class NgramDrafter(Drafter):
         parents = torch.tensor([[par for _, par, _ in r] for r in table], dtype=torch.long).view(len(rows), width)
         real = torch.tensor([[ok for _, _, ok in r] for r in table], dtype=torch.bool).view(len(rows), width)
         self.expected = real.sum(dim=1).float()
-        return TreeProposal(tokens.to(device), parents.to(device), None, real.to(device), forwards=0)
+        return Proposal(tokens.to(device), None, parents.to(device), real.to(device), forwards=0)
 
     def _tree_row(self, row: TokenIndex, nodes: int, depth: int, vocab: int, own: bool) -> list[tuple[int, int]]:
         """One row's tree (``trie``) from the continuations of every match of the last ``min_match`` tokens, in
@@ -333,9 +334,6 @@ class NgramDrafter(Drafter):
         # A drafter shared with another target may remember ids this vocabulary lacks: cut such paths there.
         continuations = [c[: next((i for i, t in enumerate(c) if t >= vocab), len(c))] for c in continuations]
         return trie([c for c in continuations if c], nodes, self.min_prob)
-
-    def commit_tree(self, ctx: Context, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Lookup keeps no draft state: the next call indexes what was committed."""
 
     def _store(self, own: bool) -> list[tuple[TokenIndex, int | None, bool]]:
         """The store as a lookup source (index, excluded end, periodic), unless the row looks at ``own`` context."""
@@ -380,6 +378,10 @@ class NgramDrafter(Drafter):
         """Forget the earlier outputs."""
         if self.history is not None:
             self.history.clear()
+
+    @property
+    def lookup(self) -> NgramDrafter | None:
+        return self if self.history is not None else None
 
     @property
     def parameters(self) -> int:

@@ -78,7 +78,7 @@ def forward_seconds(
         )
         if measured:
             times[k].append(seconds)
-        kv.rollback(torch.zeros(1, dtype=torch.long, device=device), start, feed)
+        kv.keep(torch.zeros(1, dtype=torch.long, device=device), start, feed)
     return {k: statistics.median(t) for k, t in times.items()}
 
 
@@ -400,7 +400,7 @@ def rollback_cost(
             kv.cache,
         )
         t2 = now(device)
-        kv.rollback(torch.tensor([keep], device=device), start, feed)
+        kv.keep(torch.tensor([keep], device=device), start, feed)
         t3 = now(device)
         return t1 - t0, t2 - t1, t3 - t2
 

@@ -55,7 +55,7 @@ class KVState:
         return self.recurrent is not None and self.recurrent.serial
 
     def snapshot(self) -> None:
-        """Remember the state that ``rollback`` may have to return to (key/value caches need nothing)."""
+        """Remember the state that ``keep`` may have to return to (key/value caches need nothing)."""
         if self.recurrent is not None:
             self.recurrent.snapshot()
 
@@ -77,51 +77,51 @@ class KVState:
         """
         return self.cache.update(key, value, layer)
 
-    def rollback(self, keep: torch.Tensor, start: int, ids: torch.Tensor | None = None) -> None:
-        """Keep, per row, only the first ``keep[b]`` columns written since ``start``.
+    def keep(
+        self, keep: torch.Tensor, start: int, ids: torch.Tensor | None = None, path: torch.Tensor | None = None
+    ) -> None:
+        """Keep, per row, only the columns ``start + path[b, :keep[b]]`` of those written since ``start``: a chain's
+        first ``keep[b]`` (``path`` None: 0, 1, …), or a tree's accepted path.
 
-        The cache is cut back to ``start + max(keep)``; shorter rows' extra columns
-        become holes. ``ids`` (B, k) are the tokens those columns read, for caches
-        that must replay them.
+        The cache is cut back to ``start + max(keep)``; shorter rows' extra columns become holes. A path
+        that is not already in place is gathered to the front of the block first (``gather`` per row along
+        the sequence), so the cache again reads as a chain. ``ids`` (B, k) are the tokens the columns
+        since ``start`` read, for caches that must replay them.
         """
+        width = int(keep.max()) if keep.numel() else 0
+        kept = torch.arange(width, device=keep.device)[None, :] < keep[:, None]
+        if path is not None:
+            in_place = torch.arange(width, device=path.device)
+            path = torch.where(kept, path[:, :width], in_place)
+            if bool((path == in_place).all()):
+                path = None  # a chain's path: the kept columns are in place already
         if self.recurrent is not None:
             # One row at a time (no holes); snapshot() was called at ``start``.
+            assert path is None, "a recurrent state cannot keep a tree's path (trees are refused for it)"
             assert self.mask.shape[0] <= 1, "a recurrent cache holds one row"
-            kept = int(keep.max()) if keep.numel() else 0
-            self.recurrent.rollback(kept, start, self.mask, ids)
-            self.mask = self.mask[:, : start + kept]
+            self.recurrent.rollback(width, start, self.mask, ids)
+            self.mask = self.mask[:, : start + width]
             return
-        new_length = start + int(keep.max()) if keep.numel() else start
-        removed = self.cache.get_seq_length() - new_length
+        if path is not None:
+            self._gather(start, path)
+        removed = self.cache.get_seq_length() - (start + width)
         if removed > 0:
             # transformers' crop takes a negative count of positions to remove.
             self.cache.crop(-removed)
-        self.mask = self.mask[:, :new_length]
-        cols = torch.arange(new_length - start, device=self.mask.device)
-        self.mask[:, start:] *= (cols[None, :] < keep[:, None]).to(self.mask.dtype)
+        self.mask = torch.cat([self.mask[:, :start], self.mask[:, start : start + width] * kept.to(self.mask)], 1)
 
-    def keep_path(self, start: int, columns: torch.Tensor, keep: torch.Tensor) -> None:
-        """Keep, per row, only the columns ``start + columns[b, :keep[b]]`` of those written since ``start``.
-
-        A tree verified in one forward leaves all its nodes in the cache; the accepted path is
-        gathered to the front of that block (``index_select`` per row along the sequence) and the
-        rest cut off, so the cache again reads as a chain. Shorter rows' extra columns become holes.
-        """
-        assert self.recurrent is None, "a recurrent state cannot keep a tree's path (trees are refused for it)"
-        width = int(keep.max()) if keep.numel() else 0
-        kept = torch.arange(width, device=columns.device)[None, :] < keep[:, None]
-        cols = torch.where(kept, columns[:, :width], 0) + start  # (B, W); entries past keep[b] become holes
+    def _gather(self, start: int, path: torch.Tensor) -> None:
+        """Move the columns ``start + path`` (B, W) to ``start .. start + W`` in every layer."""
+        cols = path + start
         for layer in self.cache.layers:
             if layer.get_seq_length() == 0:
                 continue
             index = cols[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             kept_keys, kept_values = layer.keys.gather(2, index), layer.values.gather(2, index)  # copies
-            # Written over the tree's own columns in place, then cut: copying the whole cache would cost more
+            # Written over the tree's own columns in place (cut after): copying the whole cache would cost more
             # than the tree's forward gains on long prompts. DynamicLayer's keys and values are public tensors.
-            layer.keys[:, :, start : start + width] = kept_keys
-            layer.values[:, :, start : start + width] = kept_values
-            layer.keys, layer.values = layer.keys[:, :, : start + width], layer.values[:, :, : start + width]
-        self.mask = torch.cat([self.mask[:, :start], kept.to(self.mask)], dim=1)
+            layer.keys[:, :, start : start + cols.shape[1]] = kept_keys
+            layer.values[:, :, start : start + cols.shape[1]] = kept_values
 
     def tree_mask(
         self, visible: torch.Tensor, query_positions: torch.Tensor, tree_positions: torch.Tensor, window: int | None

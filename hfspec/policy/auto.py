@@ -8,18 +8,19 @@ acceptance stays min(1, p/q), so every choice is lossless.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from hfspec.drafters.hybrid import Outcome
 from hfspec.errors import HfspecError
 from hfspec.measure.alpha import AlphaEstimate
 from hfspec.measure.costs import Costs, Price
-from hfspec.policy.simple import FixedGamma, GammaPolicy, Step, TreeStep, check_gamma
+from hfspec.policy.simple import FixedGamma, GammaPolicy, Plan, Step, check_gamma
 from hfspec.tree.acceptance import TreeAcceptance, first_children
 from hfspec.tree.build import shape
+from hfspec.tree.proposal import Sources
 
 
 class Calibration:
@@ -90,8 +91,8 @@ class Tuning:
         return self.memory.setdefault(key, _evidence())
 
     def remember(self, seen: dict[Any, tuple[float, float]]) -> None:
-        """Start from the acceptance an earlier process saw (``hfspec.measure.cost_cache``): (accepted, trials) by key
-        of ``memory``. What this generator has seen itself stays."""
+        """Start from the acceptance an earlier process saw (``hfspec.measure.cost_cache``): (accepted, trials) by key of
+        ``memory``. What this generator has seen itself stays."""
         for key, (accepted, trials) in seen.items():
             if key not in self.memory:
                 self.memory[key] = _evidence()
@@ -117,6 +118,18 @@ class Tuning:
 Part = tuple[int, float, float]
 
 
+@dataclass(frozen=True)
+class AutoPlan(Plan):
+    """``AutoGamma``'s plan: the step's kind and what it predicted, which ``stop`` and ``update`` read back."""
+
+    batch: int = 0  # active rows
+    alpha: tuple[float, ...] = ()  # each row's running α
+    parts: tuple[Part, ...] = ()  # the kind of step taken: its rows' parts (``AutoGamma.kinds``)
+    reach: tuple[float, ...] = ()  # per part: P(it drafts), before any draft
+    rate: float = 0.0  # the step's expected tokens per second, as predicted
+    probing: bool = False  # a probe step: drafting although plain decoding was predicted to win
+
+
 class AutoGamma(GammaPolicy):
     """``gamma="auto"``: the γ in 0..K with the best expected tokens per second, step by step.
 
@@ -138,7 +151,7 @@ class AutoGamma(GammaPolicy):
     expected tokens per row from acceptance by depth and by rank among siblings, learnt from the
     tree steps taken (``hfspec.tree.acceptance``), over the tree's drafting (one draft forward per
     level until timed) plus a target forward over N+1 tokens. A tree is taken only where it beats
-    every chain; ``tree_nodes()`` tells the loop its budget, and γ is its depth.
+    every chain; the plan's ``nodes`` tells the loop its budget, and γ is its depth; ``update`` learns from either kind of step.
 
     A hybrid drafter (``hfspec.drafters.hybrid``) can take two kinds of step, each priced
     by what it drafts. The lookup alone: row i finds a match with probability m_i and then
@@ -154,8 +167,9 @@ class AutoGamma(GammaPolicy):
     row at the model's α, and the hybrid's model steps give each row at least that α at
     the same time plus a lookup. A best choice over a set that holds both is worth at least
     either. With a lookup that always matches, the lookup-alone price is n-gram lookup
-    alone's exactly. ``hybrid`` says the drafter is one; ``price()`` hands the step's kind to it
-    with the proposal, and each ``Step.outcome`` tells how its two proposers fared.
+    alone's exactly. ``hybrid`` says the drafter is one; the plan's ``price`` hands the step's kind to it,
+    and each step's proposal says which source drafted each row (``Step.sources``), which with the verdict
+    tells how its two proposers fared.
     """
 
     row_weight = 4.0  # trials' worth of the generator's memory a new prompt starts from
@@ -171,11 +185,8 @@ class AutoGamma(GammaPolicy):
         self.calibration = tuning.calibrated()
         # Plain steps since the last probe, and the probe interval: kept across calls, so short calls probe too.
         self.probe = tuning.probe_state(self.probe_every)
-        self.probing = False
         self.after_plain = True  # the next drafting step also catches up on every token since
         self.hybrid = hybrid  # the drafter is a hybrid: lookup-alone steps are priced beside model steps
-        self.model = True  # whether the draft model may run in this step
-        self.nodes = 0  # the node budget of this step's tree; 0: a chain
 
     def begin(self, batch: int) -> None:
         # Each prompt accepts at its own rate: it starts from the generator's memory and learns apart.
@@ -201,58 +212,49 @@ class AutoGamma(GammaPolicy):
         source = self.by_row if source is None else source
         return [min(0.99, source[r].alpha) for r in rows.tolist()]
 
-    def kinds(self, rows: torch.Tensor) -> list[tuple[list[Part], bool]]:
-        """Each kind of step the drafter can take: its rows' parts, and whether the draft model runs.
-        The last kind drafts with everything the drafter has (what a probe tries)."""
+    def kinds(self, rows: torch.Tensor, alpha: list[float]) -> list[AutoPlan]:
+        """Each kind of step the drafter can take, as a plan of no drafts yet: its rows' parts, and whether the
+        draft model runs (``price.model``). The last kind drafts with everything the drafter has (a probe's)."""
+        batch = rows.numel()
         if not self.hybrid:
-            return [([(i, 1.0, a) for i, a in enumerate(self.alpha)], True)]
+            return [self.kind(batch, alpha, [(i, 1.0, a) for i, a in enumerate(alpha)], True)]
         lookup = self.alphas(rows, self.lookup_by_row)
         match = [self.match_by_row[r].alpha for r in rows.tolist()]
         alone = [(i, m, a) for i, (m, a) in enumerate(zip(match, lookup))]
         both = [
-            part
-            for i, (m, a, b) in enumerate(zip(match, lookup, self.alpha))
-            for part in ((i, m, max(a, b)), (i, 1 - m, b))
+            part for i, (m, a, b) in enumerate(zip(match, lookup, alpha)) for part in ((i, m, max(a, b)), (i, 1 - m, b))
         ]
-        return [(alone, False), (both, True)]
+        return [self.kind(batch, alpha, alone, False), self.kind(batch, alpha, both, True)]
 
-    def start_step(self, parts: list[Part], model: bool) -> None:
-        self.parts, self.model = parts, model
-        self.reach = [p for _, p, _ in parts]  # P(the part drafts and every draft so far is accepted)
-        self.expected = float(self.batch)  # expected tokens of the step with the drafts so far
+    def kind(self, batch: int, alpha: list[float], parts: list[Part], model: bool) -> AutoPlan:
+        return AutoPlan(
+            0, 0, Price(self.costs, model), batch, tuple(alpha), tuple(parts), tuple(p for _, p, _ in parts)
+        )
 
-    def gamma(self, rows: torch.Tensor) -> int:
-        self.batch, self.alpha = rows.numel(), self.alphas(rows)
-        kinds = self.kinds(rows)
-        rates = []
-        for kind in kinds:
-            self.start_step(*kind)
-            rates.append(self.best(0)[1])
-        self.start_step(*kinds[rates.index(max(rates))])  # a tie goes to the lookup alone: it runs no model
-        gamma, self.rate = self.best(0)  # the rate: the step's expected tokens per second, as predicted
-        self.probing, self.nodes = False, 0
-        nodes, rate = self.best_tree()
-        if rate > self.rate:  # a tree beats every chain: γ is its depth
-            self.nodes, self.rate, gamma = nodes, rate, shape(nodes)[1]
+    def gamma(self, rows: torch.Tensor) -> AutoPlan:
+        alpha = self.alphas(rows)
+        kinds = self.kinds(rows, alpha)
+        rates = [self.best(kind, kind.reach, float(kind.batch), 0)[1] for kind in kinds]
+        kind = kinds[rates.index(max(rates))]  # a tie goes to the lookup alone: it runs no model
+        gamma, rate = self.best(kind, kind.reach, float(kind.batch), 0)
+        nodes, probing = 0, False
+        tree_nodes, tree_rate = self.best_tree(kind.batch, alpha)
+        if tree_rate > rate:  # a tree beats every chain: γ is its depth
+            nodes, rate, gamma = tree_nodes, tree_rate, shape(tree_nodes)[1]
         if gamma == 0:
             self.probe[0] += 1
             if self.probe[0] >= self.probe[1]:  # probe: draft anyway, to learn whether it pays again
                 self.probe[:] = [0, min(2 * self.probe[1], self.probe_max)]
-                self.probing = True
-                self.start_step(*kinds[-1])
-                gamma, self.rate = self.best(0, at_least=1)
+                probing, kind = True, kinds[-1]
+                gamma, rate = self.best(kind, kind.reach, float(kind.batch), 0, at_least=1)
                 if self.tuning.trees and self.tuning.tree_probe():  # trees learn only from tree steps
-                    self.nodes = min(self.tuning.trees)
-                    gamma = shape(self.nodes)[1]
+                    nodes = min(self.tuning.trees)
+                    gamma = shape(nodes)[1]
         else:
             self.probe[:] = [0, self.probe_every]
-        self.chosen = gamma
-        return gamma
+        return replace(kind, gamma=gamma, nodes=nodes, rate=rate, probing=probing)
 
-    def price(self) -> Price:
-        return Price(self.costs, self.model)
-
-    def best_tree(self) -> tuple[int, float]:
+    def best_tree(self, batch: int, alpha: list[float]) -> tuple[int, float]:
         """The tree budget with the best expected tokens per second, and that rate ((0, -1) without trees).
 
         A tree of N nodes commits ``TreeAcceptance.expected_tokens`` per row (from acceptance by depth and
@@ -260,26 +262,25 @@ class AutoGamma(GammaPolicy):
         target forward over N+1 tokens, v(N) single-token forwards."""
         evidence, best = self.tuning.tree_evidence(), (0, -1.0)
         for nodes in self.tuning.trees:
-            tokens = sum(evidence.expected_tokens(nodes, a) for a in self.alpha)
-            seconds = self.costs.tree_draft_seconds(self.batch, nodes, shape(nodes)[1]) + self.costs.verify_seconds(
-                self.batch, nodes + 1
+            tokens = sum(evidence.expected_tokens(nodes, a) for a in alpha)
+            seconds = self.costs.tree_draft_seconds(batch, nodes, shape(nodes)[1]) + self.costs.verify_seconds(
+                batch, nodes + 1
             )
             if tokens / seconds > best[1]:
                 best = (nodes, tokens / seconds)
         return best
 
-    def tree_nodes(self) -> int:
-        return self.nodes
-
-    def update_tree(self, step: TreeStep) -> None:
+    def learn_tree(self, step: Step) -> None:
+        """A tree step: acceptance by depth and by sibling rank, the chain's α from its first children, costs."""
         evidence = self.tuning.tree_evidence()
-        if self.probing and any(n == step.path.shape[1] for n in step.accepted.tolist()):
+        probing = isinstance(step.plan, AutoPlan) and step.plan.probing  # (a call's fixed tree: no AutoPlan)
+        if probing and any(n == step.path.shape[1] for n in step.accepted.tolist()):
             self.probe[1] = self.probe_every  # a tree probe kept a whole path: look again soon
         chains = []
         for parents, real, path, n in zip(
             step.parents.tolist(), step.real.tolist(), step.path.tolist(), step.accepted.tolist()
         ):
-            evidence.add(step.nodes, parents, real, path, n)
+            evidence.add(step.plan.nodes, parents, real, path, n)
             chains.append(first_children(parents, real, path, n))
         # The chain's α learns from the trees' first children too: while trees win, chain steps are rare, and
         # a chain judged on a few of them alone can sink below the rate the trees' first guesses show.
@@ -287,56 +288,68 @@ class AutoGamma(GammaPolicy):
         batch = step.rows.numel()
         self.costs.record_verify(batch, step.parents.shape[1] + 1, step.verify_seconds)
         if not self.after_plain:  # after plain steps, drafting began with a long catch-up
-            self.costs.record_tree_draft(batch, step.nodes, step.draft_seconds)
+            self.costs.record_tree_draft(batch, step.plan.nodes, step.draft_seconds)
         self.after_plain = False
 
-    def best(self, drafted: int, at_least: int = 0) -> tuple[int, float]:
-        """The γ ≥ ``drafted`` (and ≥ ``at_least``) with the best expected tokens per second, and that rate."""
+    def best(
+        self, plan: AutoPlan, reach: Sequence[float], expected: float, drafted: int, at_least: int = 0
+    ) -> tuple[int, float]:
+        """The γ ≥ ``drafted`` (and ≥ ``at_least``) with the best expected tokens per second for a step of
+        ``plan``'s kind, and that rate, after ``drafted`` drafts that left each part drafting on with probability
+        ``reach`` and ``expected`` tokens expected so far."""
         best, rate, future = drafted, -1.0, 0.0
-        powers = list(self.reach)  # reach · α^k for the k-th draft after these
+        powers = list(reach)  # reach · α^k for the k-th draft after these
         for g in range(drafted, self.maximum + 1):
             if g > drafted:
-                powers = [p * a for p, (_, _, a) in zip(powers, self.parts)]
+                powers = [p * a for p, (_, _, a) in zip(powers, plan.parts)]
                 future += sum(powers)
             if g < at_least:
                 continue
-            r = (self.expected + future) / self.seconds(g)
+            r = (expected + future) / self.seconds(plan, g)
             if r > rate:
                 best, rate = g, r
         return best, rate
 
-    def seconds(self, gamma: int) -> float:
-        """The expected time of a step of the current kind with γ drafts."""
+    def seconds(self, plan: AutoPlan, gamma: int) -> float:
+        """The expected time of a step of ``plan``'s kind with γ drafts."""
         if not self.hybrid:
-            return self.costs.step_seconds(self.batch, gamma)
-        drafts = 1.0
-        if not self.model:  # the lookup alone verifies only the pending token when no row found a match
-            drafts = 1.0 - math.prod(1.0 - p for _, p, _ in self.parts)
-        return self.costs.step_seconds(self.batch, gamma, self.model, lookup=True, drafts=drafts)
+            return self.costs.step_seconds(plan.batch, gamma)
+        model, drafts = plan.price.model, 1.0
+        if not model:  # the lookup alone verifies only the pending token when no row found a match
+            drafts = 1.0 - math.prod(1.0 - p for _, p, _ in plan.parts)
+        return self.costs.step_seconds(plan.batch, gamma, model, lookup=True, drafts=drafts)
 
-    def stop(self, drafted: int, confidence: torch.Tensor) -> bool:
-        accept = self.calibration.predict(confidence.tolist(), self.alpha)
-        self.reach = [r * accept[i] for r, (i, _, _) in zip(self.reach, self.parts)]
-        self.expected += sum(self.reach)
-        return drafted >= self.chosen or self.best(drafted)[0] == drafted
+    def stop(self, plan: Plan, confidence: list[torch.Tensor]) -> bool:
+        assert isinstance(plan, AutoPlan), "a plan of this policy"
+        reach, expected = list(plan.reach), float(plan.batch)
+        for column in confidence:  # each draft, calibrated by what was accepted before
+            accept = self.calibration.predict(column.tolist(), list(plan.alpha))
+            reach = [r * accept[i] for r, (i, _, _) in zip(reach, plan.parts)]
+            expected += sum(reach)
+        drafted = len(confidence)
+        return drafted >= plan.gamma or self.best(plan, reach, expected, drafted)[0] == drafted
 
     def update(self, step: Step) -> None:
+        if step.tree:
+            self.learn_tree(step)
+            return
         drafted, accepted = step.drafted.tolist(), step.accepted.tolist()
-        if self.probing and any(d and n == d for d, n in zip(drafted, accepted)):
+        probing = isinstance(step.plan, AutoPlan) and step.plan.probing
+        if probing and any(d and n == d for d, n in zip(drafted, accepted)):
             self.probe[1] = self.probe_every  # a probe that paid: look again soon
-        outcome = step.outcome if self.hybrid else None
-        if outcome is None:
+        sources = step.sources if self.hybrid else None
+        if sources is None:
             self.learn(step.rows.tolist(), drafted, accepted, step.confidence)
             model_gamma = step.gamma
         else:
-            self.learn_hybrid(step, outcome)
-            model_gamma = outcome.model_gamma
+            self.learn_hybrid(step, sources)
+            model_gamma = sources.model_gamma
         batch = step.rows.numel()
         self.costs.record_verify(batch, step.gamma + 1, step.verify_seconds)
-        if outcome is not None and not model_gamma:  # the lookup alone: its time is what drafting cost
+        if sources is not None and not model_gamma:  # the lookup alone: its time is what drafting cost
             self.costs.record_lookup(batch, step.draft_seconds)
         elif model_gamma and not self.after_plain:  # after plain steps, drafting began with a long catch-up
-            lookup = self.costs.lookup_seconds(batch) if outcome is not None else 0.0
+            lookup = self.costs.lookup_seconds(batch) if sources is not None else 0.0
             self.costs.record_draft(batch, max(0.0, step.draft_seconds - lookup) / model_gamma)
         self.after_plain = model_gamma == 0  # the draft model did not run: it catches up when it next does
 
@@ -351,23 +364,27 @@ class AutoGamma(GammaPolicy):
             reached = [min(n + 1, d) for d, n in zip(drafted, accepted)]
             self.calibration.add(confidence.tolist(), reached, accepted)
 
-    def learn_hybrid(self, step: Step, outcome: Outcome) -> None:
-        """A hybrid's step: whether each row's lookup matched and how its proposal fared, and the model's
-        drafts in the rows that took them."""
+    def learn_hybrid(self, step: Step, sources: Sources) -> None:
+        """A hybrid's step, from its proposal's sources and the verdict: whether each row's lookup matched and how
+        its proposal fared (where the model's was taken: how far it agreed with the model's kept drafts), and the
+        model's drafts in the rows that took them."""
         match, lookup = self.tuning.evidence("match"), self.tuning.evidence("lookup")
-        rows = step.rows.tolist()
-        for row, run in zip(rows, outcome.lookup):
+        rows, accepted, took = step.rows.tolist(), step.accepted.tolist(), []
+        each = zip(sources.lookup.tolist(), sources.took_lookup.tolist(), sources.agree.tolist())
+        for i, (row, n, (k, used, agree)) in enumerate(zip(rows, accepted, each)):
             for record in (self.match_by_row[row], match):  # a match is a success, none a failure
-                record.add(int(run is not None), run is None)
-            if run is not None:
+                record.add(int(k > 0), k == 0)
+            if not used and sources.model_gamma:  # the model's proposal; the lookup's against its kept drafts
+                took.append(i)
+            run = (n, n < k) if used else (min(agree, min(k, n)), agree < min(k, n))
+            if k and (used or sources.model_gamma):
                 self.lookup_by_row[row].add(*run)
                 lookup.add(*run)
-        took = [i for i, m in enumerate(outcome.model) if m is not None]
         confidence = step.confidence[took] if step.confidence is not None and took else None
         self.learn(
             [rows[i] for i in took],
-            [outcome.model[i][0] for i in took],
-            [outcome.model[i][1] for i in took],
+            [int(step.drafted[i]) for i in took],
+            [accepted[i] for i in took],
             confidence,
         )
 

@@ -11,10 +11,21 @@ from typing import Any
 
 import torch
 
-from hfspec.drafters.hybrid import Outcome
 from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.measure.alpha import AlphaEstimate
 from hfspec.measure.costs import Price
+from hfspec.tree.proposal import Sources
+
+
+def check_gamma(gamma: Any) -> int:
+    """A fixed γ as given by a caller, checked: a positive integer."""
+    if isinstance(gamma, bool) or not isinstance(gamma, int):
+        raise HfspecTypeError(
+            f"gamma (γ, drafts per step) must be a positive integer, 'auto' or a GammaPolicy, got {gamma!r}"
+        )
+    if gamma < 1:
+        raise HfspecError(f"gamma (γ, drafts per step) must be >= 1, got {gamma}")
+    return gamma
 
 
 def predicted_speedup(alpha: float, gamma: int, cost: float, verify_cost: float = 1.0) -> float:
@@ -65,39 +76,43 @@ def best_gamma(
 
 
 @dataclass(frozen=True)
-class Step:
-    """What one step did, for the policy to learn from. Tensors are CPU, one entry per active row."""
+class Plan:
+    """What a policy chose for one step (``GammaPolicy.gamma``); handed back to its ``stop`` and ``update``."""
 
-    rows: torch.Tensor  # (B,) long: each row's index in the call's batch
-    gamma: int  # the proposal's width: drafts per row at most (0: a plain step)
-    drafted: torch.Tensor  # (B,) long: drafts each row really proposed (≤ γ)
-    accepted: torch.Tensor  # (B,) long: drafts each row kept
-    confidence: torch.Tensor | None  # (B, drafted.max()) the drafter's probability of each draft, if it gave one
-    draft_seconds: float  # wall time of drafting (catching up included)
-    verify_seconds: float  # wall time of the verification forward, acceptance and rollback
-    outcome: Outcome | None = None  # what the drafter's commit made of the step: a hybrid's two proposers apart
+    gamma: int  # drafts to ask for (a tree: its depth); the loop cuts it to the rows' budgets
+    nodes: int = 0  # a tree's node budget; 0: a chain
+    price: Price | None = None  # how the step was priced, for a drafter that can take cheaper steps (None: by
+    # expected tokens alone)
 
 
 @dataclass(frozen=True)
-class TreeStep:
-    """What one tree step did (``hfspec.tree``), for the policy to learn from. Tensors are CPU, one row per
-    active row."""
+class Step:
+    """What one step did, for the policy to learn from: a chain's or a tree's (``hfspec.tree``). Tensors are CPU,
+    one row per active row."""
 
     rows: torch.Tensor  # (B,) long: each row's index in the call's batch
-    nodes: int  # the node budget asked for
-    parents: torch.Tensor  # (B, N) long: each node's parent, -1 for the root's children
-    real: torch.Tensor  # (B, N) bool: False for padding nodes
-    path: torch.Tensor  # (B, D) long: the kept nodes, -1 past accepted[b]
-    accepted: torch.Tensor  # (B,) long: nodes each row kept
-    draft_seconds: float
-    verify_seconds: float
+    plan: Plan  # what the policy chose for the step
+    gamma: int  # the proposal's depth: drafts one row can keep at most (0: a plain step)
+    drafted: torch.Tensor  # (B,) long: drafts (a tree: real nodes) each row really proposed
+    accepted: torch.Tensor  # (B,) long: drafts each row kept
+    confidence: torch.Tensor | None  # (B, picks) the drafter's probability of each chain draft, if it gave one
+    draft_seconds: float  # wall time of drafting (catching up included)
+    verify_seconds: float  # wall time of the verification forward, acceptance and rollback
+    path: torch.Tensor | None = None  # (B, D) long: the kept nodes, -1 past accepted[b]
+    parents: torch.Tensor | None = None  # (B, N) long: a tree's parents, -1 for the root's children; None: a chain
+    real: torch.Tensor | None = None  # (B, N) bool: False for padding nodes (None: every node is real)
+    sources: Sources | None = None  # which of the drafter's sources drafted each row, and what the step paid
+
+    @property
+    def tree(self) -> bool:
+        return self.parents is not None
 
 
 class GammaPolicy:
-    """Chooses γ: ``begin(batch)`` once per call, ``gamma(rows)`` before a step, ``stop(i, confidence)``
-    while drafting, ``update(step)`` after it. A policy may answer a step with a tree instead of a chain:
-    ``tree_nodes()`` is then its node budget (γ its depth), and ``update_tree`` learns from it; ``price()``
-    says how it priced the step, for the drafter."""
+    """Chooses γ: ``begin(batch)`` once per call, ``gamma(rows)`` before a step returns its ``Plan``, which
+    ``stop(plan, confidence)`` reads while drafting and ``update(step)`` after it (``Step.plan``). A plan may
+    answer a step with a tree instead of a chain (``Plan.nodes``, γ its depth), and say how it priced the step,
+    for the drafter (``Plan.price``). The policy's own state is what it learnt; a step's choice is the plan's."""
 
     def begin(self, batch: int) -> None:
         """A generate call of ``batch`` rows starts."""
@@ -108,51 +123,28 @@ class GammaPolicy:
     def forget(self, row: int) -> None:
         """Row ``row`` left the batch for good."""
 
-    def gamma(self, rows: torch.Tensor) -> int:
-        """Drafts to ask for in the next step; ``rows`` (B,) are the active rows' indices in the batch."""
+    def gamma(self, rows: torch.Tensor) -> Plan:
+        """The next step's plan; ``rows`` (B,) are the active rows' indices in the batch."""
         raise NotImplementedError
 
-    def stop(self, drafted: int, confidence: torch.Tensor) -> bool:
-        """True ends this step's drafting after ``drafted`` drafts; ``confidence`` (B,) is the drafter's
-        probability of each row's last draft."""
+    def stop(self, plan: Plan, confidence: list[torch.Tensor]) -> bool:
+        """True ends the drafting of the step ``plan`` chose after ``len(confidence)`` drafts; ``confidence[j]``
+        (B,) is the drafter's probability of each row's draft j."""
         return False
 
     def update(self, step: Step) -> None:
-        """Learn from the step just taken."""
-
-    def tree_nodes(self) -> int:
-        """The node budget of a tree for the step the last ``gamma`` call chose; 0 drafts a chain."""
-        return 0
-
-    def price(self) -> Price | None:
-        """How the step the last ``gamma`` call chose was priced, handed to the drafter with it (a hybrid runs its
-        model only where that pays); None: by expected tokens alone."""
-        return None
-
-    def update_tree(self, step: TreeStep) -> None:
-        """Learn from the tree step just taken."""
+        """Learn from the step just taken (a chain's or a tree's)."""
 
 
 @dataclass
 class FixedGamma(GammaPolicy):
     value: int
 
-    def gamma(self, rows: torch.Tensor) -> int:
-        return self.value
+    def gamma(self, rows: torch.Tensor) -> Plan:
+        return Plan(self.value)
 
     def __str__(self) -> str:
         return f"fixed({self.value})"
-
-
-def check_gamma(gamma: Any) -> int:
-    """A fixed γ as given by a caller, checked: a positive integer."""
-    if isinstance(gamma, bool) or not isinstance(gamma, int):
-        raise HfspecTypeError(
-            f"gamma (γ, drafts per step) must be a positive integer, 'auto' or a GammaPolicy, got {gamma!r}"
-        )
-    if gamma < 1:
-        raise HfspecError(f"gamma (γ, drafts per step) must be >= 1, got {gamma}")
-    return gamma
 
 
 @dataclass
@@ -162,10 +154,12 @@ class HeuristicGamma(GammaPolicy):
     value: int = 5
     maximum: int = 16
 
-    def gamma(self, rows: torch.Tensor) -> int:
-        return self.value
+    def gamma(self, rows: torch.Tensor) -> Plan:
+        return Plan(self.value)
 
     def update(self, step: Step) -> None:
+        if step.tree:  # the schedule is a chain's
+            return
         if step.gamma and bool((step.accepted == step.drafted).all()):
             self.value = min(self.maximum, self.value + 2)
         else:
@@ -199,10 +193,12 @@ class CostModelGamma(GammaPolicy):
     def alpha(self) -> float:
         return self.evidence.alpha
 
-    def gamma(self, rows: torch.Tensor) -> int:
-        return best_gamma(min(self.alpha, 0.999), self.cost, self.verify_cost, self.maximum)[0]
+    def gamma(self, rows: torch.Tensor) -> Plan:
+        return Plan(best_gamma(min(self.alpha, 0.999), self.cost, self.verify_cost, self.maximum)[0])
 
     def update(self, step: Step) -> None:
+        if step.tree:  # α is a chain's acceptance
+            return
         for d, n in zip(step.drafted.tolist(), step.accepted.tolist()):
             self.evidence.add_step(d, n)
 

@@ -3,8 +3,8 @@
 The server's engine (``hfspec.serve.engine``) runs this batch's ``step`` in a loop. A request joins between
 steps: ``prefill_alone`` prefills its prompt alone (the target, and the drafter's catch-up), then ``merge`` merges
 its caches into the batch's, left-padded with holes (``KVState.merge``); a row leaves by ``leave`` as soon as it
-finishes or is cancelled. The step is the generator's (``hfspec.decoding.loop.Call``: propose → verify → roll
-back → accept), with the sampling math done per row:
+finishes or is cancelled. The step is the generator's (``hfspec.decoding.loop.Call``: propose → verify → roll back → accept),
+with the sampling math done per row:
 
 - **Settings per row.** Each row keeps its ``SamplingParams``: a greedy row takes the target's argmax (exact,
   Leviathan et al.'s greedy case), a sampled row its own warpers (``sampling.warped_probs``), so that greedy rows
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
+from hfspec import tree
 from hfspec.decoding import sampling
 from hfspec.decoding.loop import Call, Verdict
 from hfspec.decoding.rows import Rows
@@ -48,7 +49,7 @@ from hfspec.errors import NumericalFault
 from hfspec.generator import SpeculativeGenerator
 from hfspec.measure.timing import now
 from hfspec.models.kv_cache import KVState
-from hfspec.policy import GammaPolicy, Step
+from hfspec.policy import GammaPolicy, Plan, Step
 from hfspec.settings import SamplingParams
 
 
@@ -79,7 +80,6 @@ class RowContext:
     """What a drafter sees of the batch (``hfspec.drafters.Context``), with ``pick`` done per row."""
 
     generator = None  # no stream shared by the rows: each draws from its own
-    price = None  # drafting priced by expected tokens alone (no hybrid's model switch)
 
     def __init__(self, batch: Batch, gammas: torch.Tensor | None = None):
         self.rows, self.states, self.vocab, self.gammas = batch.rows, batch.states, batch.vocab, gammas
@@ -128,7 +128,7 @@ class Batch(Call):
     def active(self) -> int:
         return len(self.states)
 
-    def context(self, price: object = None) -> RowContext:
+    def context(self) -> RowContext:
         return RowContext(self, self.gammas)
 
     def prefill_alone(self, state: RowState, prompt: list[int], params: SamplingParams, eos: list[int]) -> Batch:
@@ -173,30 +173,32 @@ class Batch(Call):
             self.states = [s for s, done in zip(self.states, finished.tolist()) if not done]
         self.check()
 
-    def plan(self) -> int:
-        """Each row's γ for the next step (``self.gammas``), cut by its budget; returns the widest."""
-        auto = 0
+    def plan(self) -> Plan | None:
+        """Each row's γ for the next step (``self.gammas``), cut by its budget; the batch policy's plan, if asked."""
+        plan = None
         if self.auto is not None and any(s.gamma is None for s in self.states):
-            auto = self.auto.gamma(self.rows.index.cpu())
+            plan = self.auto.gamma(self.rows.index.cpu())
+        auto = plan.gamma if plan is not None else 0
         wanted = torch.tensor([auto if s.gamma is None else s.gamma for s in self.states], device=self.device)
         self.gammas = torch.minimum(wanted, self.rows.left - 1).clamp(min=0)
-        return int(self.gammas.max())
+        return plan
 
     def step(self) -> list[Committed]:
         """propose → verify → roll back → accept, once for every row; what each row committed."""
         t0 = now(self.device)
-        gamma = self.plan()
+        plan = self.plan()
+        gamma = int(self.gammas.max())
         ctx = self.context()
         proposal = self.drafter.propose(ctx, gamma) if gamma else Proposal.empty(self.active, self.device)
         t1 = now(self.device)
         verdict = self.verify(proposal)  # drafts kept and the next token, per row
-        self.rollback(verdict)
+        block = self.rollback(verdict)
         t2 = now(self.device)
         drafted, accepted = verdict.proposal.drafted(), verdict.accepted
-        if self.auto is not None and any(s.gamma is None for s in self.states):
-            step = Step(self.rows.index.cpu(), gamma, drafted.cpu(), accepted.cpu(), ctx.confidence(), t1 - t0, t2 - t1)
-            self.auto.update(step)
-        block = verdict.tokens()
+        if plan is not None:
+            rows, seconds = self.rows.index.cpu(), (t1 - t0, t2 - t1)
+            path = verdict.path.cpu()
+            self.auto.update(Step(rows, plan, gamma, drafted.cpu(), accepted.cpu(), ctx.confidence(), *seconds, path))
         committed, has_eos = self.rows.commit(block, accepted + 1)
         exhausted = self.rows.exhausted()
         out = []
@@ -233,7 +235,8 @@ class Batch(Call):
             p = sampling.warped_probs(logits[b, : n + 1].contiguous(), state.warpers)[None]  # (1, n+1, V)
             q = proposal.q[b : b + 1, :n] if proposal.q is not None else sampling.one_hot(own, p.shape[-1])
             accepted[b : b + 1], next_token[b : b + 1] = sampling.verify(own, q, p, state.generator)
-        return Verdict(Proposal(drafts, proposal.q, counts), accepted, next_token, start, fed)
+        kept = Proposal.chain(drafts, proposal.q, counts)
+        return Verdict(kept, accepted, next_token, start, fed, tree.chain_path(accepted, gamma))
 
 
 def _check(logits: torch.Tensor, role: str) -> None:

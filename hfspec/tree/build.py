@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from hfspec.decoding import sampling
-from hfspec.tree.proposal import TreeProposal
+from hfspec.tree.proposal import Proposal
 
 
 def shape(nodes: int) -> tuple[int, int]:
@@ -85,7 +85,7 @@ def grow(
     sample: bool,
     generator: torch.Generator | None,
     next_level: NextLevel,
-) -> TreeProposal:
+) -> Proposal:
     """An EAGLE-2 dynamic tree of at most ``nodes`` nodes in at most ``depth`` levels, from the root's draft
     distribution ``q`` (B, 1, V): each level the ``shape(nodes)`` width of best new children (``expand``), one
     ``next_level`` call (one draft forward) between levels. ``alive`` (B, 1): rows that may draft at all."""
@@ -105,16 +105,15 @@ def grow(
             break
         q = next_level(new, frontier, torch.cat([part[1] for part in parts], 1), level + 1)
     tokens, parents, real = (torch.cat([part[i] for part in parts], 1) for i in (0, 1, 3))
-    return TreeProposal(
-        tokens, parents, torch.cat([part[2] for part in parts], 1) if sample else None, real, forwards=len(parts)
-    )
+    q = torch.cat([part[2] for part in parts], 1) if sample else None
+    return Proposal(tokens, q, parents, real, forwards=len(parts))
 
 
-def graft(main: TreeProposal, extra: TreeProposal) -> TreeProposal:
+def graft(main: Proposal, extra: Proposal) -> Proposal:
     """``main`` with the deterministic nodes of ``extra`` (q one-hot) added: each under the node of ``main`` that
     ends the same path, after its own children (so they are tried last), a path ``main`` has already not repeated.
 
-    Exact with ``verify_tree``: an added child is deterministic, so its q is one-hot whatever was drawn before it.
+    Exact with ``verify``: an added child is deterministic, so its q is one-hot whatever was drawn before it.
     """
     batch = main.tokens.shape[0]
     rows = []
@@ -122,14 +121,16 @@ def graft(main: TreeProposal, extra: TreeProposal) -> TreeProposal:
         keys: dict[tuple[int, ...], int] = {(): -1}
         path_of: list[tuple[int, ...]] = []
         for i, (token, parent, real) in enumerate(
-            zip(main.tokens[b].tolist(), main.parents[b].tolist(), main.mask()[b].tolist())
+            zip(main.tokens[b].tolist(), main.parent_ids()[b].tolist(), main.mask()[b].tolist())
         ):
             path_of.append((path_of[parent] if parent >= 0 else ()) + (token,))
             if real:
                 keys.setdefault(path_of[-1], i)
         added: list[tuple[int, int]] = []
         extra_paths: list[tuple[int, ...]] = []
-        for token, parent, real in zip(extra.tokens[b].tolist(), extra.parents[b].tolist(), extra.mask()[b].tolist()):
+        for token, parent, real in zip(
+            extra.tokens[b].tolist(), extra.parent_ids()[b].tolist(), extra.mask()[b].tolist()
+        ):
             extra_paths.append((extra_paths[parent] if parent >= 0 else ()) + (token,))
             key = extra_paths[-1]
             if not real or key in keys or key[:-1] not in keys:
@@ -148,10 +149,10 @@ def graft(main: TreeProposal, extra: TreeProposal) -> TreeProposal:
             parents[b, : len(added)] = torch.tensor([p for _, p in added], device=device)
             real[b, : len(added)] = True
     q = None if main.q is None else torch.cat([main.q, sampling.one_hot(tokens, main.q.shape[-1])], dim=1)
-    return TreeProposal(
+    return Proposal(
         torch.cat([main.tokens, tokens], 1),
-        torch.cat([main.parents, parents], 1),
         q,
+        torch.cat([main.parent_ids(), parents], 1),
         torch.cat([main.mask(), real], 1),
         main.forwards,
     )

@@ -1,16 +1,21 @@
-"""Accepting along a draft tree (``hfspec.tree.proposal``): pure functions on tensors.
+"""Accepting along a proposal (``hfspec.tree.proposal``), chain or tree: pure functions on tensors.
 
 Acceptance generalises Leviathan et al. (arXiv 2211.17192) to many candidates per
 position, as SpecInfer (arXiv 2305.09781) and recursive speculative decoding (Jeon et al.,
 arXiv 2402.14160) do: at a node, try its children in order; child x is accepted with
 probability min(1, p'(x)/q'(x)); on a rejection p' ← norm(max(0, p' − q')) and the next
-child's q' is its own q with every token tried so far removed and renormalised. This is
-exact (the accepted path, then the next token, are distributed as the target's own
-sampling) when each child is drawn from q' given the earlier children, that is, *without
-replacement* from its parent's q, or deterministically (a one-hot q, which removal leaves
-as it is); how many children a node gets may depend on anything drawn before them, never
-on their own values. Greedy decoding walks the tree following the target's argmax, which
-is exact for any tree.
+child's q' is its own q with every token tried so far removed and renormalised; when every
+child is rejected the next token is drawn from p', and after an accepted leaf it is the
+bonus token from p. This is exact (the accepted path, then the next token, are distributed
+as the target's own sampling) when each child is drawn from q' given the earlier children,
+that is, *without replacement* from its parent's q, or deterministically (a one-hot q,
+which removal leaves as it is); how many children a node gets may depend on anything drawn
+before them, never on their own values. A chain (one child per node) is Leviathan et al.'s
+rule itself, run by ``hfspec.decoding.sampling.verify`` in one vectorised pass. Greedy decoding walks
+the proposal following the target's argmax, which is exact for any tree.
+
+Both return ``(path, accepted, next_token)``: the accepted nodes (B, D) padded with -1 (a
+chain's are 0, 1, …), their count (B,), and the next token (B,).
 """
 
 from __future__ import annotations
@@ -18,28 +23,28 @@ from __future__ import annotations
 import torch
 
 from hfspec.decoding import sampling
-from hfspec.tree.proposal import TreeProposal
+from hfspec.tree.proposal import Proposal, chain_path
 
 
-def verify_tree_greedy(
-    tree: TreeProposal, target_argmax: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact greedy verification of a tree: from the root, follow the child equal to the target's argmax.
+def verify_greedy(proposal: Proposal, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact greedy verification: from the root, follow the child equal to the target's argmax.
 
     ``target_argmax`` (B, N+1): the target's argmax after the root (column 0) and after each
-    node (column 1 + node). Returns ``(path, accepted, next_token)``: the accepted nodes (B, D)
-    padded with -1, their count (B,), and the target's argmax after the last of them. Siblings
-    carry different tokens, so at most one child matches; the output is the target's own greedy.
+    node (column 1 + node). The next token is the target's argmax after the last accepted node.
+    Siblings carry different tokens, so at most one child matches; the output is the target's own greedy.
     """
-    batch = tree.tokens.shape[0]
-    depth = tree.gamma
-    path = torch.full((batch, max(depth, 1)), -1, dtype=torch.long, device=tree.tokens.device)
-    current = torch.full((batch,), -1, dtype=torch.long, device=tree.tokens.device)
-    alive = torch.ones(batch, dtype=torch.bool, device=tree.tokens.device)
-    real = tree.mask()
+    if proposal.is_chain:
+        counts = None if proposal.real is None else proposal.drafted()
+        accepted, next_token = sampling.verify_greedy(proposal.tokens, target_argmax, counts)
+        return chain_path(accepted, proposal.nodes), accepted, next_token
+    tokens, parents, real = proposal.tokens, proposal.parents, proposal.mask()
+    batch, depth = tokens.shape[0], proposal.gamma
+    path = torch.full((batch, max(depth, 1)), -1, dtype=torch.long, device=tokens.device)
+    current = torch.full((batch,), -1, dtype=torch.long, device=tokens.device)
+    alive = torch.ones(batch, dtype=torch.bool, device=tokens.device)
     for d in range(depth):
         want = target_argmax.gather(1, (current + 1)[:, None])  # (B, 1) the target's token after `current`
-        match = (tree.parents == current[:, None]) & (tree.tokens == want) & real
+        match = (parents == current[:, None]) & (tokens == want) & real
         found = match.any(dim=1) & alive
         child = match.long().argmax(dim=1)
         path[:, d] = torch.where(found, child, -1)
@@ -50,67 +55,76 @@ def verify_tree_greedy(
     return path, accepted, next_token
 
 
-def verify_tree(
-    tree: TreeProposal, p: torch.Tensor, generator: torch.Generator | None = None
+def verify(
+    proposal: Proposal, p: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Multi-draft speculative sampling over a tree (module docstring): exact at any temperature.
+    """Multi-draft speculative sampling over a proposal (module docstring): exact at any temperature.
 
     ``p`` (B, N+1, V): the target's distribution after the root (column 0) and after each node
-    (column 1 + node). Returns ``(path, accepted, next_token)`` as ``verify_tree_greedy``: the
-    next token comes from the last residual when every child of the last accepted node was
-    rejected, or is the bonus token from p after an accepted leaf.
+    (column 1 + node).
     """
-    batch, n = tree.tokens.shape
+    tokens = proposal.tokens
+    batch, n = tokens.shape
     vocab = p.shape[-1]
-    q = tree.q if tree.q is not None else sampling.one_hot(tree.tokens, vocab)
+    q = proposal.q if proposal.q is not None else sampling.one_hot(tokens, vocab)
     if q.shape != (batch, n, vocab) or p.shape[:2] != (batch, n + 1):
         raise ValueError(
-            f"verify_tree expects tokens (B, N), q (B, N, V), p (B, N+1, V); got "
-            f"{tuple(tree.tokens.shape)}, {tuple(q.shape)}, {tuple(p.shape)}"
+            f"verify expects tokens (B, N), q (B, N, V), p (B, N+1, V); got "
+            f"{tuple(tokens.shape)}, {tuple(q.shape)}, {tuple(p.shape)}"
         )
-    real = tree.mask()
+    if proposal.is_chain:
+        counts = None if proposal.real is None else proposal.drafted()
+        accepted, next_token = sampling.verify(tokens, q, p, generator, counts)
+        return chain_path(accepted, n), accepted, next_token
+    real = proposal.mask()
     if bool(real.any()):
         sampling.check_distribution(q[real], "q (draft)")
     sampling.check_distribution(p, "p (target)")
-    path = torch.full((batch, max(tree.gamma, 1)), -1, dtype=torch.long, device=tree.tokens.device)
-    next_token = torch.empty(batch, dtype=torch.long, device=tree.tokens.device)
-    for b in range(batch):  # a walk per row; at most a few dozen small steps
-        nodes, token = _walk(tree.parents[b].tolist(), tree.tokens[b], q[b], p[b], real[b].tolist(), generator)
-        path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
-        next_token[b] = token
-    return path, (path >= 0).sum(dim=1), next_token
+    return _walk(proposal, q, p, generator)
 
 
 def _walk(
-    parents: list[int],
-    tokens: torch.Tensor,
-    q: torch.Tensor,
-    p: torch.Tensor,
-    real: list[bool],
-    generator: torch.Generator | None,
-) -> tuple[list[int], torch.Tensor]:
-    """One row of ``verify_tree``: the accepted nodes and the next token."""
-    children: dict[int, list[int]] = {}
-    for i, par in enumerate(parents):
-        if real[i]:
-            children.setdefault(par, []).append(i)
-    path, current = [], -1
-    while True:
-        target = p[current + 1]  # p' at this node
-        tried = torch.zeros_like(target, dtype=torch.bool)
-        accepted = None
-        for child in children.get(current, []):
-            q_child = q[child].masked_fill(tried, 0.0)  # drawn without replacement: the earlier children removed
-            if not bool(q_child.sum() > 0):  # a deterministic child repeating a tried token: nothing to try
-                continue
-            q_child = q_child / q_child.sum()
-            x = tokens[child]
-            if bool(sampling.accept(q_child[x], target[x], generator)):  # P = min(1, p'(x) / q'(x))
-                accepted = child
-                break
-            target = sampling.residual(target, q_child)
-            tried[x] = True
-        if accepted is None:  # every child rejected (or a leaf reached): the residual, or the bonus from p
-            return path, sampling.sample(target[None], generator)[0]
-        path.append(accepted)
-        current = accepted
+    proposal: Proposal, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``verify`` on a tree, every row at once: one pass per (depth, sibling rank), over the rows that still have a
+    child to try there, each at its own node (so the work is the children tried, as a walk per row would do)."""
+    tokens, parents, real = proposal.tokens, proposal.parents, proposal.mask()
+    batch, device = tokens.shape[0], tokens.device
+    path = torch.full((batch, max(proposal.gamma, 1)), -1, dtype=torch.long, device=device)
+    next_token = torch.zeros(batch, dtype=torch.long, device=device)
+    current = torch.full((batch,), -1, dtype=torch.long, device=device)
+    target = p[:, 0].clone()  # (B, V) p' at each row's current node
+    tried = torch.zeros_like(target, dtype=torch.bool)  # tokens rejected at the current node
+    live = torch.ones(batch, dtype=torch.bool, device=device)  # rows still walking
+    for depth in range(path.shape[1] + 1):
+        children = (parents == current[:, None]) & real & live[:, None]  # (B, N), in the order drawn
+        rank = children.long().cumsum(dim=1)
+        moved = torch.zeros_like(live)
+        for j in range(int(children.sum(dim=1).max()) if depth < path.shape[1] else 0):
+            this = children & (rank == j + 1)
+            rows = (this.any(dim=1) & ~moved).nonzero().flatten()  # rows with a j-th child to try
+            child = this[rows].long().argmax(dim=1)
+            x = tokens[rows, child]
+            q_child = q[rows, child].masked_fill_(tried[rows], 0.0)  # drawn without replacement: tried ones removed
+            mass = q_child.sum(dim=1)
+            trying = mass > 0  # a deterministic child repeating a tried token has nothing left to try
+            mass = mass.clamp_min(torch.finfo(mass.dtype).tiny)
+            q_x = q_child.gather(1, x[:, None]).squeeze(1) / mass  # q'(x), renormalised
+            kept = sampling.accept(q_x, target[rows, x], generator) & trying  # P = min(1, p'(x) / q'(x))
+            rejected = trying & ~kept
+            if bool(rejected.any()):
+                out = rows[rejected]
+                target[out] = sampling.residual(target[out], q_child[rejected] / mass[rejected, None])
+            tried[rows[rejected], x[rejected]] = True
+            path[rows[kept], depth] = child[kept]
+            current[rows[kept]] = child[kept]
+            moved[rows[kept]] = True
+        done = live & ~moved  # every child rejected (or a leaf reached): the residual, or the bonus from p
+        if bool(done.any()):
+            next_token[done] = sampling.sample(target[done], generator)
+        live = moved
+        if not bool(live.any()):
+            break
+        target[live] = p[live.nonzero().flatten(), current[live] + 1]
+        tried[live] = False
+    return path, (path >= 0).sum(dim=1), next_token
