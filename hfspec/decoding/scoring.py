@@ -29,7 +29,7 @@ class Scoring:
         self.needs_context = sampling.needs_context(processors)
         self.head, self.warpers = sampling.split_processors(processors) if sample else (processors, None)
 
-    def checked(
+    def probs(
         self, logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, extra: int, role: str, step: int
     ) -> torch.Tensor:
         """Process raw ``logits`` (B, k, V): probabilities when sampling, else scores, for argmax.
