@@ -40,13 +40,13 @@ from hfspec import FixedGamma, SpeculativeGenerator
 from hfspec.bench import llama_cpp
 from hfspec.bench.field import load_prompts
 from hfspec.measure.timing import cpu_model
-from hfspec.models import assets
+from hfspec.models import paths
 
 CACHE = Path(os.environ.get("HFSPEC_CACHE", "~/.cache/hfspec")).expanduser()
 TARGET = CACHE / "qwen2.5-coder-1.5b-instruct/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"
 DRAFT = CACHE / "qwen2.5-coder-0.5b-instruct/Qwen2.5-Coder-0.5B-Instruct.gguf"
 BIN = CACHE / "llama.cpp/0.3.36/build/bin"
-PROMPTS = Path(assets.__file__).resolve().parent / "prompts"
+PROMPTS = paths.DATA / "prompts"
 HFSPEC = {"f32-g0": ("float32", 0), "f32": ("float32", None), "int8-g0": ("int8", 0), "int8": ("int8", None)}
 
 
