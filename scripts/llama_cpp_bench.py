@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from qwen_pair_bench import FirstToken  # scripts/ is on the path of a script run from it
 from tqdm.auto import tqdm
 
 from hfspec import FixedGamma, SpeculativeGenerator
@@ -48,21 +49,6 @@ DRAFT = CACHE / "qwen2.5-coder-0.5b-instruct/Qwen2.5-Coder-0.5B-Instruct.gguf"
 BIN = CACHE / "llama.cpp/0.3.36/build/bin"
 PROMPTS = paths.DATA / "prompts"
 HFSPEC = {"f32-g0": ("float32", 0), "f32": ("float32", None), "int8-g0": ("int8", 0), "int8": ("int8", None)}
-
-
-class FirstToken:
-    """A streamer that notes when the first new token arrives (its first put is the prompt)."""
-
-    def __init__(self) -> None:
-        self.puts, self.first = 0, None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.first = time.perf_counter()
-
-    def end(self) -> None:
-        pass
 
 
 def run_hfspec(gen: SpeculativeGenerator, text: str, new: int, gamma: int | None) -> dict:

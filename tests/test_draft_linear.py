@@ -3,10 +3,9 @@ fallback, whole converted drafts, and exact speculative decoding with one."""
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
 from pathlib import Path
 
+import kernel_paths
 import pytest
 import stat_utils
 import tiny
@@ -16,7 +15,7 @@ from stat_utils import ALPHA
 from torch import nn
 
 from hfspec import SpeculativeGenerator
-from hfspec.cpu import draft_linear, fast, kernels, quant, toolchain
+from hfspec.cpu import draft_linear, fast, quant
 from hfspec.decoding import sampling
 from hfspec.decoding.sampling import OUTSIDE
 from hfspec.errors import HfspecError
@@ -104,47 +103,18 @@ def test_kernel_equals_the_integer_arithmetic(bits, draft_kernel):
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), m
 
 
-# The paths this CPU's build does not take, built on their own (-O1: seconds) where the CPU can run them.
+# The paths this CPU's build does not take, built on their own where the CPU can run them.
 OTHER_PATHS = {
-    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+    "avx2": kernel_paths.AVX2,
     "avxvnni": (["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], {"avx2", "fma", "f16c", "avx_vnni"}),
-    "scalar": ([], set()),
+    "scalar": kernel_paths.SCALAR,
 }
 
 
 @pytest.fixture(scope="module")
 def other_paths(tmp_path_factory, draft_kernel) -> dict[str, draft_linear.DraftKernel]:
-    flags = set(toolchain.cpu_flags().split())
     source = Path(draft_linear.__file__).parent / "csrc" / "draft.cpp"
-    out = tmp_path_factory.mktemp("draft-paths")
-    jobs = {
-        isa: subprocess.Popen(
-            [
-                "g++",
-                "-O1",
-                "-march=x86-64",
-                *extra,
-                "-fopenmp",
-                "-shared",
-                "-fPIC",
-                "-std=c++17",
-                "-o",
-                str(out / f"{isa}.so"),
-                str(source),
-            ],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for isa, (extra, needs) in OTHER_PATHS.items()
-        if needs <= flags
-    }
-    found = {}
-    for isa, job in jobs.items():
-        assert job.wait() == 0, job.stderr.read()[-1500:]
-        path = out / f"{isa}.so"
-        found[isa] = draft_linear._bind(kernels.KernelLibrary(path, isa, 0.0, (), {}, ctypes.CDLL(str(path))))
-        assert found[isa].isa == isa
-    return found
+    return kernel_paths.build(source, OTHER_PATHS, tmp_path_factory.mktemp("draft-paths"), draft_linear._bind)
 
 
 @pytest.mark.parametrize("bits", draft_linear.BITS)

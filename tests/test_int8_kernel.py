@@ -8,16 +8,15 @@ which is also the kernel's row-count invariance.
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
 from pathlib import Path
 
+import kernel_paths
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from hfspec.cpu import int8, int8_reference, kernels, toolchain
+from hfspec.cpu import int8, int8_reference
 
 FORMATS = list(int8_reference.BLOCK)
 ROWS = [*range(1, 18), 33, 65, 200]
@@ -120,31 +119,15 @@ def test_the_reference_is_close_to_the_dequantized_product():
     assert (got - want).norm() <= 0.05 * want.norm()
 
 
-# The paths this CPU's build does not take, built on their own (-O1: seconds) where the CPU can run them; each must
-# give the reference's bits, as the native build does (integer sums are exact, the float steps the same).
-OTHER_PATHS = {"avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}), "scalar": ([], set())}
+# The paths this CPU's build does not take, built on their own where the CPU can run them; each must give the
+# reference's bits, as the native build does (integer sums are exact, the float steps the same).
+OTHER_PATHS = {"avx2": kernel_paths.AVX2, "scalar": kernel_paths.SCALAR}
 
 
 @pytest.fixture(scope="module")
 def other_paths(tmp_path_factory, ik) -> dict[str, int8.Int8Kernel]:
-    flags = set(toolchain.cpu_flags().split())
     source = Path(int8.__file__).parent / "csrc" / "int8.cpp"
-    out = tmp_path_factory.mktemp("int8-paths")
-    common = ["-O1", "-march=x86-64", *toolchain.SOURCE_FLAGS["int8.cpp"], "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    jobs = {
-        isa: subprocess.Popen(
-            ["g++", *common, *extra, "-o", str(out / f"{isa}.so"), str(source)], stderr=subprocess.PIPE, text=True
-        )
-        for isa, (extra, needs) in OTHER_PATHS.items()
-        if needs <= flags
-    }
-    found = {}
-    for isa, job in jobs.items():
-        assert job.wait() == 0, job.stderr.read()[-1500:]
-        path = out / f"{isa}.so"
-        found[isa] = int8._bind(kernels.KernelLibrary(path, isa, 0.0, (), {}, ctypes.CDLL(str(path))))
-        assert found[isa].isa == isa
-    return found
+    return kernel_paths.build(source, OTHER_PATHS, tmp_path_factory.mktemp("int8-paths"), int8._bind)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
