@@ -115,7 +115,9 @@ async def level(url: str, model: str, clients: int, requests: int, max_tokens: i
         for k in counter:
             samples.append(await one(client, url, model, PROMPTS[k % len(PROMPTS)], max_tokens))
 
-    limits = httpx.Limits(max_connections=clients + 1)
+    # A fresh connection per request: a server closing an idle keep-alive connection just as the next request
+    # goes out on it ("Server disconnected without sending a response") is a race of the client, not the server.
+    limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(clients)))
