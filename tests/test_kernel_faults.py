@@ -30,6 +30,7 @@ def fresh(tmp_path, monkeypatch):
     """A process that has loaded no kernel yet, with its own cache; ``fresh.again()`` is the next process."""
     monkeypatch.setenv("HFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("HFSPEC_CXX", raising=False)
+    monkeypatch.delenv("HFSPEC_KERNELS", raising=False)  # the faults of a build, whether or not the suite runs them
     monkeypatch.setattr(kernels, "_LOADED", {})
     monkeypatch.setattr(kernel_plan, "_PLANS", {})
 

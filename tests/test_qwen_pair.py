@@ -33,7 +33,7 @@ def pair():
     return gen, ids, want
 
 
-def test_the_target_keeps_its_blocks_and_the_draft_runs_in_integer_arithmetic(pair):
+def test_the_target_keeps_its_blocks_and_the_draft_runs_in_integer_arithmetic(pair, library):
     gen, _, _ = pair
     kernels = gen.describe()["fast_kernels"]
     assert kernels["target"]["quantized"]["formats"].get("Q4_K", 0) > 100
