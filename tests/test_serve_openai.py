@@ -125,10 +125,13 @@ def test_openai_errors_map_to_the_clients_exceptions(client):
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 
+def metric(url: str, name: str) -> float:
+    """One value of the server's Prometheus metrics."""
+    return float(re.search(rf"^{name} (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1))
+
+
 def running(url: str) -> tuple[float, float]:
-    text = httpx.get(url + "/metrics").text
-    value = dict(re.findall(r"^(hfspec_requests_running|hfspec_requests_cancelled_total) (\S+)$", text, re.M))
-    return float(value["hfspec_requests_running"]), float(value["hfspec_requests_cancelled_total"])
+    return metric(url, "hfspec_requests_running"), metric(url, "hfspec_requests_cancelled_total")
 
 
 def test_a_client_leaving_mid_stream_frees_the_row(server):
@@ -169,14 +172,16 @@ def test_a_client_leaving_while_queued_never_takes_a_row(pair, monkeypatch):
     from hfspec.serve.engine import BatchEngine
 
     step, pause = batch.Batch.step, [0.3]  # a slow machine while the long answer runs
-    monkeypatch.setattr(batch.Batch, "step", lambda self: (time.sleep(pause[0]), step(self))[1])
+
+    def slow_step(self):
+        time.sleep(pause[0])
+        return step(self)
+
+    monkeypatch.setattr(batch.Batch, "step", slow_step)
     api.clear_cache()
     gen = api.load(Preset(name="custom", target=pair[0], draft=pair[1]))
     engine = BatchEngine.from_generator(gen, model_name="tiny", max_batch=1, max_queue=4)
     engine.eos = []  # and no answer ends early: the long one holds the row to its budget
-
-    def metric(url: str, name: str) -> float:
-        return float(re.search(rf"^{name} (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1))
 
     with running_server(create_app(engine, gen.tokenizer), engine) as url, httpx.Client(timeout=30) as c:
         long = {"prompt": "w20", "max_tokens": 100, "temperature": 0, "stream": True}
