@@ -69,9 +69,9 @@ def kernel_out(ik, x, w, fmt, bias, threads):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_row_count_and_thread_count_gives_the_references_bits(ik, fmt):
     k = 512
-    w = blocks(fmt, 11, k)
+    w = blocks(fmt, 19, k)  # a tile of 16 outputs and a partial one
     x = inputs(max(ROWS), k)
-    bias = torch.randn(11, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(19, generator=torch.Generator().manual_seed(2))
     with_bias = int8_reference.linear(x, w, fmt, bias).view(torch.int32)
     without = int8_reference.linear(x, w, fmt).view(torch.int32)
     assert torch.isfinite(without.view(torch.float32)).all()

@@ -22,8 +22,21 @@
 // 16 rows as lanes. The next tile's weight rows are prefetched into L2 as a tile is read. (Tried and measured slower
 // on a Xeon with AVX-512 VNNI: transposing each super-block's codes of 16 columns so that vpdpbusd with a row's
 // broadcast codes sums 16 columns per instruction, with one vpmulld by the scales per sub-block -- the transpose,
-// the scales' gathering and vpmulld's latency cost more than the horizontal sums they save, at 4-16 rows.) The
-// 32-weight formats take a portable path (integer loops the compiler vectorizes) in this version.
+// the scales' gathering and vpmulld's latency cost more than the horizontal sums they save, at 4-16 rows. Also no
+// faster there (measured on a shared, loaded machine), at 1-16 rows: the rows' codes permuted so that each 32-bit lane
+// of the four 64-byte pieces holds one sub-block's codes, vpdpbusd summing a lane over the pieces, then one vpmaddwd
+// (Q4_K, Q5_K: the lane sums fit in int16) or vpmulld (Q6_K) by the lanes' scales in place of four maddubs and four
+// vpdpwssd.)
+//
+// The 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) read their codes as unsigned bytes too: Q4_0's and Q5_0's
+// offsets (8, 16) come off as offset * (the row's code sum per block, kept beside the activations). On AVX-512 one
+// block of 16 output columns is transposed once (four 16-byte loads per vector, a 4 x 4 dword transpose in each
+// 128-bit lane) into eight vectors whose lane c holds four codes of column c, so that vpdpbusd with a row's four
+// codes broadcast sums 16 columns per instruction and no horizontal sum is left; Q8_0 adds 128 to its codes (vpdpbusd
+// sums four products in int32, never saturating) and takes 128 * the code sum off. Its float steps run 16 columns
+// per instruction. On AVX2 each block is unpacked once for every row, maddubs and madd give the sums (Q8_0 with
+// ggml's sign trick: |w| times the codes given w's sign, at most 2 * 128 * 127 per int16), the float steps per
+// output. Without AVX2 the integer loops are left to the compiler.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -121,6 +134,7 @@ struct Acts {
     std::vector<int8_t> q;
     std::vector<float> d, s;
     std::vector<int16_t> bsums;
+    std::vector<int32_t> sums;  // 32-weight formats: per block the sum of its codes (the code offsets' terms)
     // AVX-512, K-quants: per group of 16 rows and super-block, the rows' d in 16 lanes and 8 int32 lanes-vectors of
     // int16 pairs (Q6_K: bsums 2i, 2i + 1; Q4_K/Q5_K: the 32-code sums 2i, 2i + 1 for i < 4), rows as lanes.
     std::vector<float> dg;
@@ -164,7 +178,7 @@ void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsum
 
 // Q8_0 as ggml's x86 quantizer makes it (d = amax / 127 stored as fp16; codes from 127 / amax, nearest even), and
 // for Q8_1 s = fp16(d * sum(q)) with the unrounded d. d and s are kept widened to fp32.
-void quantize_q8_0(const float* x, int64_t K, bool with_s, int8_t* q, float* d, float* s) {
+void quantize_q8_0(const float* x, int64_t K, bool with_s, int8_t* q, float* d, float* s, int32_t* sums) {
     for (int64_t b = 0; b < K / 32; ++b, x += 32, q += 32) {
         float amax = 0.0f;
         for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
@@ -175,6 +189,7 @@ void quantize_q8_0(const float* x, int64_t K, bool with_s, int8_t* q, float* d, 
             sum += q[j];
         }
         d[b] = round_half(scale);
+        sums[b] = sum;
         if (with_s) s[b] = round_half(scale * (float)sum);
     }
 }
@@ -204,7 +219,7 @@ void quantize(int type, const float* x, int64_t ldx, int64_t M, int64_t K, Acts&
     if (is_k(type))
         a.bsums.resize(M * blocks * 16);
     else
-        a.s.resize(M * blocks);
+        a.s.resize(M * blocks), a.sums.resize(M * blocks);
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 1 << 16)
     for (int64_t i = 0; i < M; ++i) {
         int8_t* q = a.q.data() + i * K;
@@ -213,7 +228,7 @@ void quantize(int type, const float* x, int64_t ldx, int64_t M, int64_t K, Acts&
             if (PAIRED_K4 && type != Q6_K) pair_k4(q, K);
         } else {
             quantize_q8_0(x + i * ldx, K, type == Q4_1 || type == Q5_1, q, a.d.data() + i * blocks,
-                          a.s.data() + i * blocks);
+                          a.s.data() + i * blocks, a.sums.data() + i * blocks);
         }
     }
 #if defined(HFSPEC_INT8_AVX512)
@@ -570,26 +585,171 @@ void k_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, const int16_t* 
 #endif
 }
 
-// -- 32-weight formats: S of one block for every row -------------------------------------------------------------
+constexpr int COLS = 16;  // output columns per tile: each block of activations is used for all of them
 
 template <int T>
-void block_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, int32_t* S) {
+constexpr int nbytes() {
+    return T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : T == Q8_0 ? 34 : T == Q4_K ? 144
+         : T == Q5_K ? 176 : 210;
+}
+
+// -- 32-weight formats: S of one block for every row -------------------------------------------------------------
+
+// Where a block keeps its codes, its high bits (Q5_0/Q5_1) and the offset its codes carry (w = u - offset).
+template <int T>
+constexpr int codes_at() {
+    return T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : T == Q5_1 ? 8 : 2;
+}
+template <int T>
+constexpr int high_at() {
+    return T == Q5_0 ? 2 : 4;
+}
+template <int T>
+constexpr int code_offset() {
+    return T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0;
+}
+
+#if defined(HFSPEC_INT8_AVX512)
+// Four codes at p in every 32-bit lane (a broadcast from memory).
+inline __m512i broadcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// The whole tile at once, any row count: output columns as lanes. Each block's codes of the 16 columns are
+// transposed once into eight vectors u[k] whose lane c holds column c's codes 4k..4k+3 as unsigned bytes (Q4_0/Q5_0
+// without their offset, Q8_0 plus 128), so that vpdpbusd with a row's four codes 4k..4k+3 broadcast sums 16 columns
+// per instruction and no horizontal sum is needed; the offset comes off as offset * (the row's code sum), the float
+// steps run 16 columns per instruction, each lane in the reference's order.
+template <int T>
+void tile32(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K, float (*acc)[ROWS],
+            const uint8_t* next) {
+    constexpr int NB = nbytes<T>(), OFF = T == Q8_0 ? 128 : code_offset<T>();
+    constexpr bool with_m = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
+    const int64_t blocks = K / 32;
+    alignas(64) float sum[ROWS][GROUP];
+    for (int r = 0; r < R; ++r) _mm512_store_ps(sum[r], _mm512_setzero_ps());
+    const uint8_t* col[GROUP];  // columns past C read column 0 (their lanes are dropped)
+    for (int c = 0; c < GROUP; ++c) col[c] = w + (c < C ? c : 0) * ldw;
+    const __m512i nib = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+    // Q5: lane c's byte e of u[k] takes bit 4k + e of column c's high bits: byte k / 2 of the dword, bit 4(k % 2) + e
+    const __m512i dword_bytes = _mm512_broadcast_i32x4(_mm_set_epi64x(0x0C0C0C0C08080808LL, 0x0404040400000000LL));
+    const __m512i bits_lo = _mm512_set1_epi32(0x08040201), bits_hi = _mm512_set1_epi32((int)0x80402010u);
+    for (int64_t b = 0; b < blocks; ++b) {
+        prefetch_block<NB>(next, ldw, b);
+        __m512i u[8];
+        for (int half = 0; half < (T == Q8_0 ? 2 : 1); ++half) {
+            // z[i]'s 128-bit lane j: column 4j + i's 16 code bytes; a 4 x 4 transpose of dwords within each lane
+            // then gives t[k], lane c (= 4j + i) its dword k.
+            __m512i z[4];
+            for (int i = 0; i < 4; ++i) {
+                const int at = b * NB + codes_at<T>() + 16 * half;
+                __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(col[i] + at)));
+                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(col[4 + i] + at)), 1);
+                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(col[8 + i] + at)), 2);
+                z[i] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(col[12 + i] + at)), 3);
+            }
+            const __m512i p0 = _mm512_unpacklo_epi32(z[0], z[1]), p1 = _mm512_unpackhi_epi32(z[0], z[1]);
+            const __m512i p2 = _mm512_unpacklo_epi32(z[2], z[3]), p3 = _mm512_unpackhi_epi32(z[2], z[3]);
+            const __m512i t[4] = {_mm512_unpacklo_epi64(p0, p2), _mm512_unpackhi_epi64(p0, p2),
+                                  _mm512_unpacklo_epi64(p1, p3), _mm512_unpackhi_epi64(p1, p3)};
+            for (int k = 0; k < 4; ++k) {
+                if constexpr (T == Q8_0) {
+                    u[4 * half + k] = _mm512_xor_si512(t[k], _mm512_set1_epi8((char)0x80));
+                } else {  // low nibbles: codes 4k..4k+3; high nibbles: codes 16 + 4k..
+                    u[k] = _mm512_and_si512(t[k], nib);
+                    u[4 + k] = _mm512_and_si512(_mm512_srli_epi16(t[k], 4), nib);
+                }
+            }
+        }
+        alignas(64) uint32_t head[GROUP], high[GROUP];  // each column's first dword (d, m) and its 32 high bits
+        for (int c = 0; c < GROUP; ++c) {
+            memcpy(head + c, col[c] + b * NB, 4);
+            if constexpr (five) memcpy(high + c, col[c] + b * NB + high_at<T>(), 4);
+        }
+        const __m512i hv = _mm512_load_si512((const void*)head);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hv));
+        __m512 m = _mm512_setzero_ps();
+        if constexpr (with_m) m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hv, 16)));
+        if constexpr (five) {
+            const __m512i h = _mm512_load_si512((const void*)high);
+            for (int k = 0; k < 8; ++k) {
+                const __m512i bytes = _mm512_shuffle_epi8(h, _mm512_add_epi8(dword_bytes, _mm512_set1_epi8(k / 2)));
+                const __mmask64 set = _mm512_test_epi8_mask(bytes, k % 2 ? bits_hi : bits_lo);
+                u[k] = _mm512_mask_add_epi8(u[k], set, u[k], sixteen);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const int64_t row = (m0 + r) * blocks + b;
+            const int8_t* q = a.q.data() + (m0 + r) * K + b * 32;
+            __m512i s0 = _mm512_set1_epi32(-OFF * a.sums[row]), s1 = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, u[k], broadcast4(q + 4 * k));
+                s1 = _mm512_dpbusd_epi32(s1, u[k + 1], broadcast4(q + 4 * k + 4));
+            }
+            const __m512i s = _mm512_add_epi32(s0, s1);
+            __m512 step = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.d[row])));
+            if constexpr (with_m) step = _mm512_add_ps(step, _mm512_mul_ps(m, _mm512_set1_ps(a.s[row])));
+            _mm512_store_ps(sum[r], _mm512_add_ps(_mm512_load_ps(sum[r]), step));
+        }
+    }
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < R; ++r) acc[c][r] = sum[r][c];
+}
+#endif
+
+// S[r] for rows r < R of the block at w: the rows' codes at q, K apart; their code sums at sums, ldb apart.
+template <int T>
+void block_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, const int32_t* sums, int64_t ldb, int32_t* S) {
+#if defined(HFSPEC_INT8_AVX2) || defined(HFSPEC_INT8_AVX512)
+    // Unsigned codes u (Q8_0: |w|, its sign moved onto the row's codes) times the row's codes with maddubs -- at most
+    // 2 * 128 * 127 in an int16 -- summed into int32 with madd; the offset comes off as offset * (the row's code sum).
+    __m256i u;
+    if constexpr (T == Q8_0) {
+        u = _mm256_loadu_si256((const __m256i*)(w + 2));
+    } else {
+        const __m128i v = _mm_loadu_si128((const __m128i*)(w + codes_at<T>()));
+        const __m128i nib = _mm_set1_epi8(0x0F);
+        u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
+        if constexpr (T == Q5_0 || T == Q5_1) {  // bit j of the high bits: code j, as ggml's bytes_from_bits_32
+            uint32_t qh;
+            memcpy(&qh, w + high_at<T>(), 4);
+            const __m256i spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32((int)qh),
+                _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFELL)),
+                                                  _mm256_set1_epi64x(-1));
+            u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; ++r) {
+        const __m256i qa = _mm256_loadu_si256((const __m256i*)(q + r * K));
+        const __m256i pairs = T == Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(qa, u))
+                                        : _mm256_maddubs_epi16(u, qa);
+        const __m256i acc = _mm256_madd_epi16(pairs, ones);
+        const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+        const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+        S[r] = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1))) - code_offset<T>() * sums[r * ldb];
+    }
+#else
+    (void)sums, (void)ldb;
     int8_t wv[32];
     if constexpr (T == Q8_0) {
         memcpy(wv, w + 2, 32);
     } else {
-        const uint8_t* qs = w + (T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8);
+        const uint8_t* qs = w + codes_at<T>();
         uint32_t qh = 0;
-        if constexpr (T == Q5_0 || T == Q5_1) memcpy(&qh, w + (T == Q5_0 ? 2 : 4), 4);
-        const int offset = T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0;
+        if constexpr (T == Q5_0 || T == Q5_1) memcpy(&qh, w + high_at<T>(), 4);
         for (int j = 0; j < 16; ++j) {
             int lo = qs[j] & 15, hi = qs[j] >> 4;
             if constexpr (T == Q5_0 || T == Q5_1) {
                 lo |= ((qh >> j) & 1) << 4;
                 hi |= ((qh >> (j + 16)) & 1) << 4;
             }
-            wv[j] = (int8_t)(lo - offset);
-            wv[j + 16] = (int8_t)(hi - offset);
+            wv[j] = (int8_t)(lo - code_offset<T>());
+            wv[j + 16] = (int8_t)(hi - code_offset<T>());
         }
     }
     for (int r = 0; r < R; ++r) {
@@ -598,17 +758,10 @@ void block_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, int32_t* S)
         for (int e = 0; e < 32; ++e) dot += wv[e] * a[e];
         S[r] = dot;
     }
+#endif
 }
 
 // -- the layer ---------------------------------------------------------------------------------------------------
-
-constexpr int COLS = 16;  // output columns per tile: each block of activations is used for all of them
-
-template <int T>
-constexpr int nbytes() {
-    return T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : T == Q8_0 ? 34 : T == Q4_K ? 144
-         : T == Q5_K ? 176 : 210;
-}
 
 // acc[c][r] = the reference's R for output column c < C of the tile at w (ldw bytes apart) and input row m0 + r.
 template <int T>
@@ -621,8 +774,11 @@ void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R
     for (int c = 0; c < C; ++c)
         for (int r = 0; r < ROWS; ++r) acc[c][r] = 0.0f;
 #if defined(HFSPEC_INT8_AVX512)
-    if constexpr (k)
+    if constexpr (k) {
         if (R < GROUPED_MIN) return tile_columns<T>(w, ldw, C, a, m0, R, K, acc, next);
+    } else {
+        return tile32<T>(w, ldw, C, a, m0, R, K, acc, next);
+    }
 #endif
     for (int64_t b = 0; b < blocks; ++b) {
 #if defined(HFSPEC_INT8_AVX512)
@@ -654,7 +810,7 @@ void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R
                     }
                 }
             } else {
-                block_dots<T>(wb, R, q, K, dots);
+                block_dots<T>(wb, R, q, K, a.sums.data() + m0 * blocks + b, blocks, dots);
                 const float d = half_at(wb);
                 const float m = T == Q4_1 || T == Q5_1 ? half_at(wb + 2) : 0.0f;
                 for (int r = 0; r < R; ++r) {
