@@ -14,6 +14,9 @@ tokens.
 Invariant, checked after every step: the number of unmasked cached positions of a
 row equals the number of its committed tokens that have been fed to the model.
 
+Key/value layers live in preallocated buffers (``hfspec.models.kv_buffer``): a step writes its columns in place
+and a crop only moves the length, instead of every step copying the whole cache.
+
 A model whose cache keeps a recurrent state (Mamba, hybrids) gets its own layout and
 a ``RecurrentState`` that snapshots and replays it (see ``hfspec.models.recurrent``); such a
 state cannot skip a hole, so its rows run one at a time.
@@ -25,23 +28,27 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from hfspec.models.adapter import tree_attention
+from hfspec.models.kv_buffer import buffered_cache
 from hfspec.models.recurrent import RecurrentState, is_recurrent
 
 
 class KVState:
-    """A ``DynamicCache`` plus its 2-D attention mask (B, L), kept in step.
+    """A ``DynamicCache`` (of ``BufferLayer``\\ s) plus its 2-D attention mask (B, L), kept in step.
 
     ``adapter=False`` rolls a recurrent cache back on the generic path (see ``hfspec.models.recurrent``).
+    ``reserve``: the most positions the job will cache (prompt, budget and drafts), when known: it bounds how far
+    the buffers grow ahead of what they hold.
     """
 
-    def __init__(self, batch: int, device: torch.device, model: Any = None, adapter: bool = True):
+    def __init__(
+        self, batch: int, device: torch.device, model: Any = None, adapter: bool = True, reserve: int | None = None
+    ):
         self.recurrent = RecurrentState(model, adapter) if model is not None and is_recurrent(model) else None
         # Attention-only models keep whole key/value caches, also for sliding-window layers: the mask
         # does the windowing, and a whole cache can always be cropped.
-        self.cache = self.recurrent.cache if self.recurrent is not None else DynamicCache()
+        self.cache = self.recurrent.cache if self.recurrent is not None else buffered_cache(reserve)
         self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
 
     @staticmethod
@@ -119,7 +126,7 @@ class KVState:
             index = cols[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             kept_keys, kept_values = layer.keys.gather(2, index), layer.values.gather(2, index)  # copies
             # Written over the tree's own columns in place (cut after): copying the whole cache would cost more
-            # than the tree's forward gains on long prompts. DynamicLayer's keys and values are public tensors.
+            # than the tree's forward gains on long prompts. A layer's keys and values are public tensors (views).
             layer.keys[:, :, start : start + cols.shape[1]] = kept_keys
             layer.values[:, :, start : start + cols.shape[1]] = kept_values
 
