@@ -107,7 +107,7 @@ def test_describe_reports_isa_layers_and_no_memory_added(model_dir, library):
     gen = SpeculativeGenerator.from_pretrained(
         str(model_dir("llama", seed=0)), str(model_dir("llama", seed=1)), dtype="float32"
     )
-    described = gen.describe()
+    described, layers = gen.describe(), gen.target.config.num_hidden_layers
     assert described["drafter"]["kind"] == gen.drafter.kind
     assert described["fast_kernels"]["target"] == {
         "on": True,
@@ -115,6 +115,7 @@ def test_describe_reports_isa_layers_and_no_memory_added(model_dir, library):
         "bytes_added": 0,
         "reason": None,
         "layers": linear_count(gen.target),
+        "fused": {"norms": 2 * layers + 1, "rotary": layers, "mlp": layers},  # norms, rotary, mlp in hfspec.cpu
     }
     draft = described["fast_kernels"]["draft"]  # in integer arithmetic (hfspec.cpu.draft_linear) where it can be
     integer = draft_linear.describe(gen.draft)

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import activations as hf
 
 from hfspec.cpu import kernels
+from hfspec.cpu.swap import switch, switch_back
 
 __all__ = ["FunctionalActivations", "InvariantActivation", "calls_functional_activations", "kind_of", "unuse", "use"]
 
@@ -180,16 +181,12 @@ def use(model: nn.Module, library: kernels.KernelLibrary) -> int:
             for m in modules
             for handle in (m.register_forward_pre_hook(_enter), m.register_forward_hook(_leave, always_call=True))
         )
-    count = 0
-    for module in model.modules():
+
+    def state(module: nn.Module) -> dict | None:
         kind = kind_of(module)
-        if kind is None:
-            count += type(module) is InvariantActivation  # switched before
-            continue
-        module.__dict__.update(hfspec_kind=kind, hfspec_original=type(module))
-        module.__class__ = InvariantActivation
-        count += 1
-    return count
+        return None if kind is None else {"hfspec_kind": kind}
+
+    return switch(model, InvariantActivation, state)
 
 
 def unuse(model: nn.Module) -> int:
@@ -197,10 +194,4 @@ def unuse(model: nn.Module) -> int:
     modules were switched."""
     for handle in model.__dict__.pop("hfspec_functional", ()):
         handle.remove()
-    count = 0
-    for module in model.modules():
-        if type(module) is InvariantActivation:
-            module.__class__ = module.__dict__.pop("hfspec_original")
-            module.__dict__.pop("hfspec_kind", None)
-            count += 1
-    return count
+    return switch_back(model, InvariantActivation)

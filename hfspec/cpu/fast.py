@@ -40,7 +40,7 @@ from torch import nn
 from hfspec.cpu import activations as cpu_activations
 from hfspec.cpu import attention as cpu_attention
 from hfspec.cpu import conv1d as cpu_conv1d
-from hfspec.cpu import kernels, quant
+from hfspec.cpu import kernels, mlp, norms, quant, rotary
 from hfspec.cpu import plan as kernel_plan
 from hfspec.errors import HfspecError
 
@@ -64,9 +64,10 @@ __all__ = [
 # forwards); ``accelerate(model, max_rows=n)`` gives inputs of more than n rows to torch, and with them the invariance.
 ALL_ROWS = sys.maxsize
 _DTYPES = (torch.float32, torch.bfloat16)
-# What accelerate() switches beside the linears, each with use(model, library) and unuse(model): attention, activations
-# and Conv1D layers that give a row the same bits whatever rows come with it.
-_COMPANIONS = (cpu_attention, cpu_activations, cpu_conv1d)
+# What accelerate() switches beside the linears, each with use(model, library) and unuse(model): attention, activations,
+# Conv1D layers, RMSNorms, the Llama/Qwen2 attention forward (rotary) and gated MLPs (after the activations they fuse)
+# that give a row the same bits whatever rows come with it.
+_COMPANIONS = (cpu_attention, cpu_activations, cpu_conv1d, norms, rotary, mlp)
 # The kernel :func:`accelerate` loaded, read on every forward (finding it again would hash the source);
 # a FastLinear unpickled in a process that never called accelerate() runs torch's linear.
 _KERNEL: kernels.KernelLibrary | None = None
@@ -124,6 +125,9 @@ class AccelerationReport:
     attention: bool = False  # whether the model's attention switched to hfspec.cpu.attention
     quantized: int = 0  # layers holding GGUF blocks on the quantized kernel (hfspec.cpu.quant)
     activations: int = 0  # activation modules switched to hfspec.cpu.activations
+    norms: int = 0  # RMSNorm modules switched to hfspec.cpu.norms
+    rotary: int = 0  # attention modules switched to hfspec.cpu.rotary's forward (rotary on the kernel)
+    mlps: int = 0  # gated MLPs switched to hfspec.cpu.mlp (activation and product in one call)
 
 
 def _skip_reason(module: nn.Linear) -> str | None:
@@ -176,6 +180,9 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None, plan: bool = Tr
     layers += cpu_conv1d.use(model, library) if converted else []
     attention = bool(converted or quantized) and cpu_attention.use(model, library)
     acts = cpu_activations.use(model, library) if converted or quantized else 0
+    fused_norms = norms.use(model, library) if converted or quantized else 0
+    lean = rotary.use(model, library) if converted or quantized else 0
+    gated = mlp.use(model, library) if converted or quantized else 0
     return AccelerationReport(
         tuple(layers),
         tuple(skipped),
@@ -186,12 +193,15 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None, plan: bool = Tr
         attention=attention,
         quantized=quantized,
         activations=acts,
+        norms=fused_norms,
+        rotary=lean,
+        mlps=gated,
     )
 
 
 def restore(model: nn.Module) -> int:
-    """Turn ``model``'s :class:`FastLinear` layers back into ``nn.Linear``, and its attention and activations back
-    to their own; the number of layers restored."""
+    """Turn ``model``'s :class:`FastLinear` layers back into ``nn.Linear``, and its attention, activations and norms
+    back to their own; the number of layers restored."""
     for part in _COMPANIONS:
         part.unuse(model)
     count = 0
@@ -280,12 +290,19 @@ def describe(model: nn.Module | None) -> dict[str, object]:
     """Whether ``model`` runs the kernel: ``on``, ``isa``, ``layers`` on it, ``bytes_added`` (0) and,
     when off, the ``reason`` (e.g. ``"off: not a CPU model"``); for a model holding GGUF blocks also
     ``quantized``: its quantized ``layers``, ``formats`` (layers per format) and ``bytes`` held
-    (:func:`hfspec.cpu.quant.describe`)."""
+    (:func:`hfspec.cpu.quant.describe`); and ``fused``, where any run: how many RMSNorms (``norms``), attention
+    forwards (``rotary``) and gated MLPs (``mlp``) run hfspec's fused kernels."""
     if model is None:
         return {"on": False, "isa": None, "layers": 0, "bytes_added": 0, "reason": "off: no draft model"}
     layers = sum(type(m) in (FastLinear, cpu_conv1d.FastConv1D) for m in model.modules())
     held = quant.describe(model)
     extra = {"quantized": held} if held["formats"] else {}
+    fused = {
+        "norms": sum(type(m) is norms.FusedRMSNorm for m in model.modules()),
+        "rotary": sum(type(m) is rotary.LeanAttention for m in model.modules()),
+        "mlp": sum(type(m) is mlp.GatedMLP for m in model.modules()),
+    }
+    extra |= {"fused": fused} if any(fused.values()) else {}
     qk = quant.kernel() if held["layers"] else None
     if (layers and _KERNEL is not None) or qk is not None:
         isa = _KERNEL.isa if layers and _KERNEL is not None else qk.library.isa

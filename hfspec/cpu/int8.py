@@ -70,27 +70,25 @@ def linear(
     """``x`` (..., K) times the ``fmt`` weight in ``blocks`` (N, bytes per row, unit stride along a row) in integer
     arithmetic, plus ``bias`` (fp32, N): fp32 (..., N). On ``kernel`` where given, else in torch."""
     k, n = x.shape[-1], blocks.shape[0]
-    x2 = x.reshape(-1, k)
-    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
-        x2 = x2.float().contiguous()
+    x2 = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()  # the decoding path: as is
     if kernel is None or not (x2.is_cpu and blocks.is_cpu) or blocks.stride(1) != 1:
-        out = int8_reference.linear(x2.cpu(), blocks.cpu(), fmt, None if bias is None else bias.cpu())
+        out = int8_reference.linear(x2.reshape(-1, k).cpu(), blocks.cpu(), fmt, None if bias is None else bias.cpu())
         return out.to(x.device).reshape(*x.shape[:-1], n)
-    out = torch.empty((x2.shape[0], n), dtype=torch.float32)
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
     done = kernel.entry(
         ggml_type,
         x2.data_ptr(),
-        x2.stride(0),
+        k,
         blocks.data_ptr(),
         blocks.stride(0),
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         n,
-        x2.shape[0],
+        x2.numel() // k,
         n,
         k,
         torch.get_num_threads(),
     )
     if not done:
         raise ValueError(f"the int8 kernel does not read {fmt} rows of {k} weights")
-    return out.reshape(*x.shape[:-1], n)
+    return out

@@ -313,8 +313,9 @@ class QuantLinear(nn.Module):
         qk, b, k = _KERNEL, self.bias, self.in_features
         if self.arithmetic == "int8":
             kernel = _INT8 if input.is_cpu and self.weight.is_cpu else None
-            bias = None if b is None else b.to(input.device)
-            return int8.linear(input, self.weight, self.fmt.name, self.fmt.type, bias, kernel).to(input.dtype)
+            bias = b if b is None or b.device == input.device else b.to(input.device)
+            out = int8.linear(input, self.weight, self.fmt.name, self.fmt.type, bias, kernel)
+            return out if out.dtype is input.dtype else out.to(input.dtype)
         if (
             qk is None
             or not input.is_cpu

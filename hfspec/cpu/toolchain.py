@@ -58,7 +58,7 @@ HEADERS = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.h"))) 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # Sources whose float steps are a definition to match bit for bit, each product and sum rounded on its own: the
 # compiler may not fuse them into FMAs (GCC's default -ffp-contract=fast would).
-SOURCE_FLAGS = {"int8.cpp": ("-ffp-contract=off",)}
+SOURCE_FLAGS = {"int8.cpp": ("-ffp-contract=off",), "norm_rope.cpp": ("-ffp-contract=off",)}
 BUILD_TIMEOUT_S = 120
 
 

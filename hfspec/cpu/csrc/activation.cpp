@@ -63,6 +63,41 @@ void run(const T* x, T* y, int64_t n, int threads) {
     }
 }
 
+// v rounded to T's precision (the identity for float32): torch rounds an activation to the tensor's dtype before the
+// product that follows it.
+inline vec rounded(vec v, const float*) { return v; }
+inline vec rounded(vec v, const uint16_t*) {
+    float buf[VW];
+    vstore(buf, v, VW);
+    for (int i = 0; i < VW; ++i) buf[i] = widen(narrow_bf16(buf[i]));
+    return vload(buf, VW);
+}
+
+// y = act(x) * u, element by element, as torch computes ``act_fn(gate) * up`` from this file's activation.
+template <int K, typename T>
+void run_mul(const T* x, const T* u, T* y, int64_t n, int threads) {
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for num_threads(chunks > 1 ? threads : 1) schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t end = std::min(n, (c + 1) * CHUNK);
+        for (int64_t i = c * CHUNK; i < end; i += VW) {
+            const int m = (int)std::min<int64_t>(VW, end - i);
+            vstore_as(y + i, vmul(rounded(apply<K>(vload(x + i, m)), x), vload(u + i, m)), m);
+        }
+    }
+}
+
+template <typename T>
+void dispatch_mul(int kind, const T* x, const T* u, T* y, int64_t n, int threads) {
+    switch (kind) {
+        case SILU: return run_mul<SILU>(x, u, y, n, threads);
+        case QUICK_GELU: return run_mul<QUICK_GELU>(x, u, y, n, threads);
+        case GELU_TANH: return run_mul<GELU_TANH>(x, u, y, n, threads);
+        case SIGMOID: return run_mul<SIGMOID>(x, u, y, n, threads);
+        default: return run_mul<GELU_ERF>(x, u, y, n, threads);
+    }
+}
+
 template <typename T>
 void dispatch(int kind, const T* x, T* y, int64_t n, int threads) {
     switch (kind) {
@@ -84,6 +119,14 @@ void hfspec_activation(int kind, int dtype, const void* x, void* y, int64_t n, i
         dispatch(kind, (const uint16_t*)x, (uint16_t*)y, n, threads);
     else
         dispatch(kind, (const float*)x, (float*)y, n, threads);
+}
+
+// y[i] = activation ``kind`` of x[i] times u[i] (the activation rounded to the dtype first, as torch's two ops do).
+void hfspec_activation_mul(int kind, int dtype, const void* x, const void* u, void* y, int64_t n, int threads) {
+    if (dtype == 1)
+        dispatch_mul(kind, (const uint16_t*)x, (const uint16_t*)u, (uint16_t*)y, n, threads);
+    else
+        dispatch_mul(kind, (const float*)x, (const float*)u, (float*)y, n, threads);
 }
 
 }
