@@ -1,10 +1,11 @@
-"""Build llama.cpp's own tools (llama-bench, llama-speculative-simple, llama-server) from a pinned registry sdist.
+"""Build llama.cpp's own tools (llama-bench, llama-speculative-simple, llama-server, llama-perplexity) from a pinned
+registry sdist.
 
 llama.cpp is the CPU reference line the benchmarks compare hfspec against; it is never a dependency of hfspec.
 This script downloads the source distribution of ``llama-cpp-python==VERSION`` with pip (``--no-binary :all:``),
 checks its sha256 against the constant pinned below, unpacks it into
 ``${HFSPEC_CACHE:-~/.cache/hfspec}/llama.cpp/VERSION``, configures the vendored llama.cpp with cmake and ninja and
-builds only the three tools. A second run reuses the download, the tree and the build (ninja rebuilds nothing).
+builds only these four tools. A second run reuses the download, the tree and the build (ninja rebuilds nothing).
 Its standard output is one line, the folder holding the binaries; everything else goes to standard error.
 
 ``--portable`` configures without ``-march=native`` (AVX-512 and VNNI on, AMX and AVX512-BF16 off): use it where a
@@ -30,7 +31,7 @@ from pathlib import Path
 VERSION = "0.3.36"
 # sha256 of llama_cpp_python-0.3.36.tar.gz as the registry serves it.
 SDIST_SHA256 = {"0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"}
-TARGETS = ("llama-bench", "llama-speculative-simple", "llama-server")
+TARGETS = ("llama-bench", "llama-speculative-simple", "llama-server", "llama-perplexity")
 COMMON_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DLLAMA_CURL=OFF",

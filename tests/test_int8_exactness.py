@@ -16,7 +16,7 @@ import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
 from hfspec import SpeculativeGenerator
-from hfspec.cpu import quant
+from hfspec.cpu import int8, quant
 from hfspec.decoding import sampling
 from hfspec.drafters.loading import load_pair
 from hfspec.policy.simple import FixedGamma
@@ -73,11 +73,18 @@ def test_greedy_speculation_equals_the_int8_targets_own_decoding(files):
     assert torch.equal(out.sequences, want)
 
 
-def test_int8_and_float32_are_different_models_of_one_file(files):
+def test_int8_is_the_default_where_its_kernel_runs_and_float32_is_another_model_of_one_file(files, monkeypatch):
     ids = torch.tensor([[1, 9, 17, 33, 4, 9, 17]])
     t = files["target"]
     integer, _, _ = pair(files, "target", "ngram")
-    floating, _, _ = load_pair(str(t.parent), "ngram", gguf_file=t.name, tokenizer=str(t.parent))
+    default, _, _ = load_pair(str(t.parent), "ngram", gguf_file=t.name, tokenizer=str(t.parent))
+    want = "int8" if int8.kernel() is not None else "float32"  # HFSPEC_KERNELS=0: no kernel, float32
+    assert {layer.arithmetic for layer in quant.quantized_layers(default)} == {want}
+    monkeypatch.setattr(int8, "kernel", lambda: None)  # a machine where the int8 kernel cannot be built
+    fallback, _, _ = load_pair(str(t.parent), "ngram", gguf_file=t.name, tokenizer=str(t.parent))
+    assert {layer.arithmetic for layer in quant.quantized_layers(fallback)} == {"float32"}
+    monkeypatch.undo()
+    floating, _, _ = load_pair(str(t.parent), "ngram", gguf_file=t.name, tokenizer=str(t.parent), arithmetic="float32")
     assert {layer.arithmetic for layer in quant.quantized_layers(floating)} == {"float32"}
     with torch.no_grad():
         a, b = integer(ids).logits, floating(ids).logits

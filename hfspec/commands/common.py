@@ -161,8 +161,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--arithmetic",
         choices=("int8", "float32"),
         default=None,
-        help="what a GGUF target kept in blocks on CPU computes: 'int8', llama.cpp's integer arithmetic "
-        "(faster; speculation stays exact to that model), or 'float32' (default), the dequantized model's",
+        help="what a GGUF target kept in blocks on CPU computes: 'int8' (default where hfspec's int8 kernel "
+        "builds), llama.cpp's integer arithmetic, faster, speculation exact to that model; or 'float32', "
+        "the dequantized model's, token for token as transformers loads the file",
     )
 
 

@@ -80,7 +80,7 @@ def load_pair(
     fast_kernels: bool = True,
     draft_vocab: int | None = None,
     draft_bits: int | None = DRAFT_BITS,
-    arithmetic: str = ARITHMETIC,
+    arithmetic: str | None = ARITHMETIC,
 ) -> tuple[PreTrainedModel, PreTrainedModel | Drafter, PreTrainedTokenizerBase]:
     """Load ``(target, draft, tokenizer)`` by hub name, local directory or GGUF file (``hfspec.models.sources.locate``);
     the draft may be a ``Drafter``.
@@ -104,10 +104,10 @@ def load_pair(
     model that sits on CPU with fast kernels on in integer arithmetic (``hfspec.cpu.draft_linear``: weights of that
     many bits, int8 activations): its step streams fewer bytes and computes cheaply, while the output stays
     exact, since q is whatever the draft computes; None keeps its own weights and arithmetic. ``arithmetic`` is what
-    a target kept in GGUF blocks computes: ``"float32"`` (the default), the dequantized model's products, token for
-    token as transformers loads the file; ``"int8"``, llama.cpp's integer arithmetic on the blocks
-    (``hfspec.cpu.int8``), every row computed alike, so speculation stays exact to that model. A target without
-    blocks ignores it.
+    a target kept in GGUF blocks computes: ``"int8"``, llama.cpp's integer arithmetic on the blocks
+    (``hfspec.cpu.int8``), every row computed alike, so speculation stays exact to that model; ``"float32"``, the
+    dequantized model's products, token for token as transformers loads the file. None (the default) is ``"int8"``
+    where hfspec's int8 kernel runs on this machine, else ``"float32"``. A target without blocks ignores it.
     """
     check_fast_kernels(fast_kernels)
     check_bool("gguf_native", gguf_native, "False dequantizes GGUF weights as transformers does")

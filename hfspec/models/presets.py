@@ -29,6 +29,8 @@ __all__ = [
 PRESET_DIR = DATA / "presets"
 DEFAULT_PRESET = "smollm2-offline"  # the pair used when none is named
 DEFAULT_MAX_NEW_TOKENS = 128
+# The sampling settings a preset may set, by their GenerationConfig (and, but do_sample, SamplingParams) names.
+SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
 
 # A dtype's spellings -> the name of its torch dtype (names, not torch objects: the command line reads this
 # without importing torch).
@@ -71,8 +73,12 @@ class Preset:
     fast_kernels: bool = True  # run both models on hfspec's CPU kernel where they sit on CPU (hfspec.fast)
     draft_bits: int | str | None = None  # the draft's integer arithmetic on CPU: 4, 8 or "off" (None: load_pair's 4)
     draft_vocab: int | None = None  # keep the draft's head to the N most frequent tokens (None: the whole vocabulary)
-    arithmetic: str | None = None  # a GGUF target's on CPU: "int8" or "float32" (None: load_pair's "float32")
+    arithmetic: str | None = None  # a GGUF target's on CPU: "int8" or "float32" (None: int8 where its kernel runs)
     source: str = ""  # the file it was read from (filled in by load_preset)
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling settings this preset sets, by their ``GenerationConfig`` names."""
+        return {name: getattr(self, name) for name in SAMPLING if getattr(self, name) is not None}
 
     def load_kwargs(self) -> dict[str, Any]:
         """The ``load_pair`` keyword arguments this preset sets."""
@@ -177,14 +183,13 @@ def _check_values(path: Path, data: dict[str, Any]) -> None:
     for key in ("dtype", "draft_dtype"):
         if data.get(key) is not None and data[key].lower() not in DTYPES:
             raise bad(key, "one of " + ", ".join(DTYPES))
-    if data.get("temperature") is not None and not 0 <= data["temperature"] < float("inf"):
-        raise bad("temperature", "a finite number >= 0")
-    if data.get("top_k") is not None and data["top_k"] < 0:
-        raise bad("top_k", ">= 0")
-    if data.get("top_p") is not None and not 0 < data["top_p"] <= 1:
-        raise bad("top_p", "in (0, 1]")
-    if data.get("repetition_penalty") is not None and not data["repetition_penalty"] > 0:
-        raise bad("repetition_penalty", "> 0")
+    # Here, not at the top: the command line reads this module without importing torch.
+    from hfspec.settings import SamplingParams
+
+    try:  # the sampling settings' rules are SamplingParams'
+        SamplingParams(**{name: data[name] for name in SAMPLING[1:] if data.get(name) is not None})
+    except HfspecError as error:
+        raise HfspecError(f"preset {path}: {error}") from None
     if data.get("draft_bits") is not None and data["draft_bits"] not in (4, 8, "off"):
         raise bad("draft_bits", '4, 8 or "off"')
     if data.get("arithmetic") is not None and data["arithmetic"] not in ("int8", "float32"):

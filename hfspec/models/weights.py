@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from hfspec.cpu import draft_linear, fast
+from hfspec.cpu import draft_linear, fast, int8
 from hfspec.cpu.int8 import ARITHMETICS
 from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.models import gguf_meta, gguf_native, head_cut
@@ -26,7 +26,7 @@ from hfspec.models.presets import DTYPES
 
 log = logging.getLogger(__name__)
 
-ARITHMETIC = "float32"  # what a GGUF target kept in blocks computes, by default (hfspec.cpu.int8)
+ARITHMETIC = None  # what a GGUF target kept in blocks computes by default: see default_arithmetic
 DRAFT_BITS = 4  # a draft model's weights in integer arithmetic on CPU, by default (hfspec.cpu.draft_linear)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -84,11 +84,17 @@ def check_draft_bits(value: Any) -> None:
         raise HfspecError(f"draft_bits must be 4, 8 or None (the draft's own weights), got {value!r}")
 
 
+def default_arithmetic() -> str:
+    """``"int8"`` (llama.cpp's integer arithmetic) where hfspec's int8 kernel runs on this machine, else
+    ``"float32"``: without the kernel, int8 would be computed by its torch reference, exact but many times slower."""
+    return "int8" if int8.kernel() is not None else "float32"
+
+
 def check_arithmetic(value: Any) -> None:
-    if value not in ARITHMETICS:
+    if value is not None and value not in ARITHMETICS:
         raise HfspecError(
             f"arithmetic must be 'int8' (llama.cpp's integer arithmetic on a GGUF target's blocks) or 'float32' "
-            f"(the dequantized model's), got {value!r}"
+            f"(the dequantized model's), or None (int8 where hfspec's int8 kernel runs), got {value!r}"
         )
 
 
@@ -100,10 +106,11 @@ def on_cpu(device: torch.device | None) -> bool:
 
 
 def load_lm(
-    path: str, role: str, gguf_file: str | None, *, native: bool, arithmetic: str = "float32", **kwargs: Any
+    path: str, role: str, gguf_file: str | None, *, native: bool, arithmetic: str | None = None, **kwargs: Any
 ) -> PreTrainedModel:
     """A causal LM by path or hub name; a GGUF one with its blocks kept where ``native`` and hfspec can
-    (``hfspec.models.gguf_native``, its quantized linears in ``arithmetic``), else dequantized by transformers."""
+    (``hfspec.models.gguf_native``, its quantized linears in ``arithmetic``, None: :func:`default_arithmetic`), else
+    dequantized by transformers."""
     if gguf_file is not None and native:
         model = gguf_native.load(
             path,
@@ -112,12 +119,12 @@ def load_lm(
             dtype=kwargs.get("dtype", "auto"),
             revision=kwargs.get("revision"),
             trust_remote_code=kwargs.get("trust_remote_code", False),
-            arithmetic=arithmetic,
+            arithmetic=default_arithmetic() if arithmetic is None else arithmetic,
         )
         if model is not None:
             check_causal_lm(model, role)
             return model
-    if arithmetic != "float32":
+    if arithmetic not in (None, "float32"):
         log.info("%s: %s arithmetic applies to GGUF blocks kept on CPU; this %s has none", role, arithmetic, role)
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
