@@ -37,10 +37,12 @@ __all__ = [
     "Context",
     "Drafter",
     "Features",
+    "Pick",
     "Proposal",
     "Sources",
     "Stop",
     "builds_trees",
+    "draft_chain",
     "kept_drafts",
     "merges_rows",
 ]
@@ -48,6 +50,8 @@ __all__ = [
 # stop(i, confidence): after i drafts, with (B,) the drafter's probability of each row's
 # last draft, True ends the step's drafting early.
 Stop = Callable[[int, torch.Tensor], bool]
+# pick(logits, i): draft i of each row from logits (B, V): (token (B,), q (B, V) or None, confidence (B,)).
+Pick = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,31 @@ def kept_drafts(ctx: Context, drafts: torch.Tensor, path: torch.Tensor, fed: int
     committed = ctx.tokens.gather(1, ctx.lengths[:, None] + torch.arange(width, device=ctx.tokens.device))
     mine = (path >= 0) & (path < fed) & (drafts.gather(1, nodes) == committed)
     return sampling.first_rejection(mine)
+
+
+def draft_chain(
+    step: Callable[[int, torch.Tensor | None], torch.Tensor | None], pick: Pick, gamma: int, stop: Stop | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The draft loop of a chain drafter: catch up, snapshot, then pick, stop and feed, up to γ drafts.
+
+    ``step(i, token)`` runs the draft forward that gives draft i's logits: for i = 0 the catch-up on the committed
+    tokens not yet fed (``token`` None), after which the drafter snapshots what it will roll back; then the one
+    that feeds draft i - 1 (``token`` (B,)), or None where the drafter cannot read that token (drafting ends
+    there). ``pick`` (``Context.pick``, or the drafter's own) chooses draft i; ``stop`` may end drafting early.
+    The last draft is never fed. Returns the drafts' tokens and q's, in order."""
+    tokens: list[torch.Tensor] = []
+    qs: list[torch.Tensor | None] = []
+    token = None
+    for i in range(gamma):
+        logits = step(i, token)
+        if logits is None:
+            break
+        token, q, confidence = pick(logits, i)
+        tokens.append(token)
+        qs.append(q)
+        if i + 1 == gamma or (stop is not None and stop(i + 1, confidence)):
+            break
+    return tokens, qs
 
 
 def merges_rows(drafter: Drafter) -> bool:

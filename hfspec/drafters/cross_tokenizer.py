@@ -48,7 +48,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hfspec.cpu import draft_linear
-from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_drafts
+from hfspec.drafters import Context, Drafter, Pick, Proposal, Stop, draft_chain, kept_drafts
 from hfspec.drafters.vocabulary import VocabMap, token_bytes, vocab_map
 from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.measure.costs import Price, forward_seconds
@@ -133,34 +133,35 @@ class CrossTokenizerDrafter(Drafter):
     def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
         if not ctx.sample and self.greedy == "slem":
             return self._propose_text(ctx, gamma, stop)
-        tokens, qs = [], []
 
-        def choose(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-            token, q, confidence = ctx.pick(self._target_row(logits.to(ctx.tokens.device)), i)
-            tokens.append(token)
-            qs.append(q)
-            own = self.device_map.to_draft[token]
-            # A token outside the shared vocabulary is drawn only when processing removed every shared one;
-            # its q is still exact, but the draft has no id to read it with: the step ends there.
-            return own, confidence, bool((own < 0).any())
+        def pick(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+            return ctx.pick(self._target_row(logits.to(ctx.tokens.device)), i)
 
-        self._draft(ctx, gamma, stop, choose)
+        tokens, qs = self._draft(ctx, gamma, stop, pick, shared=True)
         self.drafts = torch.stack(tokens, dim=1)
         return Proposal.chain(self.drafts, torch.stack(qs, dim=1) if ctx.sample else None)
 
-    def _draft(self, ctx: Context, gamma: int, stop: Stop | None, choose: Any) -> None:
-        """Catch up, then up to γ draft forwards; ``choose(logits (B, V_draft), i)`` takes draft i and returns
-        (the draft's own ids to read next (B,), confidence (B,), whether drafting must end there)."""
+    def _draft(
+        self, ctx: Context, gamma: int, stop: Stop | None, pick: Pick, shared: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Catch up, then up to γ draft forwards (``draft_chain``); ``pick(logits (B, V_draft), i)`` takes draft i,
+        in the target's ids where ``shared`` (read back through the shared vocabulary), else in the draft's own."""
         feed, valid, positions = self._catch_up(ctx, gamma)
         fed = torch.tensor([len(r.seq) for r in self.rows], device=feed.device)
-        for i in range(gamma):
-            logits = self._forward(feed, valid, positions)  # (B, V_draft)
-            if i == 0:  # caught up: what follows are drafts, rolled back in commit
-                self.start_col = self.kv.length
-            own, confidence, last = choose(logits, i)
-            if last or i + 1 == gamma or (stop is not None and stop(i + 1, confidence)):
-                return
-            feed, valid, positions = own[:, None].to(feed.device), torch.ones_like(feed[:, :1]), (fed + i)[:, None]
+
+        def step(i: int, token: torch.Tensor | None) -> torch.Tensor | None:
+            if not i:
+                logits = self._forward(feed, valid, positions)  # (B, V_draft)
+                self.start_col = self.kv.length  # caught up: what follows are drafts, rolled back in commit
+                return logits
+            own = self.device_map.to_draft[token] if shared else token
+            # A token outside the shared vocabulary is drawn only when processing removed every shared one;
+            # its q is still exact, but the draft has no id to read it with: the step ends there.
+            if shared and bool((own < 0).any()):
+                return None
+            return self._forward(own[:, None].to(feed.device), torch.ones_like(feed[:, :1]), (fed + (i - 1))[:, None])
+
+        return draft_chain(step, pick, gamma, stop)
 
     def commit(self, ctx: Context, path: torch.Tensor) -> None:
         if self.spelled_step:  # the draft's own tokens: the next catch-up re-reads what was accepted
@@ -233,14 +234,12 @@ class CrossTokenizerDrafter(Drafter):
         target token would straddle the committed text proposes none (SLEM: the target verifies its own
         tokens, so any proposal is exact under greedy verification).
         """
-        drafted = []
 
-        def choose(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        def pick(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, None, torch.Tensor]:
             token = logits[:, : len(self.bytes)].argmax(dim=-1)  # padded rows of the head spell nothing
-            drafted.append(token)
-            return token, torch.softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1), False
+            return token, None, torch.softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)
 
-        self._draft(ctx, gamma, stop, choose)
+        drafted = self._draft(ctx, gamma, stop, pick, shared=False)[0]
         self.spelled_step = True
         own = torch.stack(drafted, dim=1).tolist()
         proposals = [self._spell(row, ids)[:gamma] for row, ids in zip(self.rows, own)]

@@ -21,6 +21,7 @@ positions come back from target features. No position is fed twice.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from hfspec.cpu import attention as cpu_attention
 from hfspec.cpu import fast
 from hfspec.cpu.quant import QuantEmbedding
 from hfspec.decoding.sampling import OUTSIDE
-from hfspec.drafters import Context, Drafter, Features, Proposal, Stop
+from hfspec.drafters import Context, Drafter, Features, Proposal, Stop, draft_chain
 from hfspec.errors import HfspecError
 from hfspec.heads.checkpoint import load_head
 from hfspec.heads.eagle3 import Eagle3Head, default_layer_ids
@@ -225,25 +226,23 @@ class Eagle3Drafter(Drafter):
         hidden, tokens, positions, valid = self._unfed(ctx)
         # A row's first draft needs one context pair (a one-token prompt has none yet).
         can_draft = self.pending > 0
-        embeds = self._embed(tokens)
-        drafts, qs = [], []
-        for i in range(gamma):
-            h = cached_step(self.head, embeds, hidden, positions, self.kv, valid.long())[:, -1:]  # (B, 1, H)
-            if i == 0:  # the context is fed: from here on, entries are built from the head's own outputs
-                self.fed = (ctx.lengths.to(self.device) - 1).clamp(min=0)
+        embeds, lengths = self._embed(tokens), ctx.lengths.to(self.device)
+
+        def step(i: int, token: torch.Tensor | None) -> torch.Tensor:
+            nonlocal hidden, embeds, positions, valid
+            if i:  # draft i reads the head's pre-norm output and draft i - 1, one position further
+                embeds, positions = self._embed(token[:, None]), (lengths + (i - 2))[:, None]
+                valid = torch.ones_like(positions, dtype=torch.bool)
+            hidden = cached_step(self.head, embeds, hidden, positions, self.kv, valid.long())[:, -1:]  # (B, 1, H)
+            if not i:  # the context is fed: from here on, entries are built from the head's own outputs
+                self.fed = (lengths - 1).clamp(min=0)
                 self.pending = torch.zeros_like(self.pending)
                 self.features = self.features[:, :0]
                 self.kv.snapshot()
                 self.start_col = self.kv.length
-            token, q, confidence = self._pick(ctx, self.head.logits(h[:, 0]), i)
-            drafts.append(token)
-            qs.append(q)
-            if i + 1 < gamma and stop is not None and stop(i + 1, confidence):
-                break
-            # Draft i + 1 reads the head's pre-norm output and draft i, one position further.
-            hidden, embeds = h, self._embed(token[:, None])
-            positions = (ctx.lengths.to(self.device) - 1 + i)[:, None]
-            valid = torch.ones_like(positions, dtype=torch.bool)
+            return self.head.logits(hidden[:, 0])
+
+        drafts, qs = draft_chain(step, functools.partial(self._pick, ctx), gamma, stop)
         tokens_out = torch.stack(drafts, dim=1)
         counts = None
         if not bool(can_draft.all()):

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from hfspec import tree
 from hfspec.cpu import draft_linear
-from hfspec.drafters import Context, Drafter, Proposal, Stop, kept_drafts
+from hfspec.drafters import Context, Drafter, Proposal, Stop, draft_chain, kept_drafts
 from hfspec.measure.costs import Price, forward_seconds
 from hfspec.models.adapter import check_causal_lm, check_tree_attention, forward, model_vocab_size, sliding_window
 from hfspec.models.kv_cache import KVState
@@ -53,20 +53,20 @@ class ModelDrafter(Drafter):
         return ctx.tokens.gather(1, positions), valid.long(), positions
 
     def propose(self, ctx: Context, gamma: int, stop: Stop | None = None, price: Price | None = None) -> Proposal:
-        feed, valid, positions = self._unfed(ctx)
-        tokens, qs = [], []
-        for i in range(gamma):
-            logits = self._forward(feed, valid, positions)
-            if i == 0:  # caught up: everything from here on is a draft, and may be rolled back
-                self.fed = ctx.lengths.clone()
-                self.start_col = self.kv.length
-                self.kv.snapshot()
-            token, q, confidence = ctx.pick(logits.to(ctx.tokens.device), i)
-            tokens.append(token)
-            qs.append(q)
-            if i + 1 < gamma and stop is not None and stop(i + 1, confidence):
-                break
-            feed, valid, positions = token[:, None], torch.ones_like(token)[:, None], (ctx.lengths + i)[:, None]
+        def step(i: int, token: torch.Tensor | None) -> torch.Tensor:
+            if i:  # draft i - 1, one position after the committed tokens and the drafts before it
+                logits = self._forward(
+                    token[:, None], torch.ones_like(token)[:, None], (ctx.lengths + (i - 1))[:, None]
+                )
+                return logits.to(ctx.tokens.device)
+            logits = self._forward(*self._unfed(ctx))
+            # Caught up: everything from here on is a draft, and may be rolled back.
+            self.fed = ctx.lengths.clone()
+            self.start_col = self.kv.length
+            self.kv.snapshot()
+            return logits.to(ctx.tokens.device)
+
+        tokens, qs = draft_chain(step, ctx.pick, gamma, stop)
         self.drafts = torch.stack(tokens, dim=1)
         self.drafts_fed = self.drafts.shape[1] - 1
         return Proposal.chain(self.drafts, torch.stack(qs, dim=1) if ctx.sample else None)
