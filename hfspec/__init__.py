@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # what the names below are, for readers and type checkers
     from hfspec.errors import HfspecError, NumericalFault
     from hfspec.generator import GenerateOutput, SpeculativeGenerator
     from hfspec.policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, Plan, Step
+    from hfspec.settings import SamplingParams
 
 # The public names, by the module that defines them. They are imported on first use (PEP 562), not by
 # ``import hfspec``: torch and transformers take seconds to import, and ``hfspec --version`` needs neither.
@@ -35,6 +36,7 @@ _EXPORTS = {
     "Step": "hfspec.policy",  # what its update() learns from
     "RowStats": "hfspec.decoding.stats",
     "Stats": "hfspec.decoding.stats",
+    "SamplingParams": "hfspec.settings",  # one call's sampling settings: SpeculativeGenerator.generate(sampling_params=)
 }
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "NumericalFault",
     "Plan",
     "RowStats",
+    "SamplingParams",
     "SpeculativeGenerator",
     "Stats",
     "Step",

@@ -226,10 +226,6 @@ def _pick(value: Any, default: Any) -> Any:
     return value if value is not None else default
 
 
-# The sampling settings a preset may set, by their GenerationConfig names.
-PRESET_SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
-
-
 def complete(
     gen: SpeculativeGenerator,
     prompts: list[str],
@@ -247,18 +243,17 @@ def complete(
     """Generate for text prompts with ``gen``. The settings ``generation_config`` sets
     (``hfspec.decoding.config.settings``) override ``preset``'s sampling settings, which override the target's
     generation config; decoding is greedy unless one of them samples, and ``DEFAULT_MAX_NEW_TOKENS`` long unless one of
-    them (or the target's generation config) sets ``max_new_tokens``. Other unset settings come from ``preset``.
-    ``threads``: the CPU threads of the call (None: the generator's)."""
+    them (or the target's generation config) sets ``max_new_tokens``. They make the call's one ``SamplingParams``.
+    Other unset settings come from ``preset``. ``threads``: the CPU threads of the call (None: the generator's)."""
     if gen.tokenizer is None:
         raise HfspecError(
             "the generator has no tokenizer; build it with SpeculativeGenerator(target, draft, tokenizer)"
         )
-    own = gen.target.generation_config.max_new_tokens  # the target's, if its generation config sets one
-    defaults = cfg.settings(max_new_tokens=_pick(own, DEFAULT_MAX_NEW_TOKENS), do_sample=False)
-    conf = cfg.merge(
-        cfg.merge(defaults, cfg.settings(**{name: getattr(preset, name) for name in PRESET_SAMPLING})),
-        generation_config,
-    )
+    own = gen.target.generation_config
+    # hfspec's defaults sit above the target's config (greedy unless asked), but keep its max_new_tokens.
+    defaults = cfg.settings(max_new_tokens=_pick(own.max_new_tokens, DEFAULT_MAX_NEW_TOKENS), do_sample=False)
+    given = cfg.merge(cfg.merge(defaults, cfg.settings(**preset.sampling())), generation_config)
+    params = cfg.resolve(own, given)[1]
     chat = bool(_pick(chat, preset.chat))
     system = system if system is not None else (preset.system if chat else None)
     described = gen.describe()
@@ -268,8 +263,12 @@ def complete(
         "draft": preset.draft,
         "drafter": gen.drafter.kind,
         "gamma": _pick(gamma, preset.gamma),
-        "max_new_tokens": conf.max_new_tokens,
-        **{name: getattr(conf, name) for name in PRESET_SAMPLING},
+        "max_new_tokens": params.max_new_tokens,
+        "do_sample": not params.greedy,
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "repetition_penalty": params.repetition_penalty,
         "seed": seed,
         "chat": chat,
         "system": system,
@@ -279,7 +278,7 @@ def complete(
     }
     ids = encode(gen.tokenizer, prompts, chat=chat, system=system)
     out = gen.generate(
-        ids, generation_config=conf, gamma=settings["gamma"], seed=seed, streamer=streamer, tree=tree, threads=threads
+        ids, sampling_params=params, gamma=settings["gamma"], seed=seed, streamer=streamer, tree=tree, threads=threads
     )
     start = out.prompt_length
     tokens = tuple(

@@ -21,21 +21,21 @@ from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, Pre
 from hfspec.cpu import draft_linear, fast
 from hfspec.cpu import threads as cpu_threads
 from hfspec.decoding import config as cfg
-from hfspec.decoding import sampling
 from hfspec.decoding.inputs import prepare_inputs
-from hfspec.decoding.loop import Call, GenerateOutput, pad_id
+from hfspec.decoding.loop import Call, GenerateOutput
 from hfspec.decoding.rows import right_pad
 from hfspec.decoding.stats import Stats
 from hfspec.drafters import Drafter, builds_trees, cross_tokenizer
 from hfspec.drafters.factory import draft_module, make_drafter
 from hfspec.drafters.loading import load_pair
-from hfspec.errors import HfspecError
+from hfspec.errors import HfspecError, HfspecTypeError
 from hfspec.measure import cost_cache, costs
 from hfspec.measure.costs import Costs
 from hfspec.models import recurrent
 from hfspec.models.adapter import check_causal_lm, check_tree_attention, shared_vocab_size, window_in_columns
 from hfspec.models.kv_cache import KVState
 from hfspec.policy import GammaPolicy, Tuning, as_policy
+from hfspec.settings import SamplingParams
 from hfspec.tree.probe import reads_trees
 
 __all__ = ["AUTO_TREES", "GenerateOutput", "SpeculativeGenerator"]
@@ -262,6 +262,7 @@ class SpeculativeGenerator:
         pad_token_id: int | None = None,
         logits_processor: Sequence[LogitsProcessor] | None = None,
         generation_config: GenerationConfig | None = None,
+        sampling_params: SamplingParams | None = None,
         generator: torch.Generator | None = None,
         seed: int | None = None,
         streamer: Any = None,
@@ -272,7 +273,9 @@ class SpeculativeGenerator:
         """Generate up to ``max_new_tokens`` per row, distributed exactly as the target's own sampling.
 
         Keyword names follow ``transformers.GenerationConfig``; ``None`` inherits from
-        ``generation_config`` and then from the target's generation config. ``do_sample``
+        ``generation_config`` and then from the target's generation config. ``sampling_params`` (a
+        ``hfspec.SamplingParams``) says all of them at once, in place of those keywords, ``logits_processor`` and
+        ``generation_config``: its ``stop_token_ids`` are then every id that ends a row. ``do_sample``
         defaults to greedy; ``temperature=0`` also means greedy (exact argmax, equal to
         ``target.generate(do_sample=False)`` token for token where hfspec's CPU kernels run the target, in
         float32 and bfloat16; on torch's kernels in float32, up to rounding in half precision: README,
@@ -295,22 +298,21 @@ class SpeculativeGenerator:
         """
         if on_context_limit not in ("error", "stop"):
             raise HfspecError(f"on_context_limit must be 'error' or 'stop', got {on_context_limit!r}")
-        conf = cfg.resolve(
-            self.target.generation_config,
-            generation_config,
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            no_repeat_ngram_size=no_repeat_ngram_size,
-            bad_words_ids=bad_words_ids,
-            suppress_tokens=suppress_tokens,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-        )
+        options = {
+            "max_new_tokens": max_new_tokens,
+            "do_sample": do_sample,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "min_p": min_p,
+            "repetition_penalty": repetition_penalty,
+            "no_repeat_ngram_size": no_repeat_ngram_size,
+            "bad_words_ids": bad_words_ids,
+            "suppress_tokens": suppress_tokens,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id,
+        }
+        params, bos = self._params(sampling_params, generation_config, logits_processor, options)
         window = self._context_window()
         ids, mask = prepare_inputs(
             input_ids,
@@ -318,17 +320,15 @@ class SpeculativeGenerator:
             self.tokenizer,
             self.vocab_size,
             window,
-            conf.max_new_tokens if on_context_limit == "error" else 1,
-            conf.bos_token_id,
+            params.max_new_tokens if on_context_limit == "error" else 1,
+            bos,
         )
-        processors = sampling.build_processors(conf, logits_processor)
-        nodes = self._tree_nodes(tree, sampling.needs_context(processors))
+        reads_context = params.reads_context()
+        nodes = self._tree_nodes(tree, reads_context)
         if isinstance(gamma, str) and gamma == "auto":
-            self.tuning.trees = self._auto_trees(sampling.needs_context(processors)) if tree == "auto" else ()
+            self.tuning.trees = self._auto_trees(reads_context) if tree == "auto" else ()
             self.measure_costs(ids[0, mask[0].bool()].tolist())
-            self.tuning.setting = (
-                (conf.do_sample, conf.temperature, conf.top_k, conf.top_p, conf.min_p) if conf.do_sample else False
-            )
+            self.tuning.setting = params.key()
         policy = as_policy(gamma, self.tuning, self.drafter.mixes_sources)
         if streamer is not None and ids.shape[0] != 1:
             raise HfspecError("a streamer needs a single prompt (batch size 1); drop streamer= for batches")
@@ -341,7 +341,7 @@ class SpeculativeGenerator:
         rows = [(r[m.bool()][None], m[m.bool()][None]) for r, m in zip(ids, mask)] if alone else [(ids, mask)]
         try:
             parts = [
-                Call(self, conf, processors, policy, generator, streamer, window, nodes).run(r.to(device), m.to(device))
+                Call(self, params, policy, generator, streamer, window, nodes).run(r.to(device), m.to(device))
                 for r, m in rows
             ]
         finally:
@@ -349,7 +349,30 @@ class SpeculativeGenerator:
                 streamer.end()
         if isinstance(gamma, str) and gamma == "auto":
             self.keep_costs()
-        return stack(ids.to(device), parts, pad_id(conf)) if alone else parts[0]
+        return stack(ids.to(device), parts, params.pad()) if alone else parts[0]
+
+    def _params(
+        self,
+        given: SamplingParams | None,
+        generation_config: GenerationConfig | None,
+        logits_processor: Sequence[LogitsProcessor] | None,
+        options: dict[str, Any],
+    ) -> tuple[SamplingParams, int | None]:
+        """The call's one ``SamplingParams`` (``given``, or built from the generation configs and keywords) and the
+        BOS id an empty prompt starts from."""
+        if given is None:
+            conf, params = cfg.resolve(self.target.generation_config, generation_config, logits_processor, **options)
+            return params, conf.bos_token_id
+        if not isinstance(given, SamplingParams):
+            raise HfspecTypeError(f"sampling_params must be a hfspec.SamplingParams, got {type(given).__name__}")
+        others = {**options, "generation_config": generation_config, "logits_processor": logits_processor}
+        also = [name for name, value in others.items() if value is not None]
+        if also:
+            raise HfspecError(
+                f"pass the settings once: sampling_params= holds them all, so drop {', '.join(also)} "
+                "(or set them in the SamplingParams)"
+            )
+        return given, self.target.generation_config.bos_token_id
 
     def _tree_nodes(self, tree: int | str | None, needs_context: bool) -> int:
         """The node budget of ``tree`` (0: the chain), or an ``HfspecError`` where a tree cannot be exact."""

@@ -21,13 +21,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hfspec.decoding import sampling  # noqa: E402
 from hfspec.decoding.rows import Rows  # noqa: E402
 from hfspec.decoding.scoring import DraftContext, Scoring  # noqa: E402
 from hfspec.measure.timing import cpu_model  # noqa: E402
+from hfspec.settings import SamplingParams  # noqa: E402
 
 
 def timed(fns: list[Callable[[], object]], repeats: int) -> list[tuple[float, float]]:
@@ -56,18 +63,25 @@ def old_pick(processors, logits: torch.Tensor, tokens: torch.Tensor, g: torch.Ge
     return q.gather(1, token[:, None])
 
 
-def new_context(processors, vocab: int, g: torch.Generator) -> DraftContext:
+def new_context(params: SamplingParams, vocab: int, g: torch.Generator) -> DraftContext:
     """What ``pick`` reads: one row with one committed token."""
     rows = Rows(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long), 3, None, [])
-    return DraftContext(rows, Scoring(processors, sample=True), vocab, g, step=1)
+    return DraftContext(rows, Scoring(params), vocab, g, step=1)
+
+
+def transformers_warpers(params: SamplingParams) -> LogitsProcessorList:
+    """transformers' own warpers for ``params``, in generate()'s order: the old path."""
+    out = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+    out += [TopKLogitsWarper(params.top_k)] if params.top_k else []
+    out += [TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []
+    return LogitsProcessorList(out + ([MinPLogitsWarper(params.min_p)] if params.min_p else []))
 
 
 def measure(args: argparse.Namespace) -> dict:
-    conf = GenerationConfig(
-        do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p, min_p=args.min_p or 0.0
     )
-    processors = sampling.build_processors(conf)
-    head, warpers = sampling.split_processors(processors)
+    processors, warpers = transformers_warpers(params), params.warpers()
     torch.manual_seed(args.seed)
     # Logits with an LM-like spread: a few large values over a broad mass of small ones.
     logits = torch.randn(5, args.vocab) * 2.0 + torch.empty(5, args.vocab).exponential_() * 2.0
@@ -91,7 +105,7 @@ def measure(args: argparse.Namespace) -> dict:
         sampling.sample(p[:1], g)
 
     tokens = torch.zeros(1, 8, dtype=torch.long)
-    ctx = new_context(processors, args.vocab, g)
+    ctx = new_context(params, args.vocab, g)
     cases = [
         ("rows=1", 1, old_rows, new_rows),
         ("verify γ=4", 5, old_verify, new_verify),
@@ -121,7 +135,6 @@ def measure(args: argparse.Namespace) -> dict:
         "top_k": args.top_k,
         "top_p": args.top_p,
         "min_p": args.min_p,
-        "warpers_left_to_transformers": len(head),
         "repeats": args.repeats,
         "cases": rows,
     }

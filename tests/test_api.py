@@ -17,7 +17,7 @@ from hfspec.cpu import threads as cpu_threads
 from hfspec.drafters import loading
 from hfspec.errors import HfspecError
 from hfspec.models import assets
-from hfspec.models.presets import load_preset
+from hfspec.models.presets import DEFAULT_MAX_NEW_TOKENS, load_preset
 from hfspec.policy import HeuristicGamma
 
 pytestmark = pytest.mark.usefixtures("fresh_api_cache")
@@ -126,6 +126,23 @@ def test_max_new_tokens_comes_from_the_call_then_generation_config_then_the_targ
     gen = api.load(api.resolve_preset(target, draft))
     monkeypatch.setattr(gen.target.generation_config, "max_new_tokens", 6)
     assert hfspec.generate("w10 w11", **kwargs)[1].committed == 6
+
+
+def test_max_new_tokens_precedence_keyword_then_generation_config_then_the_target_then_the_default(pair, monkeypatch):
+    target, draft = pair
+    kwargs = dict(target=target, draft=draft, gamma=2, return_stats=True)
+    gen = api.load(api.resolve_preset(target, draft))
+    monkeypatch.setattr(gen.target.generation_config, "max_new_tokens", 6)
+    five = GenerationConfig(max_new_tokens=5)
+    assert hfspec.generate("w10 w11", generation_config=five, **kwargs)[1].committed == 5  # not the target's 6
+    assert hfspec.generate("w10 w11", max_new_tokens=3, generation_config=five, **kwargs)[1].committed == 3
+    ids = [[10, 11]]
+    assert gen.generate(ids, gamma=2).stats.committed == 6
+    assert gen.generate(ids, gamma=2, generation_config=five).stats.committed == 5
+    assert gen.generate(ids, gamma=2, generation_config=five, max_new_tokens=3).stats.committed == 3
+    monkeypatch.setattr(gen.target.generation_config, "max_new_tokens", None)
+    monkeypatch.setattr(gen.target.generation_config, "eos_token_id", None)  # no early end
+    assert hfspec.generate("w10 w11", **kwargs)[1].committed == DEFAULT_MAX_NEW_TOKENS
 
 
 def test_seed_makes_sampling_reproducible_and_equal_to_the_generator(pair):

@@ -173,6 +173,18 @@ def test_generate_prints_the_same_text_as_the_api(capsys, pair, model_dir):
     assert "γ per step" in err and "steps by γ" in err, "the γ that gamma='auto' chose, step by step"
 
 
+def test_max_new_tokens_defaults_to_the_targets_generation_config(capsys, model_dir, tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(model_dir("llama", seed=0), target)
+    config = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": 6, "eos_token_id": None}))
+    flags = ["--target", str(target), "--draft", str(model_dir("llama", seed=1)), "--json", "--gamma", "2"]
+    code, out, _ = run(capsys, "generate", PROMPT, *flags)
+    assert code == 0 and json.loads(out)["stats"]["committed"] == 6
+    code, out, _ = run(capsys, "generate", PROMPT, *flags, "--max-new-tokens", "4")
+    assert code == 0 and json.loads(out)["stats"]["committed"] == 4
+
+
 def test_prompt_from_stdin(capsys, pair, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT + "\n"))
     code, from_stdin, _ = run(capsys, "generate", "-", *pair, "--max-new-tokens", "6")

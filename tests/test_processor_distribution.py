@@ -10,6 +10,8 @@ dropped from hfspec's processing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import stat_utils
 import torch
@@ -18,6 +20,7 @@ from test_distribution import NEW, PROMPT_A, V, exact_joint, pair  # noqa: F401 
 
 from hfspec import SpeculativeGenerator
 from hfspec.decoding import sampling, scoring
+from hfspec.settings import SamplingParams
 
 SETTINGS = {
     "repetition_penalty": {"repetition_penalty": 1.8},
@@ -78,12 +81,12 @@ def test_negative_control_positions_that_miss_the_drafts_before_them_are_detecte
 
 
 def test_negative_control_min_p_dropped_is_detected(pair, monkeypatch):  # noqa: F811
-    build = sampling.build_processors
+    warpers = SamplingParams.warpers
 
-    def without_min_p(config, extra=None):
-        config = config.__class__(**{**config.to_dict(), "min_p": None})
-        return build(config, extra)
+    def without_min_p(self):
+        found = warpers(self)
+        return found if found is None else dataclasses.replace(found, min_p=None)
 
-    monkeypatch.setattr(sampling, "build_processors", without_min_p)
+    monkeypatch.setattr(SamplingParams, "warpers", without_min_p)
     pv = pvalue(pair, "min_p", seed=13)
     assert pv < ALPHA, f"min_p dropped went unnoticed (p-value {pv:.3g})"

@@ -9,6 +9,7 @@ from stat_utils import ALPHA, chi_square_pvalue
 
 from hfspec import tree
 from hfspec.decoding import sampling
+from hfspec.settings import SamplingParams
 
 V, GAMMA, N = 6, 3, 200_000
 
@@ -164,25 +165,22 @@ def test_verify_greedy_accepts_while_equal_to_argmax():
     assert nxt.tolist() == [9, 8, 0]
 
 
-def test_processors_follow_transformers_order_and_skip_warpers_when_greedy():
+def test_a_generation_config_becomes_one_setting_with_processors_in_transformers_order():
     from transformers import GenerationConfig
 
+    from hfspec.decoding import config as cfg
+
     conf = GenerationConfig(do_sample=True, temperature=0.5, top_k=3, top_p=0.9, repetition_penalty=1.3)
-    names = [type(x).__name__ for x in sampling.build_processors(conf)]
-    assert names == [
-        "RepetitionPenaltyLogitsProcessor",
-        "TemperatureLogitsWarper",
-        "TopKLogitsWarper",
-        "TopPLogitsWarper",
-    ]
+    params = cfg.params(conf, max_new_tokens=4)
+    assert [type(x).__name__ for x in params.processors()] == ["RepetitionPenaltyLogitsProcessor"]
+    assert params.warpers() == sampling.Warpers(temperature=0.5, top_k=3, top_p=0.9)
     conf.do_sample = False
-    assert [type(x).__name__ for x in sampling.build_processors(conf)] == ["RepetitionPenaltyLogitsProcessor"]
+    greedy = cfg.params(conf, max_new_tokens=4)
+    assert greedy.greedy and greedy.warpers() is None and len(greedy.processors()) == 1
 
 
 def test_ragged_rows_see_only_their_own_prefix():
-    from transformers import GenerationConfig
-
-    procs = sampling.build_processors(GenerationConfig(repetition_penalty=2.0))
+    procs = SamplingParams(repetition_penalty=2.0).processors()
     logits = torch.ones(2, 5)
     out = sampling.process(procs, logits, [torch.tensor([1, 2]), torch.tensor([3])])
     assert out[0].tolist() == [1.0, 0.5, 0.5, 1.0, 1.0]

@@ -50,6 +50,36 @@ def test_bad_settings_raise_clear_errors(gen, kwargs, error, words):
         gen.generate(PROMPT, **settings)
 
 
+def test_one_sampling_params_value_says_what_the_keywords_say(gen):
+    from hfspec.settings import SamplingParams
+
+    keywords = dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=5, repetition_penalty=1.2, seed=3)
+    params = SamplingParams(temperature=0.7, top_k=5, repetition_penalty=1.2, max_new_tokens=6, stop_token_ids=[2])
+    want = gen.generate(PROMPT, gamma=2, **keywords).sequences
+    assert torch.equal(gen.generate(PROMPT, gamma=2, sampling_params=params, seed=3).sequences, want)
+    with pytest.raises(ValueError, match="drop temperature"):
+        gen.generate(PROMPT, sampling_params=params, temperature=0.5)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        gen.generate(PROMPT, sampling_params={"temperature": 0.5})
+
+
+@pytest.mark.parametrize(
+    "settings, error, words",
+    [
+        ({"temperature": math.inf}, ValueError, "temperature must be a finite number >= 0"),
+        ({"top_k": 2.5}, TypeError, "top_k must be an integer >= 0"),
+        ({"bad_words_ids": [[]]}, ValueError, "bad_words_ids must be"),
+        ({"no_repeat_ngram_size": -1}, ValueError, "no_repeat_ngram_size must be an integer >= 0"),
+        ({"min_p": 2.0, "top_p": 0.0}, ValueError, "top_p must be in .*; min_p must be in"),
+    ],
+)
+def test_sampling_params_are_validated_once_with_every_problem_named(settings, error, words):
+    from hfspec.settings import SamplingParams
+
+    with pytest.raises(error, match=words):
+        SamplingParams(**settings)
+
+
 def test_max_new_tokens_is_required(gen):
     with pytest.raises(ValueError, match="max_new_tokens is required"):
         gen.generate(PROMPT)

@@ -1,7 +1,7 @@
 """The fast warpers and sampler against transformers' own.
 
 ``warped_probs`` must give exactly (``torch.equal``) the probabilities of transformers'
-warpers followed by a float32 softmax, in ``build_processors``' order; ``sample`` must draw
+warpers followed by a float32 softmax, in transformers' order; ``sample`` must draw
 from the given distribution (chi-square, with a negative control) and repeat per seed.
 """
 
@@ -10,9 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from stat_utils import ALPHA, chi_square_pvalue
+from stat_utils import ALPHA, chi_square_pvalue, warpers
 from transformers import (
-    GenerationConfig,
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -23,6 +22,7 @@ from transformers import (
 
 from hfspec.decoding import sampling
 from hfspec.decoding.scoring import Scoring
+from hfspec.settings import SamplingParams
 
 INF = float("inf")
 
@@ -51,24 +51,18 @@ def lm_like(batch: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randn(batch, vocab, generator=g) * 2.0 + torch.empty(batch, vocab).exponential_(generator=g) * 2.0
 
 
-def reference(processors: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:
-    """transformers' warpers, then the softmax generate() samples from."""
+def reference(settings: dict, logits: torch.Tensor) -> torch.Tensor:
+    """transformers' warpers for ``settings`` (in generate()'s order), then the softmax generate() samples from."""
     ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
-    return torch.softmax(processors(ids, logits).float(), dim=-1)
+    return torch.softmax(warpers(settings)(ids, logits).float(), dim=-1)
 
 
-def fast(processors: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:
-    head, warpers = sampling.split_processors(processors)
-    assert not head, f"{head} should have been recognised as warpers"
-    return sampling.warped_probs(logits, warpers)
+def fast(settings: dict, logits: torch.Tensor) -> torch.Tensor:
+    return sampling.warped_probs(logits, sampling.Warpers(**settings))
 
 
-def processors_for(**settings) -> LogitsProcessorList:
-    return sampling.build_processors(GenerationConfig(do_sample=True, **settings))
-
-
-def assert_same(processors: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:
-    want, got = reference(processors, logits), fast(processors, logits)
+def assert_same(settings: dict, logits: torch.Tensor) -> torch.Tensor:
+    want, got = reference(settings, logits), fast(settings, logits)
     assert torch.equal(got, want), (
         f"support differs in {int(((got > 0) != (want > 0)).sum())} tokens, "
         f"largest difference {float((got - want).abs().max()):.3g}"
@@ -94,19 +88,19 @@ def fallbacks(monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_equal_to_transformers(name, shape):
     for seed, scale in enumerate((0.3, 1.0, 3.0)):
-        assert_same(processors_for(**SETTINGS[name]), lm_like(*shape, seed) * scale)
+        assert_same(dict(**SETTINGS[name]), lm_like(*shape, seed) * scale)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.5])
 def test_top_p_one_and_filtered_underflow(top_p):
-    # build_processors drops top_p=1.0; the warper itself still removes tokens whose probability underflows to 0.
+    # SamplingParams drops top_p=1.0; the warper itself still removes tokens whose probability underflows to 0.
     logits = lm_like(3, 500, 0)
     logits[:, :50] = -200.0
-    assert_same(LogitsProcessorList([TopPLogitsWarper(top_p)]), logits)
+    assert_same(dict(top_p=top_p), logits)
 
 
 def test_tiny_top_p_keeps_one_token():
-    probs = assert_same(processors_for(top_p=1e-7), lm_like(4, 1000, 1))
+    probs = assert_same(dict(top_p=1e-7), lm_like(4, 1000, 1))
     assert (probs > 0).sum(dim=-1).tolist() == [1, 1, 1, 1]
 
 
@@ -116,16 +110,11 @@ def test_top_p_mass_exactly_on_the_boundary():
     for j in (100, 250, 295):
         top_p = 1.0 - float(cum[j])  # 1 - top_p is then exactly cum[j] in float32: position j is removed
         assert torch.tensor(1 - top_p, dtype=torch.float32) == cum[j]
-        probs = assert_same(LogitsProcessorList([TopPLogitsWarper(top_p)]), logits)
+        probs = assert_same(dict(top_p=top_p), logits)
         expected = 300 - int((cum <= cum[j]).sum())
         assert int((probs > 0).sum()) == expected
         for nudge in (-1e-9, 1e-9):  # either side of the boundary
-            assert_same(LogitsProcessorList([TopPLogitsWarper(top_p + nudge)]), logits)
-
-
-def test_top_p_min_tokens_to_keep():
-    logits = lm_like(3, 1000, 3) * 3
-    assert_same(LogitsProcessorList([TopPLogitsWarper(0.3, min_tokens_to_keep=7)]), logits)
+            assert_same(dict(top_p=top_p + nudge), logits)
 
 
 def test_ties_straddling_the_top_p_cut_keep_transformers_tokens(fallbacks):
@@ -134,7 +123,7 @@ def test_ties_straddling_the_top_p_cut_keep_transformers_tokens(fallbacks):
     logits = torch.randint(0, 5, (16, 200), generator=torch.Generator().manual_seed(4)).float()
     through_transformers = 0
     for top_p in (0.3, 0.6, 0.9):
-        processors = processors_for(top_p=top_p)
+        processors = dict(top_p=top_p)
         want = reference(processors, logits)
         fallbacks.clear()
         assert torch.equal(fast(processors, logits), want)
@@ -146,27 +135,27 @@ def test_bf16_valued_logits():
     # bfloat16 models give float32 logits with many exact ties.
     logits = lm_like(4, 49152, 5).bfloat16().float()
     for settings in (dict(temperature=0.7, top_p=0.95), dict(top_k=30, top_p=0.5), dict(min_p=0.05)):
-        assert_same(processors_for(**settings), logits)
+        assert_same(dict(**settings), logits)
 
 
 def test_bf16_scores():
     # The warpers then run in bfloat16, as transformers' would; the final softmax is float32.
     logits = lm_like(3, 777, 6).bfloat16()
     for settings in SETTINGS.values():
-        assert_same(processors_for(**settings), logits)
+        assert_same(dict(**settings), logits)
 
 
 def test_top_k_keeps_all_ties_at_the_kth_value():
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.5, 2.0, -1.0]])
-    probs = assert_same(processors_for(top_k=2), logits)
+    probs = assert_same(dict(top_k=2), logits)
     assert (probs > 0).sum().item() == 5  # 3.0 and all four 2.0s
-    assert_same(processors_for(top_k=2, top_p=0.5), logits)
+    assert_same(dict(top_k=2, top_p=0.5), logits)
 
 
 def test_top_k_equal_to_vocab_keeps_every_token():
     logits = lm_like(2, 300, 12)
-    assert_same(processors_for(top_k=300), logits)
-    assert_same(processors_for(top_k=299, top_p=0.9), logits)
+    assert_same(dict(top_k=300), logits)
+    assert_same(dict(top_k=299, top_p=0.9), logits)
 
 
 def test_rows_with_minus_inf():
@@ -177,30 +166,28 @@ def test_rows_with_minus_inf():
     logits[2, :-1] = -INF
     logits[3, 10:] = -INF
     for settings in SETTINGS.values():
-        assert_same(processors_for(**settings), logits)
+        assert_same(dict(**settings), logits)
 
 
 def test_batched_rows_equal_rows_one_at_a_time():
     # The verify path warps all B·(γ+1) positions in one call; transformers saw one position at a time.
     logits = lm_like(10, 1001, 8)
     for settings in SETTINGS.values():
-        processors = processors_for(**settings)
+        processors = dict(**settings)
         one_by_one = torch.cat([reference(processors, row[None]) for row in logits])
         assert torch.equal(fast(processors, logits), one_by_one)
 
 
-# -- which processors the fast path takes --------------------------------------------------------
+# -- from the settings: Scoring ---------------------------------------------------------------------
 
 
-def test_split_keeps_context_processors_in_the_head():
-    processors = sampling.build_processors(
-        GenerationConfig(do_sample=True, repetition_penalty=1.3, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)
-    )
-    head, warpers = sampling.split_processors(processors)
-    assert [type(p) for p in head] == [RepetitionPenaltyLogitsProcessor]
-    assert warpers == sampling.Warpers(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)
-    head, warpers = sampling.split_processors(sampling.build_processors(GenerationConfig(repetition_penalty=1.3)))
-    assert len(head) == 1 and warpers == sampling.Warpers()
+def test_settings_give_the_context_processors_then_the_warpers():
+    params = SamplingParams(repetition_penalty=1.3, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)
+    assert [type(p) for p in params.processors()] == [RepetitionPenaltyLogitsProcessor]
+    assert params.warpers() == sampling.Warpers(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)
+    greedy = SamplingParams(repetition_penalty=1.3, temperature=0)
+    assert len(greedy.processors()) == 1 and greedy.warpers() is None
+    assert SamplingParams().warpers() == sampling.Warpers()
 
 
 class ShiftedTemperature(TemperatureLogitsWarper):
@@ -209,30 +196,27 @@ class ShiftedTemperature(TemperatureLogitsWarper):
 
 
 @pytest.mark.parametrize(
-    "odd",
+    "own",
     [
         [TopPLogitsWarper(0.9), TemperatureLogitsWarper(0.7)],  # out of transformers' order
         [TopKLogitsWarper(5, filter_value=-1e4)],  # another filter value
         [MinPLogitsWarper(0.1, min_tokens_to_keep=3)],
+        [TopPLogitsWarper(0.3, min_tokens_to_keep=7)],
         [ShiftedTemperature(0.7)],  # a subclass may compute something else
     ],
 )
-def test_split_leaves_what_it_does_not_reproduce_to_transformers(odd):
-    processors = LogitsProcessorList(odd)
-    head, warpers = sampling.split_processors(processors)
-    assert head and head[0] is odd[0]
+def test_the_callers_processors_run_as_transformers_runs_them(own):
+    scoring = Scoring(SamplingParams(logits_processor=own))
+    assert list(scoring.head) == own and scoring.warpers == sampling.Warpers()
     logits = lm_like(2, 300, 9)
     ids = torch.zeros(2, 1, dtype=torch.long)
-    got = sampling.warped_probs(sampling.process(head, logits, ids), warpers)
-    assert torch.equal(got, reference(processors, logits))
+    got = scoring.probs(logits[:, None], ids, torch.ones(2, dtype=torch.long), 0, "target", 1)[:, 0]
+    assert torch.equal(got, torch.softmax(LogitsProcessorList(own)(ids, logits).float(), dim=-1))
 
 
 def test_user_warper_before_the_sampling_warpers():
-    processors = sampling.build_processors(
-        GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9), extra=[TopKLogitsWarper(3)]
-    )
-    head, warpers = sampling.split_processors(processors)
-    assert len(head) == 1 and warpers == sampling.Warpers(temperature=0.7, top_p=0.9)
+    scoring = Scoring(SamplingParams(temperature=0.7, top_p=0.9, logits_processor=[TopKLogitsWarper(3)]))
+    assert len(scoring.head) == 1 and scoring.warpers == sampling.Warpers(temperature=0.7, top_p=0.9)
 
 
 # -- through the loop: Scoring.probs --------------------------------------------------------------
@@ -245,10 +229,9 @@ def test_checked_equals_per_position_reference(penalty, lengths):
     g = torch.Generator().manual_seed(10)
     tokens = torch.randint(0, vocab, (3, 12), generator=g)
     logits = torch.randn(3, k, vocab, generator=g) * 3
-    processors = sampling.build_processors(
-        GenerationConfig(do_sample=True, repetition_penalty=penalty, temperature=0.7, top_p=0.9)
-    )
-    probs = Scoring(processors, sample=True).probs(logits, tokens, torch.tensor(lengths), 0, "target", 1)
+    settings = {"temperature": 0.7, "top_p": 0.9, **({"repetition_penalty": penalty} if penalty else {})}
+    processors = warpers(settings)
+    probs = Scoring(SamplingParams(**settings)).probs(logits, tokens, torch.tensor(lengths), 0, "target", 1)
     for b, length in enumerate(lengths):
         for i in range(k):
             ids = tokens[b : b + 1, : length + i]
@@ -274,7 +257,7 @@ def test_sample_draws_from_the_distribution():
 
 
 def test_sample_draws_from_warped_probabilities():
-    probs = fast(processors_for(temperature=0.7, top_p=0.95), lm_like(1, 300, 11) * 0.3)[0]
+    probs = fast(dict(temperature=0.7, top_p=0.95), lm_like(1, 300, 11) * 0.3)[0]
     assert (probs > 0).sum() > 20
     counts = np.bincount(draws(probs, 1).numpy(), minlength=probs.numel())
     assert chi_square_pvalue(counts, probs.double().numpy()) > ALPHA
@@ -306,8 +289,8 @@ def test_sample_refuses_rows_without_mass(row):
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(temperature=0.0), dict(top_k=0), dict(top_p=1.5), dict(min_p=-0.1), dict(top_p_keep=0)]
+    "bad", [dict(temperature=-1.0), dict(top_k=-1), dict(top_p=1.5), dict(top_p=0.0), dict(min_p=-0.1)]
 )
-def test_warpers_refuse_settings_transformers_refuses(bad):
+def test_settings_refuse_what_transformers_refuses(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
-        sampling.Warpers(**bad)
+        SamplingParams(**bad)

@@ -8,15 +8,23 @@ here with the model's own ``_prepare_generation_config``, the callable form rece
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    MinPLogitsWarper,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from hfspec.decoding import sampling
+from hfspec.decoding import config as cfg
 from hfspec.errors import HfspecError
 from hfspec.models.sources import NGRAM
 from hfspec.policy import GammaPolicy, HeuristicGamma
@@ -241,51 +249,6 @@ def new_tokens(config: GenerationConfig, width: int, default_length: bool, model
     return config.max_length - width
 
 
-# A merged setting of None means "none" (the call cleared it), where hfspec reads None as "the target's own": these
-# go to hfspec as the value that means none.
-NONE = {
-    "eos_token_id": [],
-    "temperature": 1.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-}
-
-
-def sampling_options(config: GenerationConfig) -> dict[str, Any]:
-    """The merged sampling settings as ``SpeculativeGenerator.generate`` keywords."""
-    names = (
-        "do_sample",
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "no_repeat_ngram_size",
-        "bad_words_ids",
-        "suppress_tokens",
-        "eos_token_id",
-        "pad_token_id",
-    )
-    values = {name: getattr(config, name, None) for name in names}
-    return {name: NONE.get(name) if value is None else value for name, value in values.items()}
-
-
-def overrides(config: GenerationConfig, base: GenerationConfig) -> GenerationConfig | None:
-    """The settings of the merged ``config`` that differ from the target's own ``base``, which hfspec starts from:
-    a setting the call turned off (num_beams=1 where the model's config has 4) must reach hfspec too."""
-    changed = {
-        name: value
-        for name, value in config.to_dict().items()
-        if not name.startswith("_")
-        and name != "transformers_version"
-        and getattr(base, name, None) is not None
-        and value != getattr(base, name)
-    }
-    return GenerationConfig(**changed) if changed else None
-
-
 def draft_for(
     assistant_model: Any,
     config: GenerationConfig,
@@ -349,10 +312,9 @@ def custom_processors(prepared: Sequence[LogitsProcessor], config: GenerationCon
     caller's own ``logits_processor`` between the penalties and the warpers, as both place them; returns the
     caller's, or raises naming what hfspec would not run the same way."""
     prepared = [p for p in prepared if type(p).__name__ != "LogitNormalization"]  # log-softmax: same tokens
-    built, head = list(sampling.build_processors(config)), _head(config)
-    tail = built[len(head) :]
+    head, tail = _head(config), _warpers(config)
     ends_match = (
-        len(prepared) >= len(built)
+        len(prepared) >= len(head) + len(tail)
         and all(map(_same, prepared[: len(head)], head))
         and all(map(_same, prepared[len(prepared) - len(tail) :], tail))
     )
@@ -368,10 +330,20 @@ def custom_processors(prepared: Sequence[LogitsProcessor], config: GenerationCon
 
 
 def _head(config: GenerationConfig) -> list[LogitsProcessor]:
-    """The processors hfspec builds from ``config`` before the warpers that sampling adds at the end."""
-    greedy = copy.copy(config)
-    greedy.do_sample = False
-    return list(sampling.build_processors(greedy))
+    """The processors hfspec runs from ``config`` before the warpers (``SamplingParams.processors``)."""
+    return list(cfg.params(config, max_new_tokens=0).processors())
+
+
+def _warpers(config: GenerationConfig) -> list[LogitsProcessor]:
+    """The warpers transformers prepares from ``config`` when it samples, which hfspec runs as
+    ``SamplingParams.warpers()``: transformers' objects, to compare with the ones it prepared."""
+    params = cfg.params(config, max_new_tokens=0)
+    if params.greedy:
+        return []
+    warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+    warpers += [TopKLogitsWarper(params.top_k)] if params.top_k else []
+    warpers += [TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []
+    return warpers + ([MinPLogitsWarper(params.min_p)] if config.min_p is not None else [])
 
 
 def _same(a: LogitsProcessor, b: LogitsProcessor) -> bool:

@@ -23,6 +23,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hfspec.assisted import arguments, reuse
 from hfspec.assisted.arguments import Draft
+from hfspec.decoding import config as cfg
 from hfspec.decoding.stats import Stats
 from hfspec.policy import GammaPolicy
 
@@ -194,15 +195,12 @@ def _run(
     out = gen.generate(
         ids,
         mask,
-        max_new_tokens=max_new_tokens,
+        sampling_params=cfg.params(config, custom, max_new_tokens),  # the merged config: transformers' own merge
         gamma=arguments.gamma_for(own["gamma"], config),
         tree=own["tree"] if own["tree"] is not None else "auto",
-        logits_processor=custom,
         streamer=streamer,
         seed=own["seed"],
         generator=own["generator"],
-        generation_config=arguments.overrides(config, model.generation_config),
-        **arguments.sampling_options(config),
     )
     sequences = torch.cat([ids, out.sequences[:, out.prompt_length :].to(ids.device, ids.dtype)], dim=1)
     return SpeculativeOutput(sequences=sequences, stats=out.stats) if config.return_dict_in_generate else sequences

@@ -117,9 +117,9 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     sampling.add_argument(
         "--max-new-tokens",
         type=count_value,
-        default=DEFAULT_MAX_NEW_TOKENS,
         metavar="N",
-        help=f"most new tokens to generate, >= 0 (default {DEFAULT_MAX_NEW_TOKENS})",
+        help="most new tokens to generate, >= 0 (default: the target's generation config's max_new_tokens, "
+        f"else {DEFAULT_MAX_NEW_TOKENS})",
     )
     sampling.add_argument(
         "--do-sample",

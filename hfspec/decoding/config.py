@@ -1,4 +1,5 @@
-"""Generation settings: merged like ``transformers.generate`` and validated at the boundary.
+"""Generation settings from ``transformers.GenerationConfig``: merged like ``transformers.generate``, then turned
+into the one ``hfspec.settings.SamplingParams`` a call runs with (validated there, once).
 
 Precedence, lowest first: the target's own ``generation_config``, the caller's
 ``generation_config=``, then explicit keyword arguments that are not ``None``.
@@ -7,12 +8,14 @@ Precedence, lowest first: the target's own ``generation_config``, the caller's
 from __future__ import annotations
 
 import copy
-import math
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor
 
 from hfspec.errors import HfspecError, HfspecTypeError
+from hfspec.settings import SamplingParams
 
 # Keyword arguments of SpeculativeGenerator.generate that map onto GenerationConfig fields.
 SAMPLING_FIELDS = (
@@ -29,6 +32,9 @@ SAMPLING_FIELDS = (
     "eos_token_id",
     "pad_token_id",
 )
+# The GenerationConfig fields that are SamplingParams fields of the same name and meaning (the budget, greedy or not
+# and the end-of-sequence and padding ids are resolved on their own).
+_PARAMS = tuple(f for f in SAMPLING_FIELDS if f not in ("max_new_tokens", "do_sample", "eos_token_id", "pad_token_id"))
 
 # GenerationConfig features that change the decoding algorithm itself; hfspec refuses them.
 _UNSUPPORTED = {
@@ -72,62 +78,18 @@ def merge(base: GenerationConfig | None, override: GenerationConfig | None) -> G
     return config
 
 
-def resolve(base: GenerationConfig | None, override: GenerationConfig | None, **kwargs: Any) -> GenerationConfig:
-    """Merge the generation settings and validate them; returns a new config."""
+def resolve(
+    base: GenerationConfig | None,
+    override: GenerationConfig | None,
+    logits_processor: Sequence[LogitsProcessor] | None = None,
+    **kwargs: Any,
+) -> tuple[GenerationConfig, SamplingParams]:
+    """Merge the generation settings (``kwargs``: ``SAMPLING_FIELDS``), refuse those that change the decoding
+    algorithm itself, and build the one ``SamplingParams`` the call runs with; returns the merged config too (for
+    its special token ids)."""
     config = merge(merge(base, override), settings(**kwargs))
     if config.max_new_tokens is None and override is not None and override.max_length is not None:
         raise HfspecError("set max_new_tokens (hfspec counts new tokens only, not max_length)")
-    if (
-        config.temperature is not None
-        and not isinstance(config.temperature, bool)
-        and isinstance(config.temperature, (int, float))
-        and config.temperature == 0
-    ):
-        # Temperature 0 means greedy decoding: the exact argmax path, not a tiny temperature.
-        config.do_sample = False
-    config.do_sample = bool(config.do_sample)
-    validate(config)
-    return config
-
-
-def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        kind = "an integer" if integer else "a number"
-        raise HfspecTypeError(f"{name} must be {kind}, got {value!r}")
-    if not integer and math.isnan(value):
-        raise HfspecError(f"{name} is NaN; pass a real number")
-
-
-def validate(config: GenerationConfig) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the bad setting and the fix."""
-    if config.max_new_tokens is None:
-        raise HfspecError("max_new_tokens is required: pass max_new_tokens=N (N >= 0)")
-    _check_number("max_new_tokens", config.max_new_tokens, integer=True)
-    if config.max_new_tokens < 0:
-        raise HfspecError(f"max_new_tokens must be >= 0, got {config.max_new_tokens}")
-    if config.temperature is not None:
-        _check_number("temperature", config.temperature)
-        if config.temperature < 0 or math.isinf(config.temperature):
-            raise HfspecError(f"temperature must be a finite number >= 0 (0 means greedy), got {config.temperature}")
-    if config.top_k is not None:
-        _check_number("top_k", config.top_k, integer=True)
-        if config.top_k < 0:
-            raise HfspecError(f"top_k must be >= 0 (0 disables it), got {config.top_k}")
-    if config.top_p is not None:
-        _check_number("top_p", config.top_p)
-        if not 0 < config.top_p <= 1:
-            raise HfspecError(f"top_p must be in (0, 1], got {config.top_p}")
-    if config.min_p is not None:
-        _check_number("min_p", config.min_p)
-        if not 0 <= config.min_p <= 1:
-            raise HfspecError(f"min_p must be in [0, 1], got {config.min_p}")
-    if config.repetition_penalty is not None:
-        _check_number("repetition_penalty", config.repetition_penalty)
-        if config.repetition_penalty <= 0:
-            raise HfspecError(f"repetition_penalty must be > 0 (1.0 disables it), got {config.repetition_penalty}")
-    if config.no_repeat_ngram_size is not None:
-        _check_number("no_repeat_ngram_size", config.no_repeat_ngram_size, integer=True)
     for name, neutral in _UNSUPPORTED.items():
         value = getattr(config, name, None)
         if value is not None and value != neutral:
@@ -135,6 +97,31 @@ def validate(config: GenerationConfig) -> None:
                 f"{name}={value!r} is not supported by speculative decoding in hfspec; "
                 f"remove it (or use target.generate for it)"
             )
+    return config, params(config, logits_processor)
+
+
+def params(
+    config: GenerationConfig,
+    logits_processor: Sequence[LogitsProcessor] | None = None,
+    max_new_tokens: int | None = None,
+) -> SamplingParams:
+    """The ``SamplingParams`` of a merged ``config``, with the caller's own processors; a setting None leaves off.
+    Greedy (``temperature=0``) unless ``do_sample`` and a temperature other than 0; the sampling settings are
+    validated either way. ``max_new_tokens``, if
+    given, is the count the caller derived (transformers' ``max_length`` less the prompt)."""
+    if max_new_tokens is None:
+        max_new_tokens = config.max_new_tokens
+    if max_new_tokens is None:
+        raise HfspecError("max_new_tokens is required: pass max_new_tokens=N (N >= 0)")
+    given = {name: getattr(config, name) for name in _PARAMS if getattr(config, name, None) is not None}
+    built = SamplingParams(
+        **given,
+        logits_processor=tuple(logits_processor or ()),
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=tuple(eos_ids(config)),
+        pad_token_id=config.pad_token_id,
+    )
+    return built if config.do_sample and not built.greedy else dataclasses.replace(built, temperature=0)
 
 
 def eos_ids(config: GenerationConfig) -> list[int]:

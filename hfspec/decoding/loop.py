@@ -27,15 +27,13 @@ states and checks its own (see ``hfspec.drafters``). No token is fed to a cache 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel
+from transformers import PreTrainedModel
 
 from hfspec import tree as trees
-from hfspec.decoding import config as cfg
 from hfspec.decoding.rows import Rows, right_pad
 from hfspec.decoding.scoring import DraftContext, Scoring
 from hfspec.decoding.stats import Stats, StatsCollector
@@ -44,6 +42,7 @@ from hfspec.measure.timing import now, timed
 from hfspec.models.adapter import forward, forward_features, sliding_window, takes_mask_mapping
 from hfspec.models.kv_cache import KVState
 from hfspec.policy import GammaPolicy, Plan, Step
+from hfspec.settings import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -87,13 +86,12 @@ class Verdict:
 
 
 class Call:
-    """One ``generate`` call: the models, processing and policy it runs with; its rows, caches and counts."""
+    """One ``generate`` call: the models, settings and policy it runs with; its rows, caches and counts."""
 
     def __init__(
         self,
         gen: Pair,
-        conf: GenerationConfig,
-        processors: Sequence[LogitsProcessor],
+        params: SamplingParams,
         policy: GammaPolicy,
         generator: torch.Generator | None,
         streamer: Any,
@@ -102,9 +100,16 @@ class Call:
     ):
         self.target, self.drafter, self.vocab = gen.target, gen.drafter, gen.vocab_size
         self.checks = gen.check_invariants
-        self.conf, self.policy, self.generator, self.streamer, self.window = conf, policy, generator, streamer, window
+        self.params, self.policy, self.generator, self.streamer, self.window = (
+            params,
+            policy,
+            generator,
+            streamer,
+            window,
+        )
         self.device = gen.target.get_output_embeddings().weight.device  # where generate put the prompts
-        self.sample = conf.do_sample
+        self.scoring = Scoring(params)
+        self.sample = self.scoring.sample
         self.nodes = nodes  # a tree's node budget per step; 0 for a chain (or the policy's choice)
         self.depth = trees.shape(nodes)[1] if nodes else 0
         # Sliding windows counted in positions, not cache columns, where the target takes a mask per layer
@@ -114,7 +119,6 @@ class Call:
             if takes_mask_mapping(self.target) and not KVState.is_recurrent(self.target)
             else None
         )
-        self.scoring = Scoring(processors, self.sample)
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor) -> GenerateOutput:
         """Prefill, then propose → verify → roll back → accept until every row has finished."""
@@ -149,9 +153,12 @@ class Call:
     def start(self, ids: torch.Tensor, mask: torch.Tensor) -> Rows:
         """Fresh rows, statistics and caches; the prompts prefilled; rows without a budget retired at once."""
         batch = ids.shape[0]
-        self.rows = Rows(ids, mask, self.conf.max_new_tokens, self.window, cfg.eos_ids(self.conf))
+        self.rows = Rows(ids, mask, self.params.max_new_tokens, self.window, list(self.params.stop_token_ids))
         self.stats = StatsCollector(batch)
-        self.kv = KVState(batch, self.device, self.target)
+        # The cache never holds much more than the prompt, the budget and one tree's nodes: its buffers' bound.
+        self.kv = KVState(
+            batch, self.device, self.target, reserve=ids.shape[1] + self.params.max_new_tokens + self.nodes
+        )
         self.drafter.start(batch, self.device)
         self.policy.begin(batch)
         self.stats.time_target += timed(lambda: self.prefill(ids, mask), self.device)[1]
@@ -324,14 +331,6 @@ class Call:
     def output(self, ids: torch.Tensor, seconds: float) -> GenerateOutput:
         """The prompts with their right-padded new tokens, and the call's statistics, in the prompts' order."""
         outputs = [self.rows.outputs[b] for b in range(ids.shape[0])]
-        new = right_pad([tokens for tokens, _ in outputs], pad_id(self.conf), ids.device)
+        new = right_pad([tokens for tokens, _ in outputs], self.params.pad(), ids.device)
         stats = self.stats.result([(tokens.numel(), why) for tokens, why in outputs], seconds)
         return GenerateOutput(torch.cat([ids, new], dim=1), stats, ids.shape[1])
-
-
-def pad_id(conf: GenerationConfig) -> int:
-    """What right-pads finished rows: pad_token_id, else the first EOS, else 0."""
-    if conf.pad_token_id is not None:
-        return int(conf.pad_token_id)
-    eos = cfg.eos_ids(conf)
-    return eos[0] if eos else 0

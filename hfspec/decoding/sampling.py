@@ -11,26 +11,19 @@ Nothing here touches a model, a cache or a tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import (
-    GenerationConfig,
-    LogitsProcessor,
     LogitsProcessorList,
     MinPLogitsWarper,
-    NoBadWordsLogitsProcessor,
-    NoRepeatNGramLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
-# The sampling warpers, in the order transformers applies them; they read the logits, never the token prefix.
+# transformers' sampling warpers, in the order it applies them; they read the logits, never the token prefix.
 _WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
 
@@ -38,39 +31,6 @@ _WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLog
 # a row's sum stays finite (the loop refuses inf in raw logits), yet exp(OUTSIDE - max) underflows to exactly 0 in
 # float32 after any temperature or penalty: q is 0 there.
 OUTSIDE = -1e30
-
-
-def build_processors(
-    config: GenerationConfig,
-    extra: Sequence[LogitsProcessor] | None = None,
-) -> LogitsProcessorList:
-    """The processing pipeline shared by target and draft, in transformers' own order.
-
-    Processors that change the ranking (penalties, bad words, user processors) come
-    first and apply to greedy decoding too; the warpers (temperature, top-k, top-p,
-    min-p) follow only when sampling, exactly as ``GenerationMixin.generate`` does.
-    """
-    eos = config.eos_token_id
-    processors = LogitsProcessorList()
-    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
-    if config.no_repeat_ngram_size:
-        processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
-    if config.bad_words_ids is not None:
-        processors.append(NoBadWordsLogitsProcessor(config.bad_words_ids, eos))
-    if config.suppress_tokens is not None:
-        processors.append(SuppressTokensLogitsProcessor(config.suppress_tokens))
-    processors.extend(extra or [])
-    if config.do_sample:
-        if config.temperature is not None and config.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k:
-            processors.append(TopKLogitsWarper(top_k=config.top_k))
-        if config.top_p is not None and config.top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p=config.top_p))
-        if config.min_p is not None:
-            processors.append(MinPLogitsWarper(min_p=config.min_p))
-    return processors
 
 
 def process(
@@ -106,66 +66,14 @@ def probs_from_logits(logits: torch.Tensor) -> torch.Tensor:
 class Warpers:
     """The context-free end of a pipeline, applied in transformers' order: temperature, top-k, top-p, min-p.
 
-    ``None`` skips a stage; filtered tokens get -inf, as with transformers' default ``filter_value``.
+    ``None`` skips a stage; filtered tokens get -inf, as with transformers' default ``filter_value``. Built from a
+    validated ``hfspec.settings.SamplingParams`` (``warpers()``), so every stage is in its range.
     """
 
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
-    top_p_keep: int = 1  # TopPLogitsWarper's min_tokens_to_keep
     min_p: float | None = None
-
-    def __post_init__(self) -> None:
-        # The ranges transformers' warpers accept; outside them the pass below would compute nonsense.
-        bad = [
-            f"{name}={value!r}"
-            for name, value, ok in (
-                ("temperature", self.temperature, self.temperature is None or self.temperature > 0),
-                ("top_k", self.top_k, self.top_k is None or self.top_k >= 1),
-                ("top_p", self.top_p, self.top_p is None or 0 <= self.top_p <= 1),
-                ("top_p_keep", self.top_p_keep, self.top_p_keep >= 1),
-                ("min_p", self.min_p, self.min_p is None or 0 <= self.min_p <= 1),
-            )
-            if not ok
-        ]
-        if bad:
-            raise ValueError(
-                f"invalid warper settings {', '.join(bad)}: need temperature > 0, top_k >= 1, "
-                "top_p and min_p in [0, 1], top_p_keep >= 1 (None turns a stage off)"
-            )
-
-
-def _as_stage(proc: LogitsProcessor) -> tuple[int, dict] | None:
-    """(index in ``_WARPERS``, Warpers fields) of a warper that ``warped_probs`` reproduces exactly, else None."""
-    kind = type(proc)  # exact types only: a subclass may compute something else
-    if kind not in _WARPERS or getattr(proc, "filter_value", -float("inf")) != -float("inf"):
-        return None
-    if kind is TemperatureLogitsWarper:
-        return 0, {"temperature": proc.temperature}
-    if kind is TopKLogitsWarper:
-        return 1, {"top_k": proc.top_k}  # already max(top_k, min_tokens_to_keep)
-    if kind is TopPLogitsWarper:
-        return 2, {"top_p": proc.top_p, "top_p_keep": proc.min_tokens_to_keep}
-    return (3, {"min_p": proc.min_p}) if proc.min_tokens_to_keep == 1 else None
-
-
-def split_processors(processors: Sequence[LogitsProcessor]) -> tuple[LogitsProcessorList, Warpers]:
-    """Split ``processors`` into a head that stays transformers' own and the trailing warpers.
-
-    The tail is the longest suffix of temperature / top-k / top-p / min-p warpers in that
-    order (as ``build_processors`` makes it); ``warped_probs`` then applies it to all
-    positions at once. Anything else, including warpers out of order, stays in the head.
-    """
-    fields: dict = {}
-    start, last = len(processors), len(_WARPERS)
-    for proc in reversed(processors):
-        stage = _as_stage(proc)
-        if stage is None or stage[0] >= last:
-            break
-        last = stage[0]
-        fields.update(stage[1])
-        start -= 1
-    return LogitsProcessorList(processors[:start]), Warpers(**fields)
 
 
 _TOPK_LIMIT = 1024  # above this k, torch.topk costs more than a value-only sort of 49k entries
@@ -222,7 +130,7 @@ def warped_probs(scores: torch.Tensor, warpers: Warpers) -> torch.Tensor:
         kth = torch.topk(x, k)[0][..., -1, None] if k <= _TOPK_LIMIT else _ascending(x)[..., vocab - k, None]
         x = x.masked_fill(x < kth, -float("inf"))
     if warpers.top_p is not None:
-        x = _top_p(x, warpers.top_p, warpers.top_p_keep)
+        x = _top_p(x, warpers.top_p, keep=1)  # TopPLogitsWarper's default min_tokens_to_keep
     if warpers.min_p is None:
         return probs_from_logits(x)
     probs = torch.softmax(x, dim=-1)

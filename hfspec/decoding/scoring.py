@@ -10,42 +10,46 @@ that once for both; ``DraftContext`` is what a drafter sees of the loop
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from transformers import LogitsProcessor
 
 from hfspec.decoding import sampling
 from hfspec.decoding.rows import Rows
 from hfspec.errors import NumericalFault
+from hfspec.settings import SamplingParams
 
 
 class Scoring:
-    """The processors of one generate call, split into the part transformers runs and the warpers
-    hfspec runs once over all positions (``sampling.split_processors``)."""
+    """The processing of one ``SamplingParams``: its processors, run as transformers runs them (``head``), then its
+    warpers, which hfspec runs once over all positions (``sampling.warped_probs``). A batch whose rows share a
+    setting shares one; the server's batch keeps one per row."""
 
-    def __init__(self, processors: Sequence[LogitsProcessor], sample: bool):
-        self.sample = sample
-        self.needs_context = sampling.needs_context(processors)
-        self.head, self.warpers = sampling.split_processors(processors) if sample else (processors, None)
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.sample = not params.greedy
+        self.head = params.processors()
+        self.needs_context = sampling.needs_context(self.head)
+        self.warpers = params.warpers()
 
     def probs(
-        self, logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, extra: int, role: str, step: int
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        extra: int,
+        role: str,
+        step: int,
+        checked: bool = False,
     ) -> torch.Tensor:
         """Process raw ``logits`` (B, k, V): probabilities when sampling, else scores, for argmax.
 
         Position i follows row b's first ``lengths[b] + extra + i`` of ``tokens``. Refuses
-        values that would silently become arbitrary tokens: one reduction finds any NaN or
-        inf in the raw logits (their sum is then not finite); ``role`` and ``step`` (the
-        target pass in progress) name where. When sampling, the warpers at the end of the
+        NaN or infinite logits (``check_finite``) unless the caller ``checked`` them (a batch checks all its rows
+        once, then processes each row). When sampling, the warpers at the end of the
         pipeline run once over all B·k positions (``sampling.warped_probs``: the same
         probabilities as transformers' warpers).
         """
-        if not bool(torch.isfinite(logits.sum())):
-            raise NumericalFault(
-                f"the {role} model produced NaN or infinite logits at step {step}; "
-                "check its weights and dtype (fp16 overflows are common: try dtype=bfloat16 or float32)"
-            )
+        if not checked and not bool(torch.isfinite(logits.sum())):  # inline: this runs for every pick
+            check_finite(logits, role, step)
         scores = self.process(logits, tokens, lengths, extra)
         if self.head and bool((scores.amax(dim=-1) == float("-inf")).any()):
             raise NumericalFault(
@@ -69,6 +73,16 @@ class Scoring:
             return flat.view(batch, k, vocab)
         return torch.stack(
             [sampling.process(self.head, logits[:, i], prefixes(tokens, lengths + extra + i)) for i in range(k)], dim=1
+        )
+
+
+def check_finite(logits: torch.Tensor, role: str, step: int) -> None:
+    """Refuse NaN or infinite raw logits, found by one reduction (their sum is then not finite): they would silently
+    become arbitrary tokens. ``role`` and ``step`` (the target pass in progress) name where."""
+    if not bool(torch.isfinite(logits.sum())):
+        raise NumericalFault(
+            f"the {role} model produced NaN or infinite logits at step {step}; "
+            "check its weights and dtype (fp16 overflows are common: try dtype=bfloat16 or float32)"
         )
 
 

@@ -37,15 +37,13 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
 
 from hfspec import tree
 from hfspec.decoding import sampling
 from hfspec.decoding.loop import Call, Verdict
 from hfspec.decoding.rows import Rows
-from hfspec.decoding.sampling import Warpers
+from hfspec.decoding.scoring import Scoring, check_finite
 from hfspec.drafters import Proposal
-from hfspec.errors import NumericalFault
 from hfspec.generator import SpeculativeGenerator
 from hfspec.measure.timing import now
 from hfspec.models.kv_cache import KVState
@@ -55,10 +53,11 @@ from hfspec.settings import SamplingParams
 
 @dataclass
 class RowState:
-    """What one row samples with: its settings' warpers (None: greedy), its random stream and its fixed γ."""
+    """What one row samples with: its settings' processing (``Scoring`` of its ``SamplingParams``), its random stream
+    and its fixed γ."""
 
     slot: int  # the row's index in ``Rows.index``, unique over the engine's life
-    warpers: Warpers | None
+    scoring: Scoring
     generator: torch.Generator
     gamma: int | None  # None: the batch's ``AutoGamma`` chooses
 
@@ -83,21 +82,27 @@ class RowContext:
 
     def __init__(self, batch: Batch, gammas: torch.Tensor | None = None):
         self.rows, self.states, self.vocab, self.gammas = batch.rows, batch.states, batch.vocab, gammas
-        self.tokens, self.lengths = batch.rows.tokens, batch.rows.lengths
-        self.sample = any(s.warpers is not None for s in self.states)
+        self.tokens, self.lengths, self.step = batch.rows.tokens, batch.rows.lengths, batch.steps
+        self.sample = any(s.scoring.sample for s in self.states)
         self.picked: list[torch.Tensor] = []  # (B,) the drafter's probability of each pick, in order
 
     def pick(self, logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Draft i of each row from raw logits (B, ≥vocab): a greedy row's argmax, a sampled row's draw from its own
-        warped q with its own generator (only for its first γ_b drafts: later ones are padding, never drawn)."""
+        """Draft i of each row from raw logits (B, ≥vocab), processed by the row's own ``Scoring``: a greedy row's
+        argmax, a sampled row's draw from its own q with its own generator (only for its first γ_b drafts: later
+        ones are padding, never drawn)."""
         logits = logits[:, : self.vocab]
-        _check(logits, "draft")
-        q = sampling.probs_from_logits(logits)  # (B, V): a greedy row's confidence
+        check_finite(logits, "draft", self.step)
+        q = sampling.probs_from_logits(logits)  # (B, V): a plain greedy row's confidence
         token = logits.argmax(dim=-1)
         for b, state in enumerate(self.states):
-            if state.warpers is not None and (self.gammas is None or i < int(self.gammas[b])):
-                q[b] = sampling.warped_probs(logits[b : b + 1], state.warpers)[0]
-                token[b] = sampling.sample(q[b : b + 1], state.generator)[0]
+            scoring = state.scoring
+            if (scoring.sample or scoring.head) and (self.gammas is None or i < int(self.gammas[b])):
+                row = slice(b, b + 1)
+                out = scoring.probs(
+                    logits[row, None], self.tokens[row], self.lengths[row], i, "draft", self.step, True
+                )[0]
+                q[b] = out[0] if scoring.sample else sampling.probs_from_logits(out)[0]
+                token[b] = sampling.sample(out, state.generator)[0] if scoring.sample else out[0].argmax()
         self.rows.write(token[:, None], offset=i)
         confidence = q.gather(1, token[:, None]).squeeze(1)
         self.picked.append(confidence)
@@ -114,8 +119,9 @@ class Batch(Call):
     """The server's running batch (see the module docstring): ``prefill_alone``/``merge``, ``step``, ``leave``."""
 
     def __init__(self, gen: SpeculativeGenerator, policy: GammaPolicy | None, window: int | None):
-        super().__init__(gen, GenerationConfig(), [], policy, None, None, window)
+        super().__init__(gen, SamplingParams(temperature=0), policy, None, None, window)  # each row has its own
         self.auto = policy  # None: every row has a fixed γ
+        self.steps = 0  # steps taken, named in errors
         self.rows: Rows | None = None
         self.states: list[RowState] = []
         self.kv = KVState(0, self.device)
@@ -185,6 +191,7 @@ class Batch(Call):
 
     def step(self) -> list[Committed]:
         """propose → verify → roll back → accept, once for every row; what each row committed."""
+        self.steps += 1
         t0 = now(self.device)
         plan = self.plan()
         gamma = int(self.gammas.max())
@@ -211,8 +218,8 @@ class Batch(Call):
         return out
 
     def verify(self, proposal: Proposal) -> Verdict:
-        """One target forward over each row's pending token and drafts; accept per row with its own settings and
-        stream, on its own slices (row b keeps at most its first γ_b drafts)."""
+        """One target forward over each row's pending token and drafts; accept per row with its own settings
+        (``Scoring``) and stream, on its own slices (row b keeps at most its first γ_b drafts)."""
         rows, drafts, gamma = self.rows, proposal.tokens, proposal.gamma
         counts = torch.minimum(proposal.drafted(), self.gammas)
         start = self.kv.length
@@ -224,22 +231,19 @@ class Batch(Call):
         logits = self.target_forward(
             fed, torch.ones_like(fed), (rows.lengths - 1)[:, None] + columns, columns[None] <= counts[:, None], True
         )[..., : self.vocab]
-        _check(logits, "target")
+        check_finite(logits, "target", self.steps)
         argmax = logits.argmax(dim=-1)  # (B, γ+1)
         accepted, next_token = torch.zeros_like(counts), torch.zeros_like(counts)
         for b, state in enumerate(self.states):
-            n, own = int(counts[b]), drafts[b : b + 1, : int(counts[b])]
-            if state.warpers is None:
-                accepted[b : b + 1], next_token[b : b + 1] = sampling.verify_greedy(own, argmax[b : b + 1, : n + 1])
+            n, own, row, scoring = int(counts[b]), drafts[b : b + 1, : int(counts[b])], slice(b, b + 1), state.scoring
+            if not scoring.sample and not scoring.head:
+                accepted[row], next_token[row] = sampling.verify_greedy(own, argmax[row, : n + 1])
                 continue
-            p = sampling.warped_probs(logits[b, : n + 1].contiguous(), state.warpers)[None]  # (1, n+1, V)
+            p = scoring.probs(logits[row, : n + 1], rows.tokens[row], rows.lengths[row], 0, "target", self.steps, True)
+            if not scoring.sample:  # (1, n+1, V) scores
+                accepted[row], next_token[row] = sampling.verify_greedy(own, p.argmax(dim=-1))
+                continue
             q = proposal.q[b : b + 1, :n] if proposal.q is not None else sampling.one_hot(own, p.shape[-1])
-            accepted[b : b + 1], next_token[b : b + 1] = sampling.verify(own, q, p, state.generator)
+            accepted[row], next_token[row] = sampling.verify(own, q, p, state.generator)
         kept = Proposal.chain(drafts, proposal.q, counts)
         return Verdict(kept, accepted, next_token, start, fed, tree.chain_path(accepted, gamma))
-
-
-def _check(logits: torch.Tensor, role: str) -> None:
-    """Refuse NaN or infinite logits (one reduction), which would silently become arbitrary tokens."""
-    if not bool(torch.isfinite(logits.sum())):
-        raise NumericalFault(f"the {role} model produced NaN or infinite logits; check its weights and dtype")

@@ -20,6 +20,7 @@ import torch
 
 from hfspec.cpu import threads as cpu_threads
 from hfspec.decoding import config as cfg
+from hfspec.decoding.scoring import Scoring
 from hfspec.drafters import merges_rows
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
@@ -52,6 +53,23 @@ class _Live:
     def usage(self) -> Usage:
         prompt = len(self.handle.request.prompt_ids)
         return Usage(prompt, self.completion, self.drafted, self.accepted, self.passes)
+
+
+def request_params(request: Request) -> SamplingParams:
+    """A request's settings, validated (``HfspecError`` names a bad one). Its ``stop_token_ids`` are those besides
+    the model's EOS ids, which the engines add. A request runs for one token at least: a step commits one."""
+    if request.max_new_tokens == 0:
+        raise HfspecError("max_new_tokens must be >= 1 for a request (a step commits one token at least)")
+    return SamplingParams(
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        seed=request.seed,
+        max_new_tokens=request.max_new_tokens,
+        stop=tuple(request.stop),
+        stop_token_ids=tuple(request.stop_token_ids),
+    )
 
 
 class BatchEngine:
@@ -147,16 +165,7 @@ class BatchEngine:
         gamma = request.gamma
         if not (gamma == "auto" or (isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 0)):
             raise HfspecError(f"gamma must be 'auto' or a number of drafts >= 0, got {gamma!r}")
-        return SamplingParams(
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            min_p=request.min_p,
-            seed=request.seed,
-            max_new_tokens=request.max_new_tokens,
-            stop=tuple(request.stop),
-            stop_token_ids=tuple(request.stop_token_ids),
-        )
+        return request_params(request)
 
     def start(self) -> None:
         """Run the engine's loop on a thread of its own (nothing to do where the caller runs it: :meth:`run`)."""
@@ -237,7 +246,7 @@ class BatchEngine:
             gamma = handle.request.gamma
             if gamma == "auto":
                 gamma = self.seeded_gamma if (params.seed is not None and not params.greedy) else None
-            state = RowState(slot, params.warpers(), torch.Generator(batch.device).manual_seed(seed), gamma)
+            state = RowState(slot, Scoring(params), torch.Generator(batch.device).manual_seed(seed), gamma)
             try:
                 part = batch.prefill_alone(state, list(handle.request.prompt_ids), params, self.eos)
             except Exception as error:  # this request fails; the batch, untouched, runs on

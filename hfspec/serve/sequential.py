@@ -9,6 +9,7 @@ reported as "bonus" whether it was drawn at a rejection or after every draft was
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -19,6 +20,7 @@ import torch
 from hfspec.decoding import config as cfg
 from hfspec.generator import SpeculativeGenerator
 from hfspec.policy import FixedGamma
+from hfspec.serve.engine import request_params
 from hfspec.serve.events import Delta, Done, Event, Handle, Origin, QueueFull, Request, Usage
 from hfspec.serve.text import TextStream
 
@@ -141,19 +143,13 @@ class SequentialEngine:
         """Run one request to its end; the final event."""
         r = handle.request
         streamer = _Streamer(self, handle, loop, self.gen.tokenizer)
-        sample = r.temperature > 0
         try:
+            params = request_params(r)
             out = self.gen.generate(
                 torch.tensor([r.prompt_ids]),
-                max_new_tokens=r.max_new_tokens,
+                sampling_params=dataclasses.replace(params, stop_token_ids=self.eos + params.stop_token_ids),
                 gamma=FixedGamma(0) if r.gamma == 0 else r.gamma,
-                do_sample=sample,
-                temperature=r.temperature if sample else None,
-                top_p=r.top_p if sample else None,
-                top_k=r.top_k if sample else None,
-                min_p=r.min_p if sample and r.min_p else None,
                 seed=r.seed,
-                eos_token_id=list(self.eos + r.stop_token_ids) or None,
                 streamer=streamer,
             )
         except _Ended:
