@@ -19,7 +19,9 @@
 // used for every input row. On AVX-512 the per-output sums of 16 outputs are gathered into the lanes of one vector by
 // a transposing reduction, so the float steps run 16 outputs per instruction, each lane in the reference's order:
 // up to 16 rows take 16 output columns as lanes (the bsum terms then also 16 columns per instruction), more rows take
-// 16 rows as lanes. The next tile's weight rows are prefetched into L2 as a tile is read. (Tried and measured slower
+// 16 rows as lanes. On AVX2 (no AVX-512) the same is done 8 output columns per vector for every row count: each
+// super-block of 8 columns is unpacked once, one hadd-based reduction gives the 8 columns' sums in the lanes, and the
+// float steps run 8 columns per instruction. The next tile's weight rows are prefetched into L2 as a tile is read. (Tried and measured slower
 // on a Xeon with AVX-512 VNNI: transposing each super-block's codes of 16 columns so that vpdpbusd with a row's
 // broadcast codes sums 16 columns per instruction, with one vpmulld by the scales per sub-block -- the transpose,
 // the scales' gathering and vpmulld's latency cost more than the horizontal sums they save, at 4-16 rows. Also no
@@ -34,9 +36,10 @@
 // 128-bit lane) into eight vectors whose lane c holds four codes of column c, so that vpdpbusd with a row's four
 // codes broadcast sums 16 columns per instruction and no horizontal sum is left; Q8_0 adds 128 to its codes (vpdpbusd
 // sums four products in int32, never saturating) and takes 128 * the code sum off. Its float steps run 16 columns
-// per instruction. On AVX2 each block is unpacked once for every row, maddubs and madd give the sums (Q8_0 with
-// ggml's sign trick: |w| times the codes given w's sign, at most 2 * 128 * 127 per int16), the float steps per
-// output. Without AVX2 the integer loops are left to the compiler.
+// per instruction. On AVX2 (no AVX-512) 8 output columns of a block are unpacked once for every row, maddubs and madd
+// give the sums (Q8_0 with ggml's sign trick: |w| times the codes given w's sign, at most 2 * 128 * 127 per int16),
+// one reduction puts the 8 columns' sums in the lanes of one vector and the float steps run 8 columns per
+// instruction. Without AVX2 the integer loops (k_dots, block_dots) are left to the compiler.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -231,7 +234,7 @@ void quantize(int type, const float* x, int64_t ldx, int64_t M, int64_t K, Acts&
                           a.s.data() + i * blocks, a.sums.data() + i * blocks);
         }
     }
-#if defined(HFSPEC_INT8_AVX512)
+#if defined(HFSPEC_INT8_AVX512) || defined(HFSPEC_INT8_AVX2)
     if (!is_k(type)) return;
     const int64_t groups = (M + GROUP - 1) / GROUP;
     a.dg.assign(groups * blocks * GROUP, 0.0f);
@@ -461,6 +464,150 @@ void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
 }
 #endif
 
+#if defined(HFSPEC_INT8_AVX2)
+// One super-block's codes as unsigned bytes (natural order: u[p] meets a row's codes [32p, 32p + 32)) and its
+// sub-block scales as int16 lanes, and the int16 pairs of multipliers of the bsum terms (as KBlock's).
+struct KBlock8 {
+    __m256i u[8], s[8];
+    alignas(32) int32_t mult[8];
+    // The 8 int32 lanes whose sum is sum_j sc_j * sum over sub-block j of u * a.
+    inline __m256i dot(const int8_t* a) const {
+        __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+        for (int p = 0; p < 8; p += 2) {
+            acc0 = _mm256_add_epi32(
+                acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(u[p], _mm256_loadu_si256((const __m256i*)(a + 32 * p))),
+                                        s[p]));
+            acc1 = _mm256_add_epi32(
+                acc1,
+                _mm256_madd_epi16(_mm256_maddubs_epi16(u[p + 1], _mm256_loadu_si256((const __m256i*)(a + 32 * p + 32))),
+                                  s[p + 1]));
+        }
+        return _mm256_add_epi32(acc0, acc1);
+    }
+};
+
+// Every int16 lane of a 128-bit half takes int16 lane ``lo`` (low half) or ``hi`` (high half) of its half.
+inline __m256i pick16(int lo, int hi) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)(((2 * hi + 1) << 8) | (2 * hi))),
+                            _mm_set1_epi16((short)(((2 * lo + 1) << 8) | (2 * lo))));
+}
+
+template <int T>
+inline void kblock8(const uint8_t* w, KBlock8& kb) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    if constexpr (T == Q6_K) {
+        const __m256i three = _mm256_set1_epi8(3);
+        for (int t = 0; t < 2; ++t) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i*)(w + 128 + 32 * t));
+            for (int g = 0; g < 2; ++g) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * t + 32 * g));
+                const __m256i hl = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), three), 4);
+                const __m256i hh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4 + 2 * g), three), 4);
+                kb.u[4 * t + g] = _mm256_or_si256(_mm256_and_si256(v, nib), hl);
+                kb.u[4 * t + 2 + g] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), hh);
+            }
+        }
+        // scales 16 codes each: u[p]'s low half takes sc[2p], its high half sc[2p + 1]
+        const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192)));
+        const __m256i lo = _mm256_permute2x128_si256(sc, sc, 0x00), hi = _mm256_permute2x128_si256(sc, sc, 0x11);
+        for (int p = 0; p < 8; ++p)
+            kb.s[p] = _mm256_shuffle_epi8(p < 4 ? lo : hi, pick16(2 * (p % 4), 2 * (p % 4) + 1));
+        _mm256_store_si256((__m256i*)kb.mult, sc);
+    } else {
+        uint32_t m[4];  // ggml's unpacking of the 6-bit scales and mins: bytes 0-7 the scales, 8-15 the mins
+        memcpy(m, w + 4, 12);
+        m[3] = ((m[2] >> 4) & 0x0F0F0F0Fu) | (((m[1] >> 6) & 0x03030303u) << 4);
+        const uint32_t mins_low = m[1] & 0x3F3F3F3Fu;
+        m[1] = (m[2] & 0x0F0F0F0Fu) | (((m[0] >> 6) & 0x03030303u) << 4);
+        m[2] = mins_low;
+        m[0] &= 0x3F3F3F3Fu;
+        const __m128i sc8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)m));
+        const __m256i sc = _mm256_set_m128i(sc8, sc8);
+        const uint8_t* qs = w + (T == Q4_K ? 16 : 48);
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(w + 16));
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+            kb.u[2 * c] = _mm256_and_si256(v, nib);
+            kb.u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            if constexpr (T == Q5_K) {
+                kb.u[2 * c] = _mm256_or_si256(
+                    kb.u[2 * c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+                kb.u[2 * c + 1] = _mm256_or_si256(
+                    kb.u[2 * c + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+            }
+        }
+        for (int p = 0; p < 8; ++p) kb.s[p] = _mm256_shuffle_epi8(sc, pick16(p, p));
+        _mm256_store_si256((__m256i*)kb.mult,
+                           _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(m + 2)))));
+    }
+}
+
+// Lane c: the sum of v[c]'s 8 lanes (integer adds: exact in any order).
+inline __m256i reduce8(const __m256i* v) {
+    const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// The whole tile, any row count up to ROWS: output columns as lanes, 8 at a time, so one reduction serves 8 columns
+// and the float steps run 8 columns per instruction, each lane in the reference's order. A super-block of 8 columns
+// is unpacked once for every row.
+template <int T>
+void tile_columns8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
+                   float (*acc)[ROWS], const uint8_t* next) {
+    constexpr int NB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+    constexpr int J = T == Q6_K ? 8 : 4;  // int16 pairs of multipliers of the bsum terms
+    const int64_t blocks = K / 256;
+    __m256 sum[2][ROWS];
+    for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        prefetch_block<NB>(next, ldw, b);
+        for (int h = 0; h < 2 && 8 * h < C; ++h) {
+            const int cn = C - 8 * h < 8 ? C - 8 * h : 8;
+            KBlock8 kb[8];
+            alignas(32) int32_t mult[J][8] = {};  // column c's multiplier pairs in lane c
+            alignas(32) float d[8] = {}, dmin[8] = {};
+            for (int c = 0; c < cn; ++c) {
+                const uint8_t* wb = w + (8 * h + c) * ldw + b * NB;
+                kblock8<T>(wb, kb[c]);
+                d[c] = half_at(wb + (T == Q6_K ? 208 : 0));
+                if constexpr (T != Q6_K) dmin[c] = half_at(wb + 2);
+                for (int j = 0; j < J; ++j) mult[j][c] = kb[c].mult[j];
+            }
+            const __m256 dv = _mm256_load_ps(d), dminv = _mm256_load_ps(dmin);
+            for (int r = 0; r < R; ++r) {
+                const int64_t row = m0 + r;
+                const int8_t* q = a.q.data() + row * K + b * 256;
+                __m256i v[8];
+                for (int c = 0; c < 8; ++c) v[c] = c < cn ? kb[c].dot(q) : _mm256_setzero_si256();
+                // the bsum terms of 8 columns at once: Q6_K's offset 32 * sum_j sc_j * bsum_j, Q4_K/Q5_K's M
+                const int32_t* pairs = a.pairs.data() + ((row / GROUP) * blocks + b) * 8 * GROUP + row % GROUP;
+                __m256i mins = _mm256_setzero_si256();
+                for (int j = 0; j < J; ++j)
+                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(_mm256_load_si256((const __m256i*)mult[j]),
+                                                                    _mm256_set1_epi32(pairs[j * GROUP])));
+                __m256i dots = reduce8(v);
+                if constexpr (T == Q6_K) dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(mins, 5));
+                const __m256 da = _mm256_set1_ps(a.d[row * blocks + b]);
+                sum[h][r] = _mm256_add_ps(sum[h][r], _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dv, da)));
+                if constexpr (T != Q6_K)
+                    sum[h][r] =
+                        _mm256_sub_ps(sum[h][r], _mm256_mul_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dminv, da)));
+            }
+        }
+    }
+    for (int h = 0; h < 2 && 8 * h < C; ++h)
+        for (int r = 0; r < R; ++r) {
+            alignas(32) float out[8];
+            _mm256_store_ps(out, sum[h][r]);
+            for (int c = 0; c < 8 && 8 * h + c < C; ++c) acc[8 * h + c][r] = out[c];
+        }
+}
+#endif
+
 // For rows r < R of a super-block: A[r] = sum_j sc_j * S_j (signed weights) and, Q4_K/Q5_K, M[r] = sum_j m_j *
 // (sum of the row's codes over sub-block j). q: the rows' codes of this super-block, K apart; bs: their bsums,
 // ldb apart.
@@ -481,72 +628,6 @@ void k_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, const int16_t* 
             M[r] = m;
         }
     }
-#if defined(HFSPEC_INT8_AVX512)
-    KBlock kb;
-    kblock<T>(w, kb);
-    for (int r = 0; r < R; ++r) {
-        __m512i acc = kb.dot(q + r * K);
-        if constexpr (T == Q6_K) {
-            const __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192))),
-                                                  _mm256_loadu_si256((const __m256i*)(bs + r * ldb)));
-            acc = _mm512_sub_epi32(acc, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_slli_epi32(off, 5), 0));
-        }
-        A[r] = _mm512_reduce_add_epi32(acc);
-    }
-    return;
-#elif defined(HFSPEC_INT8_AVX2)
-    const __m256i nib = _mm256_set1_epi8(0x0F);
-    __m256i u[8], s[8];  // codes and int16 scales for elements [32p, 32p + 32), natural order
-    if constexpr (T == Q6_K) {
-        const __m256i three = _mm256_set1_epi8(3);
-        for (int t = 0; t < 2; ++t) {
-            const __m256i qh = _mm256_loadu_si256((const __m256i*)(w + 128 + 32 * t));
-            for (int g = 0; g < 2; ++g) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * t + 32 * g));
-                const __m256i hl = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), three), 4);
-                const __m256i hh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4 + 2 * g), three), 4);
-                u[4 * t + g] = _mm256_or_si256(_mm256_and_si256(v, nib), hl);
-                u[4 * t + 2 + g] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), hh);
-            }
-        }
-        for (int p = 0; p < 8; ++p)
-            s[p] = _mm256_set_m128i(_mm_set1_epi16((short)sc[2 * p + 1]), _mm_set1_epi16((short)sc[2 * p]));
-    } else {
-        const uint8_t* qs = w + (T == Q4_K ? 16 : 48);
-        const __m256i qh = _mm256_loadu_si256((const __m256i*)(w + 16));
-        const __m256i one = _mm256_set1_epi8(1);
-        for (int c = 0; c < 4; ++c) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-            u[2 * c] = _mm256_and_si256(v, nib);
-            u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-            if constexpr (T == Q5_K) {
-                u[2 * c] = _mm256_or_si256(
-                    u[2 * c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
-                u[2 * c + 1] = _mm256_or_si256(
-                    u[2 * c + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
-            }
-        }
-        for (int p = 0; p < 8; ++p) s[p] = _mm256_set1_epi16((short)sc[p]);
-    }
-    __m256i sc16 = _mm256_setzero_si256();
-    if constexpr (T == Q6_K) sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192)));
-    for (int r = 0; r < R; ++r) {
-        const int8_t* a = q + r * K;
-        __m256i acc = _mm256_setzero_si256();
-        for (int p = 0; p < 8; ++p)
-            acc = _mm256_add_epi32(
-                acc, _mm256_madd_epi16(
-                         _mm256_maddubs_epi16(u[p], _mm256_loadu_si256((const __m256i*)(a + 32 * p))), s[p]));
-        if constexpr (T == Q6_K) {
-            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(bs + r * ldb)));
-            acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(off, 5));
-        }
-        const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-        const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-        A[r] = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
-    }
-    return;
-#else
     int8_t wv[256];
     if constexpr (T == Q6_K) {
         for (int t = 0; t < 2; ++t)
@@ -582,7 +663,6 @@ void k_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, const int16_t* 
         }
         A[r] = total;
     }
-#endif
 }
 
 constexpr int COLS = 16;  // output columns per tile: each block of activations is used for all of them
@@ -699,41 +779,85 @@ void tile32(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int
 }
 #endif
 
+#if defined(HFSPEC_INT8_AVX2)
+// The whole tile, any row count up to ROWS: output columns as lanes, 8 at a time. Each block of 8 columns is unpacked
+// once for every row (as block_dots); maddubs and madd give each column's 8 int32 partial sums, one reduction gives
+// the 8 columns' S in the lanes, and the float steps run 8 columns per instruction, each lane in the reference's
+// order.
+template <int T>
+void tile32_columns8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
+                     float (*acc)[ROWS]) {
+    constexpr int NB = nbytes<T>();
+    constexpr bool with_m = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
+    const int64_t blocks = K / 32;
+    __m256 sum[2][ROWS];
+    for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_ps();
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < blocks; ++b) {
+        for (int h = 0; h < 2 && 8 * h < C; ++h) {
+            const int cn = C - 8 * h < 8 ? C - 8 * h : 8;
+            __m256i u[8], sg[8];  // the codes as unsigned bytes (Q8_0: |w|) and, Q8_0, the weights' signs
+            alignas(16) uint16_t dh[8] = {}, mh[8] = {};
+            for (int c = 0; c < 8; ++c) {
+                if (c >= cn) {
+                    u[c] = sg[c] = _mm256_setzero_si256();
+                    continue;
+                }
+                const uint8_t* wb = w + (8 * h + c) * ldw + b * NB;
+                memcpy(dh + c, wb, 2);
+                if constexpr (with_m) memcpy(mh + c, wb + 2, 2);
+                if constexpr (T == Q8_0) {
+                    sg[c] = _mm256_loadu_si256((const __m256i*)(wb + 2));
+                    u[c] = _mm256_sign_epi8(sg[c], sg[c]);
+                } else {
+                    const __m128i v = _mm_loadu_si128((const __m128i*)(wb + codes_at<T>()));
+                    u[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
+                    if constexpr (five) {  // bit j of the high bits: code j, as ggml's bytes_from_bits_32
+                        uint32_t qh;
+                        memcpy(&qh, wb + high_at<T>(), 4);
+                        const __m256i spread = _mm256_shuffle_epi8(
+                            _mm256_set1_epi32((int)qh), _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                                          0x0101010101010101LL, 0));
+                        const __m256i set = _mm256_cmpeq_epi8(
+                            _mm256_or_si256(spread, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFELL)), _mm256_set1_epi64x(-1));
+                        u[c] = _mm256_or_si256(u[c], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                    }
+                }
+            }
+            const __m256 dv = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)dh));
+            const __m256 mv = with_m ? _mm256_cvtph_ps(_mm_load_si128((const __m128i*)mh)) : _mm256_setzero_ps();
+            for (int r = 0; r < R; ++r) {
+                const int64_t row = (m0 + r) * blocks + b;
+                const __m256i qa = _mm256_loadu_si256((const __m256i*)(a.q.data() + (m0 + r) * K + b * 32));
+                __m256i v[8];
+                for (int c = 0; c < 8; ++c) {
+                    const __m256i pairs = T == Q8_0 ? _mm256_maddubs_epi16(u[c], _mm256_sign_epi8(qa, sg[c]))
+                                                    : _mm256_maddubs_epi16(u[c], qa);
+                    v[c] = _mm256_madd_epi16(pairs, ones);
+                }
+                __m256i dots = reduce8(v);
+                if constexpr (code_offset<T>() != 0)
+                    dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(code_offset<T>() * a.sums[row]));
+                __m256 step = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dv, _mm256_set1_ps(a.d[row])));
+                if constexpr (with_m) step = _mm256_add_ps(step, _mm256_mul_ps(mv, _mm256_set1_ps(a.s[row])));
+                sum[h][r] = _mm256_add_ps(sum[h][r], step);
+            }
+        }
+    }
+    for (int h = 0; h < 2 && 8 * h < C; ++h)
+        for (int r = 0; r < R; ++r) {
+            alignas(32) float out[8];
+            _mm256_store_ps(out, sum[h][r]);
+            for (int c = 0; c < 8 && 8 * h + c < C; ++c) acc[8 * h + c][r] = out[c];
+        }
+}
+#endif
+
 // S[r] for rows r < R of the block at w: the rows' codes at q, K apart; their code sums at sums, ldb apart.
 template <int T>
 void block_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, const int32_t* sums, int64_t ldb, int32_t* S) {
-#if defined(HFSPEC_INT8_AVX2) || defined(HFSPEC_INT8_AVX512)
-    // Unsigned codes u (Q8_0: |w|, its sign moved onto the row's codes) times the row's codes with maddubs -- at most
-    // 2 * 128 * 127 in an int16 -- summed into int32 with madd; the offset comes off as offset * (the row's code sum).
-    __m256i u;
-    if constexpr (T == Q8_0) {
-        u = _mm256_loadu_si256((const __m256i*)(w + 2));
-    } else {
-        const __m128i v = _mm_loadu_si128((const __m128i*)(w + codes_at<T>()));
-        const __m128i nib = _mm_set1_epi8(0x0F);
-        u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
-        if constexpr (T == Q5_0 || T == Q5_1) {  // bit j of the high bits: code j, as ggml's bytes_from_bits_32
-            uint32_t qh;
-            memcpy(&qh, w + high_at<T>(), 4);
-            const __m256i spread = _mm256_shuffle_epi8(
-                _mm256_set1_epi32((int)qh),
-                _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
-            const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFELL)),
-                                                  _mm256_set1_epi64x(-1));
-            u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-        }
-    }
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int r = 0; r < R; ++r) {
-        const __m256i qa = _mm256_loadu_si256((const __m256i*)(q + r * K));
-        const __m256i pairs = T == Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(qa, u))
-                                        : _mm256_maddubs_epi16(u, qa);
-        const __m256i acc = _mm256_madd_epi16(pairs, ones);
-        const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-        const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-        S[r] = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1))) - code_offset<T>() * sums[r * ldb];
-    }
-#else
     (void)sums, (void)ldb;
     int8_t wv[32];
     if constexpr (T == Q8_0) {
@@ -758,7 +882,6 @@ void block_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, const int32
         for (int e = 0; e < 32; ++e) dot += wv[e] * a[e];
         S[r] = dot;
     }
-#endif
 }
 
 // -- the layer ---------------------------------------------------------------------------------------------------
@@ -778,6 +901,12 @@ void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R
         if (R < GROUPED_MIN) return tile_columns<T>(w, ldw, C, a, m0, R, K, acc, next);
     } else {
         return tile32<T>(w, ldw, C, a, m0, R, K, acc, next);
+    }
+#elif defined(HFSPEC_INT8_AVX2)
+    if constexpr (k) {
+        return tile_columns8<T>(w, ldw, C, a, m0, R, K, acc, next);
+    } else {
+        return tile32_columns8<T>(w, ldw, C, a, m0, R, K, acc);
     }
 #endif
     for (int64_t b = 0; b < blocks; ++b) {
