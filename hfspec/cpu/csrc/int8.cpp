@@ -559,43 +559,63 @@ void tile_columns8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t 
                    float (*acc)[ROWS], const uint8_t* next) {
     constexpr int NB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
     constexpr int J = T == Q6_K ? 8 : 4;  // int16 pairs of multipliers of the bsum terms
+    // Super-blocks per pass: a column's blocks are read in runs of up to BK, so that the weights stream through
+    // memory nearly in order (a one-row step is bound by that stream), fewer as rows grow, so that the partial sums
+    // of a pass (V vectors, 10 KB) stay in L1.
+    constexpr int BK = 40, V = 320;
+    const int run = V / (8 * R) > BK ? BK : V / (8 * R) < 1 ? 1 : V / (8 * R);
     const int64_t blocks = K / 256;
     __m256 sum[2][ROWS];
     for (int h = 0; h < 2; ++h)
         for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-        prefetch_block<NB>(next, ldw, b);
+    __m256i v[V > 8 * ROWS ? V : 8 * ROWS];  // block bb, row r, column c at (bb * R + r) * 8 + c: 8 int32 lanes summing to A
+    alignas(32) int32_t mult[BK][J][8];  // column c's multiplier pairs in lane c
+    alignas(32) float d[BK][8], dmin[BK][8];
+    for (int64_t b0 = 0; b0 < blocks; b0 += run) {
+        const int bk = blocks - b0 < run ? (int)(blocks - b0) : run;
+        for (int bb = 0; bb < bk; ++bb) prefetch_block<NB>(next, ldw, b0 + bb);
         for (int h = 0; h < 2 && 8 * h < C; ++h) {
             const int cn = C - 8 * h < 8 ? C - 8 * h : 8;
-            KBlock8 kb[8];
-            alignas(32) int32_t mult[J][8] = {};  // column c's multiplier pairs in lane c
-            alignas(32) float d[8] = {}, dmin[8] = {};
-            for (int c = 0; c < cn; ++c) {
-                const uint8_t* wb = w + (8 * h + c) * ldw + b * NB;
-                kblock8<T>(wb, kb[c]);
-                d[c] = half_at(wb + (T == Q6_K ? 208 : 0));
-                if constexpr (T != Q6_K) dmin[c] = half_at(wb + 2);
-                for (int j = 0; j < J; ++j) mult[j][c] = kb[c].mult[j];
+            for (int c = 0; c < 8; ++c) {
+                if (c >= cn) {
+                    for (int bb = 0; bb < bk; ++bb) {
+                        d[bb][c] = dmin[bb][c] = 0.0f;
+                        for (int j = 0; j < J; ++j) mult[bb][j][c] = 0;
+                        for (int r = 0; r < R; ++r) v[(bb * R + r) * 8 + c] = _mm256_setzero_si256();
+                    }
+                    continue;
+                }
+                for (int bb = 0; bb < bk; ++bb) {  // column c's blocks b0.. in the order they lie in memory
+                    const uint8_t* wb = w + (8 * h + c) * ldw + (b0 + bb) * NB;
+                    KBlock8 kb;
+                    kblock8<T>(wb, kb);
+                    d[bb][c] = half_at(wb + (T == Q6_K ? 208 : 0));
+                    dmin[bb][c] = T == Q6_K ? 0.0f : half_at(wb + 2);
+                    for (int j = 0; j < J; ++j) mult[bb][j][c] = kb.mult[j];
+                    for (int r = 0; r < R; ++r)
+                        v[(bb * R + r) * 8 + c] = kb.dot(a.q.data() + (m0 + r) * K + (b0 + bb) * 256);
+                }
             }
-            const __m256 dv = _mm256_load_ps(d), dminv = _mm256_load_ps(dmin);
-            for (int r = 0; r < R; ++r) {
-                const int64_t row = m0 + r;
-                const int8_t* q = a.q.data() + row * K + b * 256;
-                __m256i v[8];
-                for (int c = 0; c < 8; ++c) v[c] = c < cn ? kb[c].dot(q) : _mm256_setzero_si256();
-                // the bsum terms of 8 columns at once: Q6_K's offset 32 * sum_j sc_j * bsum_j, Q4_K/Q5_K's M
-                const int32_t* pairs = a.pairs.data() + ((row / GROUP) * blocks + b) * 8 * GROUP + row % GROUP;
-                __m256i mins = _mm256_setzero_si256();
-                for (int j = 0; j < J; ++j)
-                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(_mm256_load_si256((const __m256i*)mult[j]),
-                                                                    _mm256_set1_epi32(pairs[j * GROUP])));
-                __m256i dots = reduce8(v);
-                if constexpr (T == Q6_K) dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(mins, 5));
-                const __m256 da = _mm256_set1_ps(a.d[row * blocks + b]);
-                sum[h][r] = _mm256_add_ps(sum[h][r], _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dv, da)));
-                if constexpr (T != Q6_K)
+            for (int bb = 0; bb < bk; ++bb) {  // the float steps block by block, in order
+                const int64_t b = b0 + bb;
+                const __m256 dv = _mm256_load_ps(d[bb]), dminv = _mm256_load_ps(dmin[bb]);
+                for (int r = 0; r < R; ++r) {
+                    const int64_t row = m0 + r;
+                    // the bsum terms of 8 columns at once: Q6_K's offset 32 * sum_j sc_j * bsum_j, Q4_K/Q5_K's M
+                    const int32_t* pairs = a.pairs.data() + ((row / GROUP) * blocks + b) * 8 * GROUP + row % GROUP;
+                    __m256i mins = _mm256_setzero_si256();
+                    for (int j = 0; j < J; ++j)
+                        mins = _mm256_add_epi32(mins, _mm256_madd_epi16(_mm256_load_si256((const __m256i*)mult[bb][j]),
+                                                                        _mm256_set1_epi32(pairs[j * GROUP])));
+                    __m256i dots = reduce8(v + (bb * R + r) * 8);
+                    if constexpr (T == Q6_K) dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(mins, 5));
+                    const __m256 da = _mm256_set1_ps(a.d[row * blocks + b]);
                     sum[h][r] =
-                        _mm256_sub_ps(sum[h][r], _mm256_mul_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dminv, da)));
+                        _mm256_add_ps(sum[h][r], _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dv, da)));
+                    if constexpr (T != Q6_K)
+                        sum[h][r] = _mm256_sub_ps(sum[h][r],
+                                                  _mm256_mul_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dminv, da)));
+                }
             }
         }
     }
