@@ -805,7 +805,7 @@ void tile32(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int
 // the 8 columns' S in the lanes, and the float steps run 8 columns per instruction, each lane in the reference's
 // order.
 template <int T>
-void tile32_columns8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
+void tile32_rows8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
                      float (*acc)[ROWS]) {
     constexpr int NB = nbytes<T>();
     constexpr bool with_m = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
@@ -873,6 +873,93 @@ void tile32_columns8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_
             for (int c = 0; c < 8 && 8 * h + c < C; ++c) acc[8 * h + c][r] = out[c];
         }
 }
+
+// The same for up to 3 rows, each column's blocks read in runs (as tile_columns8) so that the weights stream in
+// order: a one-row step is bound by that stream. (With more rows, tile32_rows8's 8 columns held in registers for
+// every row is faster.)
+template <int T>
+void tile32_runs8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
+                     float (*acc)[ROWS]) {
+    constexpr int NB = nbytes<T>();
+    constexpr bool with_m = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
+    // Blocks per pass, as tile_columns8: a column's blocks read in runs, the partial sums of a pass in L1.
+    constexpr int BK = 64, V = 320;
+    const int run = V / (8 * R) > BK ? BK : V / (8 * R) < 1 ? 1 : V / (8 * R);
+    const int64_t blocks = K / 32;
+    __m256 sum[2][ROWS];
+    for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_ps();
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i v[V > 8 * ROWS ? V : 8 * ROWS];  // block bb, row r, column c at (bb * R + r) * 8 + c
+    alignas(16) uint16_t dh[BK][8], mh[BK][8];
+    for (int64_t b0 = 0; b0 < blocks; b0 += run) {
+        const int bk = blocks - b0 < run ? (int)(blocks - b0) : run;
+        for (int h = 0; h < 2 && 8 * h < C; ++h) {
+            const int cn = C - 8 * h < 8 ? C - 8 * h : 8;
+            for (int c = 0; c < 8; ++c) {
+                if (c >= cn) {
+                    for (int bb = 0; bb < bk; ++bb) {
+                        dh[bb][c] = mh[bb][c] = 0;
+                        for (int r = 0; r < R; ++r) v[(bb * R + r) * 8 + c] = _mm256_setzero_si256();
+                    }
+                    continue;
+                }
+                for (int bb = 0; bb < bk; ++bb) {  // column c's blocks b0.. in the order they lie in memory
+                    const uint8_t* wb = w + (8 * h + c) * ldw + (b0 + bb) * NB;
+                    memcpy(&dh[bb][c], wb, 2);
+                    if constexpr (with_m) memcpy(&mh[bb][c], wb + 2, 2);
+                    __m256i u, sg = _mm256_setzero_si256();  // the codes as unsigned bytes (Q8_0: |w|), Q8_0's signs
+                    if constexpr (T == Q8_0) {
+                        sg = _mm256_loadu_si256((const __m256i*)(wb + 2));
+                        u = _mm256_sign_epi8(sg, sg);
+                    } else {
+                        const __m128i q4 = _mm_loadu_si128((const __m128i*)(wb + codes_at<T>()));
+                        u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q4, 4), nib), _mm_and_si128(q4, nib));
+                        if constexpr (five) {  // bit j of the high bits: code j, as ggml's bytes_from_bits_32
+                            uint32_t qh;
+                            memcpy(&qh, wb + high_at<T>(), 4);
+                            const __m256i spread =
+                                _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                                    _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                                      0x0101010101010101LL, 0));
+                            const __m256i set = _mm256_cmpeq_epi8(
+                                _mm256_or_si256(spread, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFELL)), _mm256_set1_epi64x(-1));
+                            u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                        }
+                    }
+                    for (int r = 0; r < R; ++r) {
+                        const __m256i qa =
+                            _mm256_loadu_si256((const __m256i*)(a.q.data() + (m0 + r) * K + (b0 + bb) * 32));
+                        const __m256i pairs = T == Q8_0 ? _mm256_maddubs_epi16(u, _mm256_sign_epi8(qa, sg))
+                                                        : _mm256_maddubs_epi16(u, qa);
+                        v[(bb * R + r) * 8 + c] = _mm256_madd_epi16(pairs, ones);
+                    }
+                }
+            }
+            for (int bb = 0; bb < bk; ++bb) {  // the float steps block by block, in order
+                const int64_t b = b0 + bb;
+                const __m256 dv = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)dh[bb]));
+                const __m256 mv = with_m ? _mm256_cvtph_ps(_mm_load_si128((const __m128i*)mh[bb])) : _mm256_setzero_ps();
+                for (int r = 0; r < R; ++r) {
+                    const int64_t row = (m0 + r) * blocks + b;
+                    __m256i dots = reduce8(v + (bb * R + r) * 8);
+                    if constexpr (code_offset<T>() != 0)
+                        dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(code_offset<T>() * a.sums[row]));
+                    __m256 step = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dv, _mm256_set1_ps(a.d[row])));
+                    if constexpr (with_m) step = _mm256_add_ps(step, _mm256_mul_ps(mv, _mm256_set1_ps(a.s[row])));
+                    sum[h][r] = _mm256_add_ps(sum[h][r], step);
+                }
+            }
+        }
+    }
+    for (int h = 0; h < 2 && 8 * h < C; ++h)
+        for (int r = 0; r < R; ++r) {
+            alignas(32) float out[8];
+            _mm256_store_ps(out, sum[h][r]);
+            for (int c = 0; c < 8 && 8 * h + c < C; ++c) acc[8 * h + c][r] = out[c];
+        }
+}
 #endif
 
 // S[r] for rows r < R of the block at w: the rows' codes at q, K apart; their code sums at sums, ldb apart.
@@ -926,7 +1013,7 @@ void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R
     if constexpr (k) {
         return tile_columns8<T>(w, ldw, C, a, m0, R, K, acc, next);
     } else {
-        return tile32_columns8<T>(w, ldw, C, a, m0, R, K, acc);
+        return R <= 3 ? tile32_runs8<T>(w, ldw, C, a, m0, R, K, acc) : tile32_rows8<T>(w, ldw, C, a, m0, R, K, acc);
     }
 #endif
     for (int64_t b = 0; b < blocks; ++b) {
