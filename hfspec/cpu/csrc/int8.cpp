@@ -820,15 +820,15 @@ void tile32_rows8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
         for (int h = 0; h < 2 && 8 * h < C; ++h) {
             const int cn = C - 8 * h < 8 ? C - 8 * h : 8;
             __m256i u[8], sg[8];  // the codes as unsigned bytes (Q8_0: |w|) and, Q8_0, the weights' signs
-            alignas(16) uint16_t dh[8] = {}, mh[8] = {};
+            alignas(32) float dh[8] = {}, mh[8] = {};  // the columns' d and m (half_at: F16C only where built in)
             for (int c = 0; c < 8; ++c) {
                 if (c >= cn) {
                     u[c] = sg[c] = _mm256_setzero_si256();
                     continue;
                 }
                 const uint8_t* wb = w + (8 * h + c) * ldw + b * NB;
-                memcpy(dh + c, wb, 2);
-                if constexpr (with_m) memcpy(mh + c, wb + 2, 2);
+                dh[c] = half_at(wb);
+                if constexpr (with_m) mh[c] = half_at(wb + 2);
                 if constexpr (T == Q8_0) {
                     sg[c] = _mm256_loadu_si256((const __m256i*)(wb + 2));
                     u[c] = _mm256_sign_epi8(sg[c], sg[c]);
@@ -847,8 +847,7 @@ void tile32_rows8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
                     }
                 }
             }
-            const __m256 dv = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)dh));
-            const __m256 mv = with_m ? _mm256_cvtph_ps(_mm_load_si128((const __m128i*)mh)) : _mm256_setzero_ps();
+            const __m256 dv = _mm256_load_ps(dh), mv = _mm256_load_ps(mh);
             for (int r = 0; r < R; ++r) {
                 const int64_t row = (m0 + r) * blocks + b;
                 const __m256i qa = _mm256_loadu_si256((const __m256i*)(a.q.data() + (m0 + r) * K + b * 32));
@@ -893,7 +892,7 @@ void tile32_runs8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
     const __m128i nib = _mm_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i v[V > 8 * ROWS ? V : 8 * ROWS];  // block bb, row r, column c at (bb * R + r) * 8 + c
-    alignas(16) uint16_t dh[BK][8], mh[BK][8];
+    alignas(32) float dh[BK][8], mh[BK][8];  // the columns' d and m
     for (int64_t b0 = 0; b0 < blocks; b0 += run) {
         const int bk = blocks - b0 < run ? (int)(blocks - b0) : run;
         for (int h = 0; h < 2 && 8 * h < C; ++h) {
@@ -901,15 +900,15 @@ void tile32_runs8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
             for (int c = 0; c < 8; ++c) {
                 if (c >= cn) {
                     for (int bb = 0; bb < bk; ++bb) {
-                        dh[bb][c] = mh[bb][c] = 0;
+                        dh[bb][c] = mh[bb][c] = 0.0f;
                         for (int r = 0; r < R; ++r) v[(bb * R + r) * 8 + c] = _mm256_setzero_si256();
                     }
                     continue;
                 }
                 for (int bb = 0; bb < bk; ++bb) {  // column c's blocks b0.. in the order they lie in memory
                     const uint8_t* wb = w + (8 * h + c) * ldw + (b0 + bb) * NB;
-                    memcpy(&dh[bb][c], wb, 2);
-                    if constexpr (with_m) memcpy(&mh[bb][c], wb + 2, 2);
+                    dh[bb][c] = half_at(wb);
+                    mh[bb][c] = with_m ? half_at(wb + 2) : 0.0f;
                     __m256i u, sg = _mm256_setzero_si256();  // the codes as unsigned bytes (Q8_0: |w|), Q8_0's signs
                     if constexpr (T == Q8_0) {
                         sg = _mm256_loadu_si256((const __m256i*)(wb + 2));
@@ -940,8 +939,7 @@ void tile32_runs8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
             }
             for (int bb = 0; bb < bk; ++bb) {  // the float steps block by block, in order
                 const int64_t b = b0 + bb;
-                const __m256 dv = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)dh[bb]));
-                const __m256 mv = with_m ? _mm256_cvtph_ps(_mm_load_si128((const __m128i*)mh[bb])) : _mm256_setzero_ps();
+                const __m256 dv = _mm256_load_ps(dh[bb]), mv = _mm256_load_ps(mh[bb]);
                 for (int r = 0; r < R; ++r) {
                     const int64_t row = (m0 + r) * blocks + b;
                     __m256i dots = reduce8(v + (bb * R + r) * 8);
