@@ -544,6 +544,16 @@ inline void kblock8(const uint8_t* w, KBlock8& kb) {
     }
 }
 
+// acc[c][r] = lane c % 8 of sum[c / 8][r], for the tile's C columns and R rows.
+inline void store_lanes(const __m256 (*sum)[ROWS], int C, int R, float (*acc)[ROWS]) {
+    for (int h = 0; h < 2 && 8 * h < C; ++h)
+        for (int r = 0; r < R; ++r) {
+            alignas(32) float out[8];
+            _mm256_store_ps(out, sum[h][r]);
+            for (int c = 0; c < 8 && 8 * h + c < C; ++c) acc[8 * h + c][r] = out[c];
+        }
+}
+
 // Lane c: the sum of v[c]'s 8 lanes (integer adds: exact in any order).
 inline __m256i reduce8(const __m256i* v) {
     const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
@@ -620,12 +630,7 @@ void tile_columns8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t 
             }
         }
     }
-    for (int h = 0; h < 2 && 8 * h < C; ++h)
-        for (int r = 0; r < R; ++r) {
-            alignas(32) float out[8];
-            _mm256_store_ps(out, sum[h][r]);
-            for (int c = 0; c < 8 && 8 * h + c < C; ++c) acc[8 * h + c][r] = out[c];
-        }
+    store_lanes(sum, C, R, acc);
 }
 #endif
 
@@ -801,6 +806,51 @@ void tile32(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int
 #endif
 
 #if defined(HFSPEC_INT8_AVX2)
+// A 32-weight block's codes as unsigned bytes (Q4_0/Q5_0 without their offset; Q8_0: |w|, its signs in ``sg``,
+// else zero), as block_dots reads them.
+template <int T>
+inline void unpack32(const uint8_t* wb, __m256i& u, __m256i& sg) {
+    sg = _mm256_setzero_si256();
+    if constexpr (T == Q8_0) {
+        sg = _mm256_loadu_si256((const __m256i*)(wb + 2));
+        u = _mm256_sign_epi8(sg, sg);
+    } else {
+        const __m128i v = _mm_loadu_si128((const __m128i*)(wb + codes_at<T>())), nib = _mm_set1_epi8(0x0F);
+        u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
+        if constexpr (T == Q5_0 || T == Q5_1) {  // bit j of the high bits: code j, as ggml's bytes_from_bits_32
+            uint32_t qh;
+            memcpy(&qh, wb + high_at<T>(), 4);
+            const __m256i spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32((int)qh),
+                _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFELL)),
+                                                  _mm256_set1_epi64x(-1));
+            u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        }
+    }
+}
+
+// 8 int32 lanes whose sum is the block's u · a (Q8_0: |w| times the codes given w's sign, at most 2 * 128 * 127 per
+// int16 of maddubs).
+template <int T>
+inline __m256i dot32(__m256i u, __m256i sg, __m256i qa) {
+    const __m256i pairs = T == Q8_0 ? _mm256_maddubs_epi16(u, _mm256_sign_epi8(qa, sg)) : _mm256_maddubs_epi16(u, qa);
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+// sum + the reference's step of one block for 8 columns as lanes (v: their partial sums; row: the row's block index
+// into the activations), each lane in the reference's order: S minus the code offset's term, S * (d * da), plus
+// m * s (Q4_1/Q5_1).
+template <int T>
+inline __m256 add_step32(__m256 sum, const __m256i* v, const Acts& a, int64_t row, __m256 dv, __m256 mv) {
+    __m256i dots = reduce8(v);
+    if constexpr (code_offset<T>() != 0)
+        dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(code_offset<T>() * a.sums[row]));
+    __m256 step = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dv, _mm256_set1_ps(a.d[row])));
+    if constexpr (T == Q4_1 || T == Q5_1) step = _mm256_add_ps(step, _mm256_mul_ps(mv, _mm256_set1_ps(a.s[row])));
+    return _mm256_add_ps(sum, step);
+}
+
 // The whole tile, any row count up to ROWS: output columns as lanes, 8 at a time. Each block of 8 columns is unpacked
 // once for every row (as block_dots); maddubs and madd give each column's 8 int32 partial sums, one reduction gives
 // the 8 columns' S in the lanes, and the float steps run 8 columns per instruction, each lane in the reference's
@@ -809,13 +859,11 @@ template <int T>
 void tile32_rows8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
                      float (*acc)[ROWS]) {
     constexpr int NB = nbytes<T>();
-    constexpr bool with_m = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
+    constexpr bool with_m = T == Q4_1 || T == Q5_1;
     const int64_t blocks = K / 32;
     __m256 sum[2][ROWS];
     for (int h = 0; h < 2; ++h)
         for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_ps();
-    const __m128i nib = _mm_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < blocks; ++b) {
         for (int h = 0; h < 2 && 8 * h < C; ++h) {
             const int cn = C - 8 * h < 8 ? C - 8 * h : 8;
@@ -829,49 +877,19 @@ void tile32_rows8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
                 const uint8_t* wb = w + (8 * h + c) * ldw + b * NB;
                 dh[c] = half_at(wb);
                 if constexpr (with_m) mh[c] = half_at(wb + 2);
-                if constexpr (T == Q8_0) {
-                    sg[c] = _mm256_loadu_si256((const __m256i*)(wb + 2));
-                    u[c] = _mm256_sign_epi8(sg[c], sg[c]);
-                } else {
-                    const __m128i v = _mm_loadu_si128((const __m128i*)(wb + codes_at<T>()));
-                    u[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
-                    if constexpr (five) {  // bit j of the high bits: code j, as ggml's bytes_from_bits_32
-                        uint32_t qh;
-                        memcpy(&qh, wb + high_at<T>(), 4);
-                        const __m256i spread = _mm256_shuffle_epi8(
-                            _mm256_set1_epi32((int)qh), _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
-                                                                          0x0101010101010101LL, 0));
-                        const __m256i set = _mm256_cmpeq_epi8(
-                            _mm256_or_si256(spread, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFELL)), _mm256_set1_epi64x(-1));
-                        u[c] = _mm256_or_si256(u[c], _mm256_and_si256(set, _mm256_set1_epi8(16)));
-                    }
-                }
+                unpack32<T>(wb, u[c], sg[c]);
             }
             const __m256 dv = _mm256_load_ps(dh), mv = _mm256_load_ps(mh);
             for (int r = 0; r < R; ++r) {
                 const int64_t row = (m0 + r) * blocks + b;
                 const __m256i qa = _mm256_loadu_si256((const __m256i*)(a.q.data() + (m0 + r) * K + b * 32));
                 __m256i v[8];
-                for (int c = 0; c < 8; ++c) {
-                    const __m256i pairs = T == Q8_0 ? _mm256_maddubs_epi16(u[c], _mm256_sign_epi8(qa, sg[c]))
-                                                    : _mm256_maddubs_epi16(u[c], qa);
-                    v[c] = _mm256_madd_epi16(pairs, ones);
-                }
-                __m256i dots = reduce8(v);
-                if constexpr (code_offset<T>() != 0)
-                    dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(code_offset<T>() * a.sums[row]));
-                __m256 step = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dv, _mm256_set1_ps(a.d[row])));
-                if constexpr (with_m) step = _mm256_add_ps(step, _mm256_mul_ps(mv, _mm256_set1_ps(a.s[row])));
-                sum[h][r] = _mm256_add_ps(sum[h][r], step);
+                for (int c = 0; c < 8; ++c) v[c] = dot32<T>(u[c], sg[c], qa);
+                sum[h][r] = add_step32<T>(sum[h][r], v, a, row, dv, mv);
             }
         }
     }
-    for (int h = 0; h < 2 && 8 * h < C; ++h)
-        for (int r = 0; r < R; ++r) {
-            alignas(32) float out[8];
-            _mm256_store_ps(out, sum[h][r]);
-            for (int c = 0; c < 8 && 8 * h + c < C; ++c) acc[8 * h + c][r] = out[c];
-        }
+    store_lanes(sum, C, R, acc);
 }
 
 // The same for up to 3 rows, each column's blocks read in runs (as tile_columns8) so that the weights stream in
@@ -881,7 +899,7 @@ template <int T>
 void tile32_runs8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
                      float (*acc)[ROWS]) {
     constexpr int NB = nbytes<T>();
-    constexpr bool with_m = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
+    constexpr bool with_m = T == Q4_1 || T == Q5_1;
     // Blocks per pass, as tile_columns8: a column's blocks read in runs, the partial sums of a pass in L1.
     constexpr int BK = 64, V = 320;
     const int run = V / (8 * R) > BK ? BK : V / (8 * R) < 1 ? 1 : V / (8 * R);
@@ -889,8 +907,6 @@ void tile32_runs8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
     __m256 sum[2][ROWS];
     for (int h = 0; h < 2; ++h)
         for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_ps();
-    const __m128i nib = _mm_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256i v[V > 8 * ROWS ? V : 8 * ROWS];  // block bb, row r, column c at (bb * R + r) * 8 + c
     alignas(32) float dh[BK][8], mh[BK][8];  // the columns' d and m
     for (int64_t b0 = 0; b0 < blocks; b0 += run) {
@@ -909,31 +925,12 @@ void tile32_runs8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
                     const uint8_t* wb = w + (8 * h + c) * ldw + (b0 + bb) * NB;
                     dh[bb][c] = half_at(wb);
                     mh[bb][c] = with_m ? half_at(wb + 2) : 0.0f;
-                    __m256i u, sg = _mm256_setzero_si256();  // the codes as unsigned bytes (Q8_0: |w|), Q8_0's signs
-                    if constexpr (T == Q8_0) {
-                        sg = _mm256_loadu_si256((const __m256i*)(wb + 2));
-                        u = _mm256_sign_epi8(sg, sg);
-                    } else {
-                        const __m128i q4 = _mm_loadu_si128((const __m128i*)(wb + codes_at<T>()));
-                        u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q4, 4), nib), _mm_and_si128(q4, nib));
-                        if constexpr (five) {  // bit j of the high bits: code j, as ggml's bytes_from_bits_32
-                            uint32_t qh;
-                            memcpy(&qh, wb + high_at<T>(), 4);
-                            const __m256i spread =
-                                _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
-                                                    _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
-                                                                      0x0101010101010101LL, 0));
-                            const __m256i set = _mm256_cmpeq_epi8(
-                                _mm256_or_si256(spread, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFELL)), _mm256_set1_epi64x(-1));
-                            u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-                        }
-                    }
+                    __m256i u, sg;
+                    unpack32<T>(wb, u, sg);
                     for (int r = 0; r < R; ++r) {
                         const __m256i qa =
                             _mm256_loadu_si256((const __m256i*)(a.q.data() + (m0 + r) * K + (b0 + bb) * 32));
-                        const __m256i pairs = T == Q8_0 ? _mm256_maddubs_epi16(u, _mm256_sign_epi8(qa, sg))
-                                                        : _mm256_maddubs_epi16(u, qa);
-                        v[(bb * R + r) * 8 + c] = _mm256_madd_epi16(pairs, ones);
+                        v[(bb * R + r) * 8 + c] = dot32<T>(u, sg, qa);
                     }
                 }
             }
@@ -942,22 +939,12 @@ void tile32_runs8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
                 const __m256 dv = _mm256_load_ps(dh[bb]), mv = _mm256_load_ps(mh[bb]);
                 for (int r = 0; r < R; ++r) {
                     const int64_t row = (m0 + r) * blocks + b;
-                    __m256i dots = reduce8(v + (bb * R + r) * 8);
-                    if constexpr (code_offset<T>() != 0)
-                        dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(code_offset<T>() * a.sums[row]));
-                    __m256 step = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dv, _mm256_set1_ps(a.d[row])));
-                    if constexpr (with_m) step = _mm256_add_ps(step, _mm256_mul_ps(mv, _mm256_set1_ps(a.s[row])));
-                    sum[h][r] = _mm256_add_ps(sum[h][r], step);
+                    sum[h][r] = add_step32<T>(sum[h][r], v + (bb * R + r) * 8, a, row, dv, mv);
                 }
             }
         }
     }
-    for (int h = 0; h < 2 && 8 * h < C; ++h)
-        for (int r = 0; r < R; ++r) {
-            alignas(32) float out[8];
-            _mm256_store_ps(out, sum[h][r]);
-            for (int c = 0; c < 8 && 8 * h + c < C; ++c) acc[8 * h + c][r] = out[c];
-        }
+    store_lanes(sum, C, R, acc);
 }
 #endif
 
