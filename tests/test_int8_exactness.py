@@ -8,6 +8,8 @@ without the residual fails. The files are tiny Qwen2s the tests write (``gguf_fi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import gguf_files
 import numpy as np
 import pytest
@@ -16,6 +18,8 @@ import torch
 from stat_utils import ALPHA, chi_square_pvalue
 
 from hfspec import SpeculativeGenerator
+from hfspec.bench.field import MAIN, PLAIN_KERNEL
+from hfspec.bench.runner import field_of
 from hfspec.cpu import int8, quant
 from hfspec.decoding import sampling
 from hfspec.drafters.loading import load_pair
@@ -108,3 +112,13 @@ def test_sampling_follows_the_int8_targets_exact_joint(files, monkeypatch):
     assert 0.1 < out.stats.acceptance_rate < 0.95  # accepts and rejects both seen
     monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the negative control: no residual
     assert chi_square_pvalue(counts(1), exact) < ALPHA
+
+
+def test_the_bench_checks_a_gguf_target_against_its_own_generate_on_the_kernels(files):
+    # A target held in GGUF blocks runs hfspec's kernels (no FastLinear): its own generate() on them is the
+    # reference greedy hfspec equals bit for bit, so the bench runs it as plain-kernel.
+    target, draft, _ = pair(files, "target", "draft")
+    bench = SimpleNamespace(specs={MAIN: None}, target=target, draft=draft)
+    settings = SimpleNamespace(gamma="auto", lookup_tokens=None, skip=())
+    main, _ = field_of(bench, settings, [2])
+    assert PLAIN_KERNEL in {c.name for c in main}

@@ -130,7 +130,7 @@ def field_of(bench: Bench, settings: Settings, gammas: Sequence[int]) -> tuple[l
         extra,
         assisted=assists and bench.draft is not None,
         lookup_tokens=settings.lookup_tokens if assists else None,
-        kernels=fast.is_accelerated(bench.target),
+        kernels=bool(fast.describe(bench.target)["on"]),  # FastLinears, or GGUF blocks on the quantized kernels
     )
     return [c for c in main if c.kind == "plain" or c.name not in settings.skip], sweep
 
