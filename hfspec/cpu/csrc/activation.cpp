@@ -50,17 +50,20 @@ inline vec apply(vec x) {
 // Chunks of whole vectors per thread: where the thread boundaries fall changes nothing.
 constexpr int64_t CHUNK = 16384;
 
-template <int K, typename T>
-void run(const T* x, T* y, int64_t n, int threads) {
+// f(i, m) for the vectors of n elements (m of them at i, m < VW only at the end), in CHUNK-sized pieces per thread.
+template <typename F>
+void chunked(int64_t n, int threads, F f) {
     const int64_t chunks = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for num_threads(chunks > 1 ? threads : 1) schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t end = std::min(n, (c + 1) * CHUNK);
-        for (int64_t i = c * CHUNK; i < end; i += VW) {
-            const int m = (int)std::min<int64_t>(VW, end - i);
-            vstore_as(y + i, apply<K>(vload(x + i, m)), m);
-        }
+        for (int64_t i = c * CHUNK; i < end; i += VW) f(i, (int)std::min<int64_t>(VW, end - i));
     }
+}
+
+template <int K, typename T>
+void run(const T* x, T* y, int64_t n, int threads) {
+    chunked(n, threads, [&](int64_t i, int m) { vstore_as(y + i, apply<K>(vload(x + i, m)), m); });
 }
 
 // v rounded to T's precision (the identity for float32): torch rounds an activation to the tensor's dtype before the
@@ -76,15 +79,9 @@ inline vec rounded(vec v, const uint16_t*) {
 // y = act(x) * u, element by element, as torch computes ``act_fn(gate) * up`` from this file's activation.
 template <int K, typename T>
 void run_mul(const T* x, const T* u, T* y, int64_t n, int threads) {
-    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for num_threads(chunks > 1 ? threads : 1) schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t end = std::min(n, (c + 1) * CHUNK);
-        for (int64_t i = c * CHUNK; i < end; i += VW) {
-            const int m = (int)std::min<int64_t>(VW, end - i);
-            vstore_as(y + i, vmul(rounded(apply<K>(vload(x + i, m)), x), vload(u + i, m)), m);
-        }
-    }
+    chunked(n, threads, [&](int64_t i, int m) {
+        vstore_as(y + i, vmul(rounded(apply<K>(vload(x + i, m)), x), vload(u + i, m)), m);
+    });
 }
 
 template <typename T>
