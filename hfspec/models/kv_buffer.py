@@ -33,6 +33,11 @@ def capacity(needed: int, current: int, reserve: int | None = None) -> int:
     return min(grown, reserve) if reserve is not None and needed <= reserve else grown
 
 
+def _filled(tensor: torch.Tensor | None) -> int:
+    """The positions an assigned keys or values tensor holds: all of it (none for None or an empty placeholder)."""
+    return 0 if tensor is None or tensor.dim() < 2 else tensor.shape[-2]
+
+
 class BufferLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values are the filled part of preallocated buffers (see module doc)."""
 
@@ -50,7 +55,7 @@ class BufferLayer(DynamicLayer):
     @keys.setter
     def keys(self, tensor: torch.Tensor | None) -> None:
         self._keys = tensor
-        self._length = 0 if tensor is None or tensor.dim() < 2 else tensor.shape[-2]
+        self._length = _filled(tensor)
 
     @property
     def values(self) -> torch.Tensor | None:
@@ -59,7 +64,7 @@ class BufferLayer(DynamicLayer):
     @values.setter
     def values(self, tensor: torch.Tensor | None) -> None:
         self._values = tensor
-        self._length = 0 if tensor is None or tensor.dim() < 2 else tensor.shape[-2]
+        self._length = _filled(tensor)
 
     @property
     def capacity(self) -> int:

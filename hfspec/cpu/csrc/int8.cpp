@@ -544,6 +544,21 @@ inline void kblock8(const uint8_t* w, KBlock8& kb) {
     }
 }
 
+// The partial sums of one pass of the AVX2 tiles that read each column's blocks in runs: this many vectors (10 KB),
+// so that they stay in L1; blocks per pass for R rows of 8 columns: as many as that holds, from 1 to ``most``.
+constexpr int PASS = 320;
+static_assert(PASS >= 8 * ROWS, "a pass holds at least one block of every row");
+inline int run_length(int R, int most) {
+    const int fit = PASS / (8 * R);
+    return fit > most ? most : fit < 1 ? 1 : fit;
+}
+
+// The tile's float sums, 8 columns as lanes per vector, zero for its R rows.
+inline void zero_sums(__m256 (*sum)[ROWS], int R) {
+    for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_ps();
+}
+
 // acc[c][r] = lane c % 8 of sum[c / 8][r], for the tile's C columns and R rows.
 inline void store_lanes(const __m256 (*sum)[ROWS], int C, int R, float (*acc)[ROWS]) {
     for (int h = 0; h < 2 && 8 * h < C; ++h)
@@ -571,16 +586,15 @@ void tile_columns8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t 
     constexpr int NB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
     constexpr int J = T == Q6_K ? 8 : 4;  // int16 pairs of multipliers of the bsum terms
     // Super-blocks per pass: a column's blocks are read in runs of up to BK, so that the weights stream through
-    // memory nearly in order (a one-row step is bound by that stream), fewer as rows grow, so that the partial sums
-    // of a pass (V vectors, 10 KB) stay in L1. The hardware prefetcher follows that stream: prefetching the next
-    // tile as the AVX-512 tiles do measured slower here (AMD EPYC, Zen 3: 0.81 against 0.64 ms at one row).
-    constexpr int BK = 40, V = 320;
-    const int run = V / (8 * R) > BK ? BK : V / (8 * R) < 1 ? 1 : V / (8 * R);
+    // memory nearly in order (a one-row step is bound by that stream), fewer as rows grow (run_length). The hardware
+    // prefetcher follows that stream: prefetching the next tile as the AVX-512 tiles do measured slower here (AMD
+    // EPYC, Zen 3: 0.81 against 0.64 ms at one row).
+    constexpr int BK = 40;
+    const int run = run_length(R, BK);
     const int64_t blocks = K / 256;
     __m256 sum[2][ROWS];
-    for (int h = 0; h < 2; ++h)
-        for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_ps();
-    __m256i v[V > 8 * ROWS ? V : 8 * ROWS];  // block bb, row r, column c at (bb * R + r) * 8 + c: 8 int32 lanes summing to A
+    zero_sums(sum, R);
+    __m256i v[PASS];  // block bb, row r, column c at (bb * R + r) * 8 + c: 8 int32 lanes summing to A
     alignas(32) int32_t mult[BK][J][8];  // column c's multiplier pairs in lane c
     alignas(32) float d[BK][8], dmin[BK][8];
     for (int64_t b0 = 0; b0 < blocks; b0 += run) {
@@ -857,13 +871,12 @@ inline __m256 add_step32(__m256 sum, const __m256i* v, const Acts& a, int64_t ro
 // order.
 template <int T>
 void tile32_rows8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
-                     float (*acc)[ROWS]) {
+                  float (*acc)[ROWS]) {
     constexpr int NB = nbytes<T>();
     constexpr bool with_m = T == Q4_1 || T == Q5_1;
     const int64_t blocks = K / 32;
     __m256 sum[2][ROWS];
-    for (int h = 0; h < 2; ++h)
-        for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_ps();
+    zero_sums(sum, R);
     for (int64_t b = 0; b < blocks; ++b) {
         for (int h = 0; h < 2 && 8 * h < C; ++h) {
             const int cn = C - 8 * h < 8 ? C - 8 * h : 8;
@@ -897,17 +910,15 @@ void tile32_rows8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
 // every row is faster.)
 template <int T>
 void tile32_runs8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K,
-                     float (*acc)[ROWS]) {
+                  float (*acc)[ROWS]) {
     constexpr int NB = nbytes<T>();
     constexpr bool with_m = T == Q4_1 || T == Q5_1;
-    // Blocks per pass, as tile_columns8: a column's blocks read in runs, the partial sums of a pass in L1.
-    constexpr int BK = 64, V = 320;
-    const int run = V / (8 * R) > BK ? BK : V / (8 * R) < 1 ? 1 : V / (8 * R);
+    constexpr int BK = 64;  // blocks per pass, as tile_columns8: a column's blocks read in runs
+    const int run = run_length(R, BK);
     const int64_t blocks = K / 32;
     __m256 sum[2][ROWS];
-    for (int h = 0; h < 2; ++h)
-        for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_ps();
-    __m256i v[V > 8 * ROWS ? V : 8 * ROWS];  // block bb, row r, column c at (bb * R + r) * 8 + c
+    zero_sums(sum, R);
+    __m256i v[PASS];  // block bb, row r, column c at (bb * R + r) * 8 + c
     alignas(32) float dh[BK][8], mh[BK][8];  // the columns' d and m
     for (int64_t b0 = 0; b0 < blocks; b0 += run) {
         const int bk = blocks - b0 < run ? (int)(blocks - b0) : run;
