@@ -16,7 +16,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from hfspec.cpu import int8, int8_reference
+from hfspec.cpu import int8, int8_reference, quant
 
 FORMATS = list(int8_reference.BLOCK)
 ROWS = [*range(1, 18), 33, 65, 200]
@@ -57,11 +57,11 @@ def inputs(m: int, k: int, seed: int = 1) -> torch.Tensor:
     return x
 
 
-def kernel_out(ik, x, w, fmt, bias, threads):
+def kernel_out(ik, x, w, fmt, bias, threads, packed=None):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return int8.linear(x, w, fmt, GGMLQuantizationType[fmt].value, bias, ik)
+        return int8.linear(x, w, fmt, GGMLQuantizationType[fmt].value, bias, ik, packed)
     finally:
         torch.set_num_threads(previous)
 
@@ -80,6 +80,47 @@ def test_every_row_count_and_thread_count_gives_the_references_bits(ik, fmt):
             got = kernel_out(ik, x[:m], w, fmt, bias if m % 2 else None, threads)
             expect = (with_bias if m % 2 else without)[:m]
             assert torch.equal(got.view(torch.int32), expect), f"{fmt}: {m} rows on {threads} threads"
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_repacked_weights_give_the_references_bits(ik, fmt):
+    """On AVX2 the K-quants are repacked at load (8 columns interleaved); elsewhere nothing is packed."""
+    k, n = 768, 19  # two groups of 8 columns and a partial one
+    w = blocks(fmt, n, k, seed=5)
+    typ = GGMLQuantizationType[fmt].value
+    packed = int8.pack(w, typ, k, ik)
+    if ik.isa != "avx2":
+        assert packed is None
+        return
+    assert packed is not None and packed.data.numel() == ik.packed_bytes(typ, n, k)
+    x = inputs(max(ROWS), k, seed=6)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    with_bias = int8_reference.linear(x, w, fmt, bias).view(torch.int32)
+    without = int8_reference.linear(x, w, fmt).view(torch.int32)
+    for threads in (1, 2):
+        for m in ROWS:
+            got = kernel_out(ik, x[:m], w, fmt, bias if m % 2 else None, threads, packed)
+            expect = (with_bias if m % 2 else without)[:m]
+            assert torch.equal(got.view(torch.int32), expect), f"{fmt}: {m} rows on {threads} threads"
+    with pytest.raises(ValueError, match="do not hold"):
+        kernel_out(ik, x[:1], w[:8], fmt, None, 1, packed)
+
+
+def test_a_layer_packs_its_weight_once_and_again_when_it_is_replaced(ik):
+    k = 512
+    assert quant.kernel() is not None
+    layer = quant.QuantLinear(blocks("Q4_K", 16, k, seed=8), "Q4_K", k, arithmetic="int8")
+    x = inputs(12, k, seed=9)
+    first = layer(x)
+    assert torch.equal(first, int8_reference.linear(x, layer.weight, "Q4_K"))
+    held = layer._packing
+    assert held is not None and (held[1] is not None) == (ik.isa == "avx2")
+    layer(x)
+    assert layer._packing is held
+    layer.weight = torch.nn.Parameter(blocks("Q4_K", 16, k, seed=10), requires_grad=False)
+    second = layer(x)
+    assert torch.equal(second, int8_reference.linear(x, layer.weight, "Q4_K"))
+    assert not torch.equal(first, second)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])

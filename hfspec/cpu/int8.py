@@ -16,7 +16,7 @@ import torch
 
 from hfspec.cpu import int8_reference, kernels
 
-__all__ = ["ARITHMETICS", "Int8Kernel", "check_arithmetic", "kernel", "linear"]
+__all__ = ["ARITHMETICS", "Int8Kernel", "Packed", "check_arithmetic", "kernel", "linear", "pack"]
 
 # The arithmetics a quantized layer runs in: llama.cpp's integer one, or float32 on the dequantized weights.
 ARITHMETICS = ("int8", "float32")
@@ -43,6 +43,15 @@ class Int8Kernel:
             [ctypes.c_int, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int],
             ctypes.c_int,
         )
+        self.packed_bytes = library.function("hfspec_int8_packed_bytes", [ctypes.c_int, i64, i64], i64)
+        self.pack_entry = library.function(
+            "hfspec_int8_pack", [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int], ctypes.c_int
+        )
+        self.packed_entry = library.function(
+            "hfspec_int8_linear_packed",
+            [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int],
+            ctypes.c_int,
+        )
 
     def __deepcopy__(self, memo: dict) -> Int8Kernel:
         return self  # process state, as the library
@@ -59,6 +68,31 @@ def kernel() -> Int8Kernel | None:
     return None if library is None else _bind(library)
 
 
+class Packed:
+    """A layer's weight blocks rewritten once into the layout this build's kernel reads fastest (for Q4_K on AVX2:
+    8 output columns interleaved, scales unpacked to bytes, ``d`` widened to fp32; ``csrc/int8.cpp``). The same
+    numbers: the kernel gives the same bits from it as from the blocks."""
+
+    def __init__(self, data: torch.Tensor, ggml_type: int, n: int, k: int):
+        self.data, self.ggml_type, self.n, self.k = data, ggml_type, n, k
+
+
+def pack(blocks: torch.Tensor, ggml_type: int, k: int, kernel: Int8Kernel | None) -> Packed | None:
+    """``blocks`` (N, bytes per row) repacked for ``kernel``, or None where it reads this format as stored."""
+    if kernel is None or not blocks.is_cpu or blocks.stride(1) != 1:
+        return None
+    n = blocks.shape[0]
+    size = kernel.packed_bytes(ggml_type, n, k)
+    if size <= 0:
+        return None
+    data = torch.empty(size, dtype=torch.uint8)
+    if not kernel.pack_entry(
+        ggml_type, blocks.data_ptr(), blocks.stride(0), n, k, data.data_ptr(), torch.get_num_threads()
+    ):
+        return None
+    return Packed(data, ggml_type, n, k)
+
+
 def linear(
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -66,15 +100,35 @@ def linear(
     ggml_type: int,
     bias: torch.Tensor | None = None,
     kernel: Int8Kernel | None = None,
+    packed: Packed | None = None,
 ) -> torch.Tensor:
     """``x`` (..., K) times the ``fmt`` weight in ``blocks`` (N, bytes per row, unit stride along a row) in integer
-    arithmetic, plus ``bias`` (fp32, N): fp32 (..., N). On ``kernel`` where given, else in torch."""
+    arithmetic, plus ``bias`` (fp32, N): fp32 (..., N). On ``kernel`` where given (reading ``packed``, the same
+    blocks repacked by :func:`pack`, where given), else in torch."""
     k, n = x.shape[-1], blocks.shape[0]
     x2 = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()  # the decoding path: as is
     if kernel is None or not (x2.is_cpu and blocks.is_cpu) or blocks.stride(1) != 1:
         out = int8_reference.linear(x2.reshape(-1, k).cpu(), blocks.cpu(), fmt, None if bias is None else bias.cpu())
         return out.to(x.device).reshape(*x.shape[:-1], n)
     out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    if packed is not None:
+        if (packed.ggml_type, packed.n, packed.k) != (ggml_type, n, k):
+            raise ValueError(f"packed weights of {packed.n}x{packed.k} do not hold this {fmt} weight of {n}x{k}")
+        if kernel.packed_entry(
+            ggml_type,
+            x2.data_ptr(),
+            k,
+            packed.data.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            n,
+            x2.numel() // k,
+            n,
+            k,
+            torch.get_num_threads(),
+        ):
+            return out
+        raise ValueError(f"the int8 kernel has no packed path for {fmt} rows of {k} weights")
     done = kernel.entry(
         ggml_type,
         x2.data_ptr(),

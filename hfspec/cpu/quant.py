@@ -294,6 +294,9 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.plan: tuple[int, ...] | None = None  # the block shape per row count (plan_layers); None: the default
         self.plan_threads: int | None = None  # the thread count the plan was timed for; None: not timed
+        # the int8 kernel's copy of the blocks (int8.pack, at the first int8 forward) and the storage it was made
+        # from; None: not asked yet
+        self._packing: tuple[int, int8.Packed | None] | None = None
 
     @property
     def kernel_kind(self) -> str:
@@ -305,6 +308,15 @@ class QuantLinear(nn.Module):
         """The kernel on ``blocks`` (some of this layer's rows): what :mod:`hfspec.cpu.plan` times."""
         return linear(_KERNEL, x, blocks, self.fmt, bias, plan)
 
+    def _packed(self, kernel: int8.Int8Kernel | None) -> int8.Packed | None:
+        """The blocks as ``kernel`` reads them fastest, packed once (again if the weight was replaced); None where
+        it reads them as stored."""
+        if kernel is None:
+            return None
+        if self._packing is None or self._packing[0] != self.weight.data_ptr():
+            self._packing = (self.weight.data_ptr(), int8.pack(self.weight, self.fmt.type, self.in_features, kernel))
+        return self._packing[1]
+
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight (out_features, in_features), as the dequantized model holds it."""
         return dequantize(self.weight, self.fmt, self.in_features)
@@ -314,7 +326,7 @@ class QuantLinear(nn.Module):
         if self.arithmetic == "int8":
             kernel = _INT8 if input.is_cpu and self.weight.is_cpu else None
             bias = b if b is None or b.device == input.device else b.to(input.device)
-            out = int8.linear(input, self.weight, self.fmt.name, self.fmt.type, bias, kernel)
+            out = int8.linear(input, self.weight, self.fmt.name, self.fmt.type, bias, kernel, self._packed(kernel))
             return out if out.dtype is input.dtype else out.to(input.dtype)
         if (
             qk is None
