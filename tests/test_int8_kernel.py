@@ -82,7 +82,7 @@ def test_every_row_count_and_thread_count_gives_the_references_bits(ik, fmt):
             assert torch.equal(got.view(torch.int32), expect), f"{fmt}: {m} rows on {threads} threads"
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 def test_repacked_weights_give_the_references_bits(ik, fmt):
     """On AVX2 the K-quants are repacked at load (8 columns interleaved); elsewhere nothing is packed."""
     k, n = 768, 19  # two groups of 8 columns and a partial one

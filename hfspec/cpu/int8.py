@@ -69,7 +69,7 @@ def kernel() -> Int8Kernel | None:
 
 
 class Packed:
-    """A layer's weight blocks rewritten once into the layout this build's kernel reads fastest (for Q4_K on AVX2:
+    """A layer's weight blocks rewritten once into the layout this build's kernel reads fastest (the K-quants on AVX2:
     8 output columns interleaved, scales unpacked to bytes, ``d`` widened to fp32; ``csrc/int8.cpp``). The same
     numbers: the kernel gives the same bits from it as from the blocks."""
 

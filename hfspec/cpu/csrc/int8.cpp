@@ -1088,11 +1088,13 @@ void linear(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const fl
 // A one-row step is bound by the instructions per weight block, not by memory, when each block is unpacked as the
 // file stores it (scales in 6 bits, fp16 d, codes of one column per vector, then a horizontal sum). At load each
 // group of 8 output columns is rewritten once, per super-block (PACKED<T> bytes):
-//   Q4_K  [0, 32)      d of the 8 columns, fp32 (the fp16 widened: the same value)
-//         [32, 64)     dmin of the 8 columns, fp32
-//         [64, 128)    sc[j][c]: sub-block j's 6-bit scale of column c, a byte
-//         [128, 192)   mn[p][c][2]: column c's mins of sub-blocks 2p and 2p + 1, bytes
-//         [192, 1216)  the low nibbles (below)
+//   Q4_K, Q5_K  [0, 32)      d of the 8 columns, fp32 (the fp16 widened: the same value)
+//               [32, 64)     dmin of the 8 columns, fp32
+//               [64, 128)    sc[j][c]: sub-block j's 6-bit scale of column c, a byte
+//               [128, 192)   mn[p][c][2]: column c's mins of sub-blocks 2p and 2p + 1, bytes
+//               [192, 1216)  the low nibbles (below)
+//   Q5_K        [1216, 1472) hi[j][32]: byte 4c + e holds the top bit of the codes of nibble vector t of chunk j
+//                            (below) in bit t
 //   Q6_K  [0, 32)      d, fp32
 //         [32, 160)    sc[i][c]: 16-weight sub-block i's signed scale of column c
 //         [160, 1184)  the low nibbles
@@ -1102,11 +1104,11 @@ void linear(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const fl
 // element 32j + 4v + e in its low nibble and of element 32j + 16 + 4v + e in its high one. A row's 4 activation codes
 // broadcast so meet 4 codes of each of the 8 columns in one maddubs, and the 8 columns' sums come out in the 8 int32
 // lanes with no horizontal sum. Int16 sums stay below 2^15: a Q4_K sub-block's (16 * 15 * 128 = 30720) takes its
-// scale in one madd, Q6_K's are scaled every two maddubs (4 * 63 * 128 = 32256). Integer sums are exact, the fp32
+// scale in one madd, Q5_K's every four maddubs (8 * 31 * 128 = 31744), Q6_K's every two (4 * 63 * 128 = 32256). Integer sums are exact, the fp32
 // steps are the reference's, lane by lane.
 #if defined(HFSPEC_INT8_AVX2)
 template <int T>
-constexpr int PACKED = T == Q4_K ? 1216 : 1696;
+constexpr int PACKED = T == Q4_K ? 1216 : T == Q5_K ? 1472 : 1696;
 // Super-blocks ahead that the packed kernel prefetches: one group's blocks lie in one stream, and the hardware's
 // prefetcher alone left a one-row step at 0.42 against 0.31-0.38 ms (Q4_K 8960 x 1536, 2 threads, AMD EPYC Zen 3).
 constexpr int PACKED_AHEAD = 4;
@@ -1114,11 +1116,16 @@ constexpr int PACKED_AHEAD = 4;
 // One super-block's 256 codes in element order (Q6_K's with their offset 32: 0 .. 63), as ggml dequantizes them.
 template <int T>
 void codes_of(const uint8_t* wb, uint8_t* code) {
-    if constexpr (T == Q4_K) {
+    if constexpr (T == Q4_K || T == Q5_K) {
+        const uint8_t *qs = wb + (T == Q4_K ? 16 : 48), *qh = wb + 16;
         for (int h = 0; h < 4; ++h)
             for (int l = 0; l < 32; ++l) {
-                code[64 * h + l] = wb[16 + 32 * h + l] & 15;
-                code[64 * h + 32 + l] = wb[16 + 32 * h + l] >> 4;
+                code[64 * h + l] = qs[32 * h + l] & 15;
+                code[64 * h + 32 + l] = qs[32 * h + l] >> 4;
+                if constexpr (T == Q5_K) {
+                    code[64 * h + l] |= ((qh[l] >> (2 * h)) & 1) << 4;
+                    code[64 * h + 32 + l] |= ((qh[l] >> (2 * h + 1)) & 1) << 4;
+                }
             }
     } else {
         for (int n = 0; n < 2; ++n) {
@@ -1135,7 +1142,7 @@ void codes_of(const uint8_t* wb, uint8_t* code) {
 
 template <int T>
 void pack(const uint8_t* w, int64_t ldw, int64_t N, int64_t K, uint8_t* out, int threads) {
-    constexpr int NB = T == Q4_K ? 144 : 210, NIB = T == Q4_K ? 192 : 160;
+    constexpr int NB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210, NIB = T == Q6_K ? 160 : 192;
     const int64_t blocks = K / 256, groups = (N + 7) / 8;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
@@ -1144,7 +1151,7 @@ void pack(const uint8_t* w, int64_t ldw, int64_t N, int64_t K, uint8_t* out, int
             for (int64_t b = 0; b < blocks; ++b) {
                 const uint8_t* wb = w + (8 * g + c) * ldw + b * NB;
                 uint8_t* pb = out + (g * blocks + b) * PACKED<T>;
-                if constexpr (T == Q4_K) {
+                if constexpr (T != Q6_K) {
                     const float d = half_at(wb), dmin = half_at(wb + 2);
                     memcpy(pb + 4 * c, &d, 4);
                     memcpy(pb + 32 + 4 * c, &dmin, 4);
@@ -1166,7 +1173,10 @@ void pack(const uint8_t* w, int64_t ldw, int64_t N, int64_t K, uint8_t* out, int
                         for (int e = 0; e < 4; ++e) {
                             const uint8_t low = code[32 * j + 4 * v + e], high = code[32 * j + 16 + 4 * v + e];
                             pb[NIB + 128 * j + 32 * v + 4 * c + e] = (uint8_t)((low & 15) | ((high & 15) << 4));
-                            if constexpr (T == Q6_K) {  // nibble vectors 0-3: low nibbles of v = 0-3; 4-7: high ones
+                            // nibble vectors 0-3: the low nibbles of v = 0-3; 4-7: the high ones
+                            if constexpr (T == Q5_K)
+                                pb[1216 + 32 * j + 4 * c + e] |= (uint8_t)(((low >> 4) << v) | ((high >> 4) << (4 + v)));
+                            if constexpr (T == Q6_K) {
                                 pb[1184 + 64 * j + 4 * c + e] |= (uint8_t)((low >> 4) << (2 * v));
                                 pb[1184 + 64 * j + 32 + 4 * c + e] |= (uint8_t)((high >> 4) << (2 * v));
                             }
@@ -1193,11 +1203,23 @@ inline __m256i column_pairs(const uint8_t* s0, const uint8_t* s1) {
 template <int T>
 inline void unpack_chunk(const uint8_t* pb, int j, __m256i* u) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
-    const uint8_t* cj = pb + (T == Q4_K ? 192 : 160) + 128 * j;
+    const uint8_t* cj = pb + (T == Q6_K ? 160 : 192) + 128 * j;
     for (int v = 0; v < 4; ++v) {
         const __m256i packed = _mm256_loadu_si256((const __m256i*)(cj + 32 * v));
         u[v] = _mm256_and_si256(packed, nib);
         u[4 + v] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nib);
+    }
+    if constexpr (T == Q5_K) {  // bit t to bit 4 (16-bit shifts: what crosses a byte is masked off)
+        const __m256i top = _mm256_set1_epi8(0x10);
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(pb + 1216 + 32 * j));
+        u[0] = _mm256_or_si256(u[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+        u[1] = _mm256_or_si256(u[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), top));
+        u[2] = _mm256_or_si256(u[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+        u[3] = _mm256_or_si256(u[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), top));
+        u[4] = _mm256_or_si256(u[4], _mm256_and_si256(hb, top));
+        u[5] = _mm256_or_si256(u[5], _mm256_and_si256(_mm256_srli_epi16(hb, 1), top));
+        u[6] = _mm256_or_si256(u[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+        u[7] = _mm256_or_si256(u[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), top));
     }
     if constexpr (T == Q6_K) {
         const __m256i top = _mm256_set1_epi8(0x30);
@@ -1237,6 +1259,19 @@ void packed_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_t 
                         s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[v], broadcast_codes(q + 4 * (v % 4) + 16 * (v / 4))));
                     dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(s, sc));
                 }
+            } else if constexpr (T == Q5_K) {
+                const __m256i sc = column_pairs<false>(pb + 64 + 8 * j, pb + 64 + 8 * j);
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* q = a.q.data() + (m0 + r) * K + b * 256 + 32 * j;
+                    __m256i t = dots[r];
+                    for (int h = 0; h < 2; ++h) {
+                        __m256i s = _mm256_maddubs_epi16(u[4 * h], broadcast_codes(q + 16 * h));
+                        for (int v = 1; v < 4; ++v)
+                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[4 * h + v], broadcast_codes(q + 16 * h + 4 * v)));
+                        t = _mm256_add_epi32(t, _mm256_madd_epi16(s, sc));
+                    }
+                    dots[r] = t;
+                }
             } else {  // sub-blocks 2j (u[0..3]) and 2j + 1 (u[4..7])
                 const __m256i s0 = column_pairs<true>(pb + 32 + 16 * j, pb + 32 + 16 * j);
                 const __m256i s1 = column_pairs<true>(pb + 40 + 16 * j, pb + 40 + 16 * j);
@@ -1257,10 +1292,10 @@ void packed_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_t 
         constexpr int J = T == Q6_K ? 8 : 4;
         __m256i mult[J];
         for (int p = 0; p < J; ++p)
-            mult[p] = T == Q4_K ? _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(pb + 128 + 16 * p)))
+            mult[p] = T != Q6_K ? _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(pb + 128 + 16 * p)))
                                 : column_pairs<true>(pb + 32 + 16 * p, pb + 40 + 16 * p);
         const __m256 dv = _mm256_loadu_ps((const float*)pb);
-        const __m256 dminv = T == Q4_K ? _mm256_loadu_ps((const float*)(pb + 32)) : _mm256_setzero_ps();
+        const __m256 dminv = T != Q6_K ? _mm256_loadu_ps((const float*)(pb + 32)) : _mm256_setzero_ps();
         for (int r = 0; r < R; ++r) {
             const int64_t row = m0 + r;
             const int32_t* pairs = a.pairs.data() + ((row / GROUP) * blocks + b) * 8 * GROUP + row % GROUP;
@@ -1271,7 +1306,7 @@ void packed_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_t 
             __m256i A = dots[r];
             if constexpr (T == Q6_K) A = _mm256_sub_epi32(A, _mm256_slli_epi32(mins, 5));
             sum[r] = _mm256_add_ps(sum[r], _mm256_mul_ps(_mm256_cvtepi32_ps(A), _mm256_mul_ps(dv, da)));
-            if constexpr (T == Q4_K)
+            if constexpr (T != Q6_K)
                 sum[r] = _mm256_sub_ps(sum[r], _mm256_mul_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dminv, da)));
         }
     }
@@ -1318,8 +1353,8 @@ extern "C" {
 // build reads that type as the file stores it.
 int64_t hfspec_int8_packed_bytes(int type, int64_t N, int64_t K) {
 #if defined(HFSPEC_INT8_AVX2)
-    if ((type == Q4_K || type == Q6_K) && K % 256 == 0)
-        return (N + 7) / 8 * (K / 256) * (type == Q4_K ? PACKED<Q4_K> : PACKED<Q6_K>);
+    if (is_k(type) && K % 256 == 0)
+        return (N + 7) / 8 * (K / 256) * (type == Q4_K ? PACKED<Q4_K> : type == Q5_K ? PACKED<Q5_K> : PACKED<Q6_K>);
 #endif
     (void)type, (void)N, (void)K;
     return 0;
@@ -1331,6 +1366,8 @@ int hfspec_int8_pack(int type, const uint8_t* w, int64_t ldw, int64_t N, int64_t
 #if defined(HFSPEC_INT8_AVX2)
     if (type == Q4_K)
         pack<Q4_K>(w, ldw, N, K, out, threads);
+    else if (type == Q5_K)
+        pack<Q5_K>(w, ldw, N, K, out, threads);
     else
         pack<Q6_K>(w, ldw, N, K, out, threads);
 #else
@@ -1346,6 +1383,8 @@ int hfspec_int8_linear_packed(int type, const float* x, int64_t ldx, const uint8
 #if defined(HFSPEC_INT8_AVX2)
     if (type == Q4_K)
         linear_packed<Q4_K>(x, ldx, packed, bias, y, ldy, M, N, K, threads);
+    else if (type == Q5_K)
+        linear_packed<Q5_K>(x, ldx, packed, bias, y, ldy, M, N, K, threads);
     else
         linear_packed<Q6_K>(x, ldx, packed, bias, y, ldy, M, N, K, threads);
 #else
