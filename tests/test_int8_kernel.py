@@ -110,6 +110,9 @@ def test_a_layer_packs_its_weight_once_and_again_when_it_is_replaced(ik):
     k = 512
     assert quant.kernel() is not None
     layer = quant.QuantLinear(blocks("Q4_K", 16, k, seed=8), "Q4_K", k, arithmetic="int8")
+    quant.plan_layers(torch.nn.Sequential(layer))  # at load: packed before the first forward
+    size = ik.packed_bytes(GGMLQuantizationType.Q4_K.value, 16, k) if ik.isa == "avx2" else 0
+    assert quant.describe(layer)["packed_bytes"] == size
     x = inputs(12, k, seed=9)
     first = layer(x)
     assert torch.equal(first, int8_reference.linear(x, layer.weight, "Q4_K"))

@@ -140,5 +140,6 @@ def test_quantized_layers_are_described(qk):
         "layers": 1,
         "formats": {"Q8_0": 1, "Q8_0 embedding": 1},
         "bytes": blocks.numel(),
+        "packed_bytes": 0,
         "arithmetic": "float32",
     }

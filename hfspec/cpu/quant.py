@@ -294,8 +294,8 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.plan: tuple[int, ...] | None = None  # the block shape per row count (plan_layers); None: the default
         self.plan_threads: int | None = None  # the thread count the plan was timed for; None: not timed
-        # the int8 kernel's copy of the blocks (int8.pack, at the first int8 forward) and the storage it was made
-        # from; None: not asked yet
+        # the int8 kernel's copy of the blocks (int8.pack: at load by plan_layers, else at the first int8 forward)
+        # and the storage it was made from; None: not asked yet
         self._packing: tuple[int, int8.Packed | None] | None = None
 
     @property
@@ -402,6 +402,9 @@ def plan_layers(model: nn.Module, *, progress: bool | None = None) -> int:
     qk = kernel()
     if qk is None:
         return 0
+    for layer in every:  # int8 layers are repacked now, at load, not in the first request's forward
+        if layer.arithmetic == "int8" and layer.weight.is_cpu:
+            layer._packed(_INT8)
     if layers:
         plan = kernel_plan.plan_for(qk.library, layers, progress=progress, shapes=qk.shapes, default=default_plan(qk))
         for layer in layers:
@@ -411,15 +414,18 @@ def plan_layers(model: nn.Module, *, progress: bool | None = None) -> int:
 
 def describe(model: nn.Module | None) -> dict[str, object]:
     """What of ``model`` stays quantized: ``layers`` (quantized linears), ``formats`` (layers per format, with a
-    quantized embedding counted as ``"embedding"``), ``bytes`` of blocks held (a shared table counted once), and
-    the ``arithmetic`` its quantized linears run in (``"int8"``, ``"float32"``, ``"mixed"``; None without any)."""
+    quantized embedding counted as ``"embedding"``), ``bytes`` of blocks held (a shared table counted once),
+    ``packed_bytes`` of the int8 kernel's repacked copies (:func:`hfspec.cpu.int8.pack`) and the ``arithmetic``
+    its quantized linears run in (``"int8"``, ``"float32"``, ``"mixed"``; None without any)."""
     if model is None:
-        return {"layers": 0, "formats": {}, "bytes": 0, "arithmetic": None}
+        return {"layers": 0, "formats": {}, "bytes": 0, "packed_bytes": 0, "arithmetic": None}
     formats: Counter[str] = Counter()
     held: dict[int, int] = {}
     arithmetics: set[str] = set()
-    layers = 0
+    layers = packed = 0
     for m in model.modules():
+        if isinstance(m, QuantLinear) and m._packing is not None and m._packing[1] is not None:
+            packed += m._packing[1].data.numel()
         if isinstance(m, (QuantLinear, QuantEmbedding)):
             formats[m.fmt.name if isinstance(m, QuantLinear) else f"{m.fmt.name} embedding"] += 1
             if isinstance(m, QuantLinear):
@@ -431,6 +437,7 @@ def describe(model: nn.Module | None) -> dict[str, object]:
         "layers": layers,
         "formats": dict(sorted(formats.items())),
         "bytes": sum(held.values()),
+        "packed_bytes": packed,
         "arithmetic": arithmetic,
     }
 
