@@ -10,6 +10,7 @@ decoding. Where the kernel cannot run, :func:`linear` computes the reference in 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 
 import torch
@@ -68,13 +69,16 @@ def kernel() -> Int8Kernel | None:
     return None if library is None else _bind(library)
 
 
+@dataclasses.dataclass(frozen=True)
 class Packed:
     """A layer's weight blocks rewritten once into the layout this build's kernel reads fastest (the K-quants on AVX2:
     8 output columns interleaved, scales unpacked to bytes, ``d`` widened to fp32; ``csrc/int8.cpp``). The same
     numbers: the kernel gives the same bits from it as from the blocks."""
 
-    def __init__(self, data: torch.Tensor, ggml_type: int, n: int, k: int):
-        self.data, self.ggml_type, self.n, self.k = data, ggml_type, n, k
+    data: torch.Tensor
+    ggml_type: int
+    n: int
+    k: int
 
 
 def pack(blocks: torch.Tensor, ggml_type: int, k: int, kernel: Int8Kernel | None) -> Packed | None:
@@ -111,38 +115,16 @@ def linear(
         out = int8_reference.linear(x2.reshape(-1, k).cpu(), blocks.cpu(), fmt, None if bias is None else bias.cpu())
         return out.to(x.device).reshape(*x.shape[:-1], n)
     out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-    if packed is not None:
-        if (packed.ggml_type, packed.n, packed.k) != (ggml_type, n, k):
-            raise ValueError(f"packed weights of {packed.n}x{packed.k} do not hold this {fmt} weight of {n}x{k}")
-        if kernel.packed_entry(
-            ggml_type,
-            x2.data_ptr(),
-            k,
-            packed.data.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            n,
-            x2.numel() // k,
-            n,
-            k,
-            torch.get_num_threads(),
-        ):
-            return out
-        raise ValueError(f"the int8 kernel has no packed path for {fmt} rows of {k} weights")
-    done = kernel.entry(
-        ggml_type,
-        x2.data_ptr(),
-        k,
-        blocks.data_ptr(),
-        blocks.stride(0),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        n,
-        x2.numel() // k,
-        n,
-        k,
-        torch.get_num_threads(),
-    )
-    if not done:
-        raise ValueError(f"the int8 kernel does not read {fmt} rows of {k} weights")
+    if packed is None:
+        entry, weights, missing = kernel.entry, (blocks.data_ptr(), blocks.stride(0)), "does not read"
+    elif (packed.ggml_type, packed.n, packed.k) != (ggml_type, n, k):
+        raise ValueError(f"packed weights of {packed.n}x{packed.k} do not hold this {fmt} weight of {n}x{k}")
+    else:
+        entry, weights, missing = kernel.packed_entry, (packed.data.data_ptr(),), "has no packed path for"
+    bias_ptr = None if bias is None else bias.data_ptr()
+    rows = x2.numel() // k
+    if not entry(
+        ggml_type, x2.data_ptr(), k, *weights, bias_ptr, out.data_ptr(), n, rows, n, k, torch.get_num_threads()
+    ):
+        raise ValueError(f"the int8 kernel {missing} {fmt} rows of {k} weights")
     return out

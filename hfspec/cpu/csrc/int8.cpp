@@ -559,6 +559,12 @@ inline void zero_sums(__m256 (*sum)[ROWS], int R) {
         for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_ps();
 }
 
+// Column c's dots of a pass (bk blocks of R rows, laid out as in the run tiles' v) set to zero.
+inline void zero_lane(__m256i* v, int bk, int R, int c) {
+    for (int bb = 0; bb < bk; ++bb)
+        for (int r = 0; r < R; ++r) v[(bb * R + r) * 8 + c] = _mm256_setzero_si256();
+}
+
 // acc[c][r] = lane c % 8 of sum[c / 8][r], for the tile's C columns and R rows.
 inline void store_lanes(const __m256 (*sum)[ROWS], int C, int R, float (*acc)[ROWS]) {
     for (int h = 0; h < 2 && 8 * h < C; ++h)
@@ -602,12 +608,12 @@ void tile_columns8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t 
         for (int h = 0; h < 2 && 8 * h < C; ++h) {
             const int cn = C - 8 * h < 8 ? C - 8 * h : 8;
             for (int c = 0; c < 8; ++c) {
-                if (c >= cn) {
+                if (c >= cn) {  // past the matrix: a lane of zeros
                     for (int bb = 0; bb < bk; ++bb) {
                         d[bb][c] = dmin[bb][c] = 0.0f;
                         for (int j = 0; j < J; ++j) mult[bb][j][c] = 0;
-                        for (int r = 0; r < R; ++r) v[(bb * R + r) * 8 + c] = _mm256_setzero_si256();
                     }
+                    zero_lane(v, bk, R, c);
                     continue;
                 }
                 for (int bb = 0; bb < bk; ++bb) {  // column c's blocks b0.. in the order they lie in memory
@@ -925,11 +931,9 @@ void tile32_runs8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
         for (int h = 0; h < 2 && 8 * h < C; ++h) {
             const int cn = C - 8 * h < 8 ? C - 8 * h : 8;
             for (int c = 0; c < 8; ++c) {
-                if (c >= cn) {
-                    for (int bb = 0; bb < bk; ++bb) {
-                        dh[bb][c] = mh[bb][c] = 0.0f;
-                        for (int r = 0; r < R; ++r) v[(bb * R + r) * 8 + c] = _mm256_setzero_si256();
-                    }
+                if (c >= cn) {  // past the matrix: a lane of zeros
+                    for (int bb = 0; bb < bk; ++bb) dh[bb][c] = mh[bb][c] = 0.0f;
+                    zero_lane(v, bk, R, c);
                     continue;
                 }
                 for (int bb = 0; bb < bk; ++bb) {  // column c's blocks b0.. in the order they lie in memory
@@ -1060,6 +1064,12 @@ void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R
     }
 }
 
+// y[r][n0 + c] = acc[c][r] (+ bias[n0 + c]) for a tile's C columns and R rows: the reference's last step, y = R + b.
+inline void write_out(const float (*acc)[ROWS], int C, int R, const float* bias, int64_t n0, float* y, int64_t ldy) {
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < R; ++r) y[r * ldy + n0 + c] = bias ? acc[c][r] + bias[n0 + c] : acc[c][r];
+}
+
 template <int T>
 void linear(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const float* bias, float* y, int64_t ldy,
             int64_t M, int64_t N, int64_t K, int threads) {
@@ -1076,9 +1086,7 @@ void linear(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const fl
             // the next tile's weights are prefetched by the first pass of rows over this one
             const uint8_t* next = m0 == 0 && n0 + 2 * COLS <= N ? w + (n0 + COLS) * ldw : nullptr;
             tile<T>(w + n0 * ldw, ldw, C, a, m0, R, K, acc, next);
-            for (int c = 0; c < C; ++c)
-                for (int r = 0; r < R; ++r)
-                    y[(m0 + r) * ldy + n0 + c] = bias ? acc[c][r] + bias[n0 + c] : acc[c][r];
+            write_out(acc, C, R, bias, n0, y + m0 * ldy, ldy);
         }
     }
 }
@@ -1109,6 +1117,9 @@ void linear(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const fl
 #if defined(HFSPEC_INT8_AVX2)
 template <int T>
 constexpr int PACKED = T == Q4_K ? 1216 : T == Q5_K ? 1472 : 1696;
+// Maddubs whose int16 sums stay below 2^15 (see above): then one madd takes them to int32 with their scale.
+template <int T>
+constexpr int SUMS16 = T == Q4_K ? 8 : T == Q5_K ? 4 : 2;
 // Super-blocks ahead that the packed kernel prefetches: one group's blocks lie in one stream, and the hardware's
 // prefetcher alone left a one-row step at 0.42 against 0.31-0.38 ms (Q4_K 8960 x 1536, 2 threads, AMD EPYC Zen 3).
 constexpr int PACKED_AHEAD = 4;
@@ -1250,42 +1261,20 @@ void packed_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_t 
         for (int j = 0; j < 8; ++j) {
             __m256i u[8];
             unpack_chunk<T>(pb, j, u);
-            if constexpr (T == Q4_K) {
-                const __m256i sc = column_pairs<false>(pb + 64 + 8 * j, pb + 64 + 8 * j);
-                for (int r = 0; r < R; ++r) {
-                    const int8_t* q = a.q.data() + (m0 + r) * K + b * 256 + 32 * j;
-                    __m256i s = _mm256_maddubs_epi16(u[0], broadcast_codes(q));
-                    for (int v = 1; v < 8; ++v)
+            // the scales of the code vectors u[0..3] and u[4..7]: one sub-block (Q4_K, Q5_K) or two (Q6_K)
+            const __m256i s0 = T == Q6_K ? column_pairs<true>(pb + 32 + 16 * j, pb + 32 + 16 * j)
+                                         : column_pairs<false>(pb + 64 + 8 * j, pb + 64 + 8 * j);
+            const __m256i s1 = T == Q6_K ? column_pairs<true>(pb + 40 + 16 * j, pb + 40 + 16 * j) : s0;
+            for (int r = 0; r < R; ++r) {
+                const int8_t* q = a.q.data() + (m0 + r) * K + b * 256 + 32 * j;
+                __m256i t = dots[r];
+                for (int v0 = 0; v0 < 8; v0 += SUMS16<T>) {  // SUMS16 maddubs summed in int16, then scaled
+                    __m256i s = _mm256_maddubs_epi16(u[v0], broadcast_codes(q + 4 * (v0 % 4) + 16 * (v0 / 4)));
+                    for (int v = v0 + 1; v < v0 + SUMS16<T>; ++v)
                         s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[v], broadcast_codes(q + 4 * (v % 4) + 16 * (v / 4))));
-                    dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(s, sc));
+                    t = _mm256_add_epi32(t, _mm256_madd_epi16(s, v0 < 4 ? s0 : s1));
                 }
-            } else if constexpr (T == Q5_K) {
-                const __m256i sc = column_pairs<false>(pb + 64 + 8 * j, pb + 64 + 8 * j);
-                for (int r = 0; r < R; ++r) {
-                    const int8_t* q = a.q.data() + (m0 + r) * K + b * 256 + 32 * j;
-                    __m256i t = dots[r];
-                    for (int h = 0; h < 2; ++h) {
-                        __m256i s = _mm256_maddubs_epi16(u[4 * h], broadcast_codes(q + 16 * h));
-                        for (int v = 1; v < 4; ++v)
-                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[4 * h + v], broadcast_codes(q + 16 * h + 4 * v)));
-                        t = _mm256_add_epi32(t, _mm256_madd_epi16(s, sc));
-                    }
-                    dots[r] = t;
-                }
-            } else {  // sub-blocks 2j (u[0..3]) and 2j + 1 (u[4..7])
-                const __m256i s0 = column_pairs<true>(pb + 32 + 16 * j, pb + 32 + 16 * j);
-                const __m256i s1 = column_pairs<true>(pb + 40 + 16 * j, pb + 40 + 16 * j);
-                for (int r = 0; r < R; ++r) {
-                    const int8_t* q = a.q.data() + (m0 + r) * K + b * 256 + 32 * j;
-                    __m256i t = dots[r];
-                    for (int v = 0; v < 8; v += 2) {
-                        const __m256i p = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(u[v], broadcast_codes(q + 4 * (v % 4) + 16 * (v / 4))),
-                            _mm256_maddubs_epi16(u[v + 1], broadcast_codes(q + 4 * (v % 4) + 4 + 16 * (v / 4))));
-                        t = _mm256_add_epi32(t, _mm256_madd_epi16(p, v < 4 ? s0 : s1));
-                    }
-                    dots[r] = t;
-                }
+                dots[r] = t;
             }
         }
         // the bsum terms' multipliers, column c's pair p in lanes 2c, 2c + 1: Q4_K's mins, Q6_K's scales
@@ -1310,11 +1299,7 @@ void packed_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_t 
                 sum[r] = _mm256_sub_ps(sum[r], _mm256_mul_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dminv, da)));
         }
     }
-    for (int r = 0; r < R; ++r) {
-        alignas(32) float out[8];
-        _mm256_store_ps(out, sum[r]);
-        for (int c = 0; c < 8; ++c) acc[c][r] = out[c];
-    }
+    store_lanes(&sum, 8, R, acc);
 }
 
 template <int T>
@@ -1337,9 +1322,7 @@ void linear_packed(const float* x, int64_t ldx, const uint8_t* packed, const flo
                 case 4: packed_group<T, 4>(pg, a, m0, R, K, acc); break;
                 default: packed_group<T, 0>(pg, a, m0, R, K, acc);
             }
-            for (int c = 0; c < C; ++c)
-                for (int r = 0; r < R; ++r)
-                    y[(m0 + r) * ldy + 8 * g + c] = bias ? acc[c][r] + bias[8 * g + c] : acc[c][r];
+            write_out(acc, C, R, bias, 8 * g, y + m0 * ldy, ldy);
         }
     }
 }
