@@ -115,7 +115,7 @@ def test_describe_reports_isa_layers_and_no_memory_added(model_dir, library):
         "bytes_added": 0,
         "reason": None,
         "layers": linear_count(gen.target),
-        "fused": {"norms": 2 * layers + 1, "rotary": layers, "mlp": layers},  # norms, rotary, mlp in hfspec.cpu
+        "fused": {"norms": 2 * layers + 1, "rotary": layers, "mlp": layers, "layers": layers},  # in hfspec.cpu
     }
     draft = described["fast_kernels"]["draft"]  # in integer arithmetic (hfspec.cpu.draft_linear) where it can be
     integer = draft_linear.describe(gen.draft)

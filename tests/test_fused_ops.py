@@ -80,8 +80,8 @@ def test_accelerate_switches_the_norms_and_attention_and_restore_switches_them_b
     with torch.no_grad():
         before = model(ids).logits
     report = fast.accelerate(model)
-    assert (report.norms, report.rotary, report.mlps) == (2 * layers + 1, layers, layers)
-    assert fast.describe(model)["fused"] == {"norms": 2 * layers + 1, "rotary": layers, "mlp": layers}
+    assert (report.norms, report.rotary, report.mlps, report.decoders) == (2 * layers + 1, layers, layers, layers)
+    assert fast.describe(model)["fused"] == {"norms": 2 * layers + 1, "rotary": layers, "mlp": layers, "layers": layers}
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-5)
     fast.restore(model)

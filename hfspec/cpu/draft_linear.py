@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hfspec.cpu import kernels, quant
+from hfspec.cpu.c_linear import CLinear, Kind
 from hfspec.cpu.fast import FastLinear
 from hfspec.errors import HfspecError, HfspecTypeError
 
@@ -247,6 +248,13 @@ class DraftLinear(nn.Module):
             torch.get_num_threads(),
         )
         return out if input.dtype is torch.float32 else out.to(input.dtype)
+
+    def c_linear(self) -> CLinear | None:
+        """The kernel call :meth:`forward` makes for float32 CPU rows (no gradient), or None where it makes none."""
+        packed, b = self.packed, self.bias
+        if _KERNEL is None or not packed.is_cpu or (b is not None and b.dtype is not torch.float32):
+            return None
+        return CLinear(Kind.DRAFT, self.bits, packed, 0, b, self.out_features, self.in_features)
 
     def _torch(self, input: torch.Tensor) -> torch.Tensor:
         """``F.linear`` on the dequantized weight, in the input's dtype and on its device (dequantized per call)."""

@@ -41,7 +41,9 @@ from hfspec.cpu import activations as cpu_activations
 from hfspec.cpu import attention as cpu_attention
 from hfspec.cpu import conv1d as cpu_conv1d
 from hfspec.cpu import kernels, mlp, norms, quant, rotary
+from hfspec.cpu import layer as cpu_layer
 from hfspec.cpu import plan as kernel_plan
+from hfspec.cpu.c_linear import CLinear, Kind
 from hfspec.errors import HfspecError
 
 __all__ = [
@@ -65,9 +67,10 @@ __all__ = [
 ALL_ROWS = sys.maxsize
 _DTYPES = (torch.float32, torch.bfloat16)
 # What accelerate() switches beside the linears, each with use(model, library) and unuse(model): attention, activations,
-# Conv1D layers, RMSNorms, the Llama/Qwen2 attention forward (rotary) and gated MLPs (after the activations they fuse)
-# that give a row the same bits whatever rows come with it.
-_COMPANIONS = (cpu_attention, cpu_activations, cpu_conv1d, norms, rotary, mlp)
+# Conv1D layers, RMSNorms, the Llama/Qwen2 attention forward (rotary), gated MLPs (after the activations they fuse)
+# and the decoder layers made of those parts (one kernel call each), all giving a row the same bits whatever rows come
+# with it.
+_COMPANIONS = (cpu_attention, cpu_activations, cpu_conv1d, norms, rotary, mlp, cpu_layer)
 # The kernel :func:`accelerate` loaded, read on every forward (finding it again would hash the source);
 # a FastLinear unpickled in a process that never called accelerate() runs torch's linear.
 _KERNEL: kernels.KernelLibrary | None = None
@@ -110,6 +113,20 @@ class FastLinear(nn.Linear):
         out = kernels.linear_unchecked(library, x, w, bias, self.plan)
         return out.to(input.dtype).reshape(*input.shape[:-1], self.out_features)
 
+    def c_linear(self) -> CLinear | None:
+        """The kernel call :meth:`forward` makes for float32 CPU rows (no gradient), or None where it makes none."""
+        w, b, library = self.weight, self.bias, _KERNEL
+        if (
+            library is None
+            or not w.is_cpu
+            or w.dtype is not torch.float32
+            or not w.is_contiguous()
+            or (b is not None and not (b.is_cpu and b.dtype is torch.float32 and b.is_contiguous()))
+        ):
+            return None
+        plan = self.plan or kernels.default_plan(library)
+        return CLinear(Kind.FLOAT32, 0, w, w.stride(0), b, self.out_features, self.in_features, plan, self.max_rows)
+
 
 @dataclass(frozen=True)
 class AccelerationReport:
@@ -128,6 +145,7 @@ class AccelerationReport:
     norms: int = 0  # RMSNorm modules switched to hfspec.cpu.norms
     rotary: int = 0  # attention modules switched to hfspec.cpu.rotary's forward (rotary on the kernel)
     mlps: int = 0  # gated MLPs switched to hfspec.cpu.mlp (activation and product in one call)
+    decoders: int = 0  # decoder layers switched to hfspec.cpu.layer (the whole layer in one kernel call)
 
 
 def _skip_reason(module: nn.Linear) -> str | None:
@@ -183,6 +201,7 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None, plan: bool = Tr
     fused_norms = norms.use(model, library) if converted or quantized else 0
     lean = rotary.use(model, library) if converted or quantized else 0
     gated = mlp.use(model, library) if converted or quantized else 0
+    decoders = cpu_layer.use(model, library) if converted or quantized else 0
     return AccelerationReport(
         tuple(layers),
         tuple(skipped),
@@ -196,6 +215,7 @@ def accelerate(model: nn.Module, *, max_rows: int | None = None, plan: bool = Tr
         norms=fused_norms,
         rotary=lean,
         mlps=gated,
+        decoders=decoders,
     )
 
 
@@ -291,7 +311,8 @@ def describe(model: nn.Module | None) -> dict[str, object]:
     when off, the ``reason`` (e.g. ``"off: not a CPU model"``); for a model holding GGUF blocks also
     ``quantized``: its quantized ``layers``, ``formats`` (layers per format) and ``bytes`` held
     (:func:`hfspec.cpu.quant.describe`); and ``fused``, where any run: how many RMSNorms (``norms``), attention
-    forwards (``rotary``) and gated MLPs (``mlp``) run hfspec's fused kernels."""
+    forwards (``rotary``), gated MLPs (``mlp``) and decoder layers (``layers``, one kernel call each) run hfspec's
+    fused kernels."""
     if model is None:
         return {"on": False, "isa": None, "layers": 0, "bytes_added": 0, "reason": "off: no draft model"}
     layers = sum(type(m) in (FastLinear, cpu_conv1d.FastConv1D) for m in model.modules())
@@ -301,6 +322,7 @@ def describe(model: nn.Module | None) -> dict[str, object]:
         "norms": sum(type(m) is norms.FusedRMSNorm for m in model.modules()),
         "rotary": sum(type(m) is rotary.LeanAttention for m in model.modules()),
         "mlp": sum(type(m) is mlp.GatedMLP for m in model.modules()),
+        "layers": sum(isinstance(m, cpu_layer.LeanLayer) for m in model.modules()),
     }
     extra |= {"fused": fused} if any(fused.values()) else {}
     qk = quant.kernel() if held["layers"] else None
@@ -328,12 +350,12 @@ def suspended(*models: nn.Module | None) -> Iterator[None]:
     same layers run the kernels again afterwards (a benchmark's eager baseline on an accelerated model)."""
     layers = [m for model in models if model is not None for m in model.modules() if type(m) is FastLinear]
     switched = [(part, model) for part in _COMPANIONS for model in models if model is not None and part.unuse(model)]
-    for layer in layers:
-        layer.__class__ = nn.Linear
+    for linear in layers:
+        linear.__class__ = nn.Linear
     try:
         yield
     finally:
-        for layer in layers:
-            layer.__class__ = FastLinear
+        for linear in layers:
+            linear.__class__ = FastLinear
         for part, model in switched:
             part.use(model, _KERNEL)

@@ -35,6 +35,7 @@ from torch import nn
 
 from hfspec.cpu import int8, kernels
 from hfspec.cpu import plan as kernel_plan
+from hfspec.cpu.c_linear import CLinear, Kind
 
 __all__ = [
     "FORMATS",
@@ -344,6 +345,27 @@ class QuantLinear(nn.Module):
             x = x.float().contiguous()
         out = linear(qk, x, self.weight, self.fmt, b, self.plan)
         return out.to(input.dtype).reshape(*input.shape[:-1], self.out_features)
+
+    def c_linear(self) -> CLinear | None:
+        """The kernel call :meth:`forward` makes for float32 CPU rows (no gradient), or None where it makes none."""
+        w, b, n, k = self.weight, self.bias, self.out_features, self.in_features
+        if (
+            not w.is_cpu
+            or w.stride(1) != 1
+            or (b is not None and not (b.is_cpu and b.dtype is torch.float32 and b.is_contiguous()))
+        ):
+            return None
+        if self.arithmetic == "int8":
+            if _INT8 is None:
+                return None
+            packed = self._packed(_INT8)
+            if packed is not None:
+                return CLinear(Kind.INT8_PACKED, self.fmt.type, packed.data, 0, b, n, k)
+            return CLinear(Kind.INT8, self.fmt.type, w, w.stride(0), b, n, k)
+        if _KERNEL is None:
+            return None
+        plan = self.plan or default_plan(_KERNEL)
+        return CLinear(Kind.GGUF_FLOAT32, self.fmt.type, w, w.stride(0), b, n, k, plan)
 
     def extra_repr(self) -> str:
         return (

@@ -92,6 +92,20 @@ class BufferLayer(DynamicLayer):
         self._length = end
         return self.keys, self.values
 
+    def room(self, count: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The key and value buffers (B, Hkv, capacity, D) with room for ``count`` more columns, and the first of
+        them, for a caller that writes them itself and then calls :meth:`advance`; None before the first update."""
+        if not self.is_initialized or self._keys is None:
+            return None
+        end = self._length + count
+        if end > self.capacity:
+            self._grow(end)
+        return self._keys, self._values, self._length
+
+    def advance(self, count: int) -> None:
+        """Count ``count`` columns written after the filled ones (into the buffers :meth:`room` returned) as filled."""
+        self._length += count
+
     def _grow(self, needed: int) -> None:
         """Move the filled part into buffers long enough for ``needed`` positions."""
         size = capacity(needed, self.capacity, self.reserve)
