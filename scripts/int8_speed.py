@@ -1,11 +1,14 @@
 """One target step t(1) and verification costs v(k) = t(k) / t(1) of a GGUF target, in int8 and float32 arithmetic.
 
 Loads the file with its blocks kept (``hfspec.models.gguf_native``) once per arithmetic, puts it on hfspec's kernels,
-fills a cache with ``--depth`` tokens, then times a forward of k new tokens against it (the cache cropped back after
-each), the arithmetics taking turns so that a busy machine disturbs both alike. Prints JSON with the CPU's
-``lscpu`` model name and the load average: on a shared machine the numbers say so.
+fills hfspec's buffered cache with ``--depth`` tokens, then times a forward of k new tokens against it (the cache
+cropped back after each), the contenders taking turns so that a busy machine disturbs all alike: ``int8`` and
+``float32`` as hfspec runs them (each decoder layer in one kernel call, ``hfspec.cpu.layer``), and
+``int8-modules``, the same int8 model with its layers run module by module (what that one call saves). Prints JSON
+with the CPU's ``lscpu`` model name and the load average: on a shared machine the numbers say so.
 
     python scripts/int8_speed.py [--file PATH] [--threads 2] [--depth 256] [--ks 1,2,4,8,16] [--reps 7]
+        [--contenders int8,int8-modules,float32]
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from hfspec.cpu import fast
+from hfspec.cpu import layer as cpu_layer
 from hfspec.models import gguf_native
+from hfspec.models.kv_buffer import buffered_cache
 
 DEFAULT = Path.home() / ".cache/hfspec/qwen2.5-coder-1.5b-instruct/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"
 
@@ -56,22 +60,29 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=256)
     ap.add_argument("--ks", default="1,2,4,8,16")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--contenders", default="int8,int8-modules,float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
-    models = {a: load(args.file, a) for a in ("int8", "float32")}
+    names = args.contenders.split(",")
+    loaded = {a: load(args.file, a) for a in ("int8", "float32") if any(n.startswith(a) for n in names)}
+    models = {name: loaded[name.split("-")[0]] for name in names}
     g = torch.Generator().manual_seed(0)
-    vocab = models["int8"].config.vocab_size
+    vocab = next(iter(models.values())).config.vocab_size
     prompt = torch.randint(100, vocab - 100, (1, args.depth), generator=g)
     caches = {}
     with torch.inference_mode():
         for name, model in models.items():
-            caches[name] = DynamicCache(config=model.config)
+            caches[name] = buffered_cache(args.depth + max(ks))
             model(prompt, cache=caches[name], use_cache=True, logits_to_keep=1)
     best = {name: dict.fromkeys(ks, float("inf")) for name in models}
     for _ in range(args.reps):
         for k in ks:
-            for name, model in models.items():  # in turns: a busy spell hits both
+            for name, model in models.items():  # in turns: a busy spell hits all
+                if name.endswith("-modules"):
+                    cpu_layer.unuse(model)
+                else:
+                    cpu_layer.use(model, fast._KERNEL)
                 seconds = step_seconds(model, caches[name], k, vocab, g)
                 best[name][k] = min(best[name][k], seconds)
     result = {

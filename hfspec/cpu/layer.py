@@ -130,16 +130,24 @@ def _parts(layer: nn.Module) -> tuple[nn.Module, ...] | None:
     return None if any(part is None for part in found) else found
 
 
-def _key(parts: tuple[nn.Module, ...]) -> tuple:
+def _key(parts: tuple[nn.Module, ...]) -> tuple | None:
     """What a plan depends on: the parts, their classes, where their tensors live and the settings their forwards
-    read (a part replaced, switched back, a weight reloaded or retimed makes another key)."""
+    read (a part replaced, switched back, a weight reloaded or retimed makes another key); None where a part has
+    hooks (they run only through the module path)."""
     key: list = []
     for part in parts:
-        key += (part, type(part), part.training)
-        key += (None if t is None else t.data_ptr() for t in part._parameters.values())
-        key += (None if t is None else t.data_ptr() for t in part._buffers.values())
         attributes = part.__dict__
-        key += (attributes.get("plan"), attributes.get("arithmetic"), attributes.get("max_rows"))
+        if (
+            attributes["_forward_hooks"]
+            or attributes["_forward_pre_hooks"]
+            or attributes["_backward_hooks"]
+            or attributes["_backward_pre_hooks"]
+        ):
+            return None
+        key += (part, type(part), attributes["training"], attributes.get("plan"), attributes.get("arithmetic"))
+        key += (attributes.get("max_rows"), attributes.get("variance_epsilon"))
+        key += [None if t is None else t.data_ptr() for t in attributes["_parameters"].values()]
+        key += [None if t is None else t.data_ptr() for t in attributes["_buffers"].values()]
     return tuple(key)
 
 
@@ -248,10 +256,13 @@ class LeanLayer:
         )
 
 
-def _hooked(parts: tuple[nn.Module, ...]) -> bool:
-    return any(
-        part._forward_hooks or part._forward_pre_hooks or part._backward_hooks or part._backward_pre_hooks
-        for part in parts
+def _global_hooks() -> bool:
+    module = nn.modules.module
+    return bool(
+        module._global_forward_hooks
+        or module._global_forward_pre_hooks
+        or module._global_backward_hooks
+        or module._global_backward_pre_hooks
     )
 
 
@@ -273,9 +284,9 @@ def _run(
     ):
         return None
     parts = _parts(layer)
-    if parts is None or _hooked(parts) or nn.modules.module._global_forward_hooks:
+    key = None if parts is None or _global_hooks() else _key(parts)
+    if key is None:
         return None
-    key = _key(parts)
     plan = layer.hfspec_plan
     if plan is None or plan.key != key:
         plan = layer.__dict__["hfspec_plan"] = _plan(key, parts)
