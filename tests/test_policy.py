@@ -470,6 +470,17 @@ def test_costs_of_tree_sizes_leave_the_chains_maximum_alone():
     assert costs.tree_draft_seconds(1, 16, 4) == pytest.approx(4 * costs.draft)  # one draft forward per level
 
 
+def test_a_drafting_step_over_a_batch_never_seen_is_priced_by_its_rows():
+    # The target: 10 ms a row, 1 ms more per extra row up to 4, then the last slope on.
+    costs = Costs(verify={1: 0.010, 2: 0.011, 3: 0.012, 4: 0.013}, draft=0.004)
+    assert costs.draft_seconds(1) == pytest.approx(0.004)
+    assert costs.draft_seconds(16) == pytest.approx(0.004 * costs.rows(16) / costs.rows(1))  # 2.5x, not one row's
+    costs.record_draft(8, 0.012)
+    assert costs.draft_seconds(8) == pytest.approx(0.004 * costs.rows(8) / costs.rows(1) * 0.8 + 0.012 * 0.2)  # _EMA
+    assert costs.draft_seconds(16) == pytest.approx(costs.draft_seconds(8) * costs.rows(16) / costs.rows(8))
+    assert costs.draft_seconds(1) == pytest.approx(costs.draft_seconds(8) * costs.rows(1) / costs.rows(8))
+
+
 def test_tree_probes_let_trees_win_once_they_prove_themselves():
     # A poor chain: plain decoding wins, and the cautious prior keeps trees out too.
     costs = tree_costs({k: 1.0 + 0.05 * k for k in range(2, 34)})

@@ -89,7 +89,8 @@ class Costs:
     ``verify[k]`` and ``draft`` are the measurements (batch 1); real steps add running
     averages per (batch, k) that take precedence. A (batch, k) never seen is priced as
     batch·k token rows (``rows``), scaled by what the nearest observation cost relative
-    to its own price.
+    to its own price; a drafting step over a batch never seen, as the nearest observed
+    batch's scaled by the same row curve.
 
     A step is priced by what it drafts (``step_seconds``): a drafter that can also look
     its drafts up in the text (``hfspec.drafters.hybrid``) pays the draft model's step
@@ -158,7 +159,16 @@ class Costs:
         return base * self.observed_verify[(b, kk)] / self.rows(b * kk)
 
     def draft_seconds(self, batch: int) -> float:
-        return self.observed_draft.get(batch, self.draft)
+        """Seconds of one drafting step over ``batch`` rows: observed, or for a batch never seen, the nearest
+        observed batch's (the measured single row's where none is) scaled as the target's forward scales with its
+        rows (:meth:`rows`): the draft runs the same kernels on the same row counts, so a batch of 16 drafts is not
+        priced as one row's."""
+        found = self.observed_draft.get(batch)
+        if found is not None:
+            return found
+        near = min(self.observed_draft, key=lambda b: (abs(b - batch), b), default=None)
+        seconds, rows = (self.draft, 1) if near is None else (self.observed_draft[near], near)
+        return seconds * self.rows(max(batch, 1)) / self.rows(rows)
 
     def lookup_seconds(self, batch: int) -> float:
         """Seconds of a lookup without the draft model: nothing until a step has taken one."""
@@ -185,7 +195,7 @@ class Costs:
         self.observed_verify[(batch, k)] = (1 - _EMA) * old + _EMA * seconds
 
     def record_draft(self, batch: int, seconds_per_step: float) -> None:
-        old = self.observed_draft.get(batch, self.draft)
+        old = self.draft_seconds(batch)
         self.observed_draft[batch] = (1 - _EMA) * old + _EMA * seconds_per_step
 
     def record_lookup(self, batch: int, seconds: float) -> None:
