@@ -113,7 +113,10 @@ def layers(threads: list[int], rows: list[int], total_mb: int, repeats: int) -> 
 
 
 def source_ids(tokenizer, count: int) -> list[int]:
-    text = "".join((SOURCE / name).read_text() for name in ("sampling.py", "cache.py", "loop.py", "generator.py"))
+    text = "".join(
+        (SOURCE / name).read_text()
+        for name in ("decoding/sampling.py", "models/kv_cache.py", "decoding/loop.py", "generator.py")
+    )
     ids = tokenizer(text).input_ids
     if len(ids) < count:
         raise SystemExit(f"the source text has {len(ids)} tokens, fewer than the {count} asked for")
@@ -181,7 +184,8 @@ def model(threads: list[int], positions: int, rounds: int, bits: int, target: bo
         "isa": report.isa,
     }
     big = load("qwen2.5-coder-1.5b") if target else None
-    tokenizer = AutoTokenizer.from_pretrained(assets.wheel_model_dir("qwen2.5-coder-0.5b", progress=False))
+    directory = assets.wheel_model_dir("qwen2.5-coder-0.5b", progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=next(directory.glob("*.gguf")).name)
     ids = source_ids(tokenizer, positions + 64)
     models = {"exact": exact, "converted": converted, **({"target": big} if big is not None else {})}
     for t in threads:
