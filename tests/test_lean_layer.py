@@ -158,3 +158,21 @@ def test_switched_layers_stay_their_classes_for_transformers_and_switch_back(lib
     assert len(out.hidden_states) == model.config.num_hidden_layers + 1  # transformers' hooks found the layers
     fast.restore(model)
     assert type(model.model.layers[0]) is original and "hfspec_plan" not in model.model.layers[0].__dict__
+
+
+def test_a_switched_model_copies_and_pickles_and_its_copies_run_one_call_layers(library, calls):
+    import copy
+    import io
+
+    model = float_model("qwen2")
+    schedule = invariance.schedules(model, IDS, other=OTHER)["prefill 6, then blocks of 4"]
+    want = logits(model, schedule)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        layer = other.model.layers[0]
+        assert isinstance(layer, cpu_layer.LeanLayer) and layer.hfspec_original is model.model.layers[0].hfspec_original
+        before = len(calls)
+        got = logits(other, schedule)
+        assert len(calls) > before and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

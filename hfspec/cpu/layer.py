@@ -222,12 +222,25 @@ def _plan(key: tuple, parts: tuple[nn.Module, ...]) -> _Plan:
     return _Plan(key, layer, tuple(keep), min(rows) if rows else None, q.n // head_dim, head_dim, causal)
 
 
+def _rebuilt(original: type) -> nn.Module:
+    """A bare :class:`LeanLayer` of ``original``'s lean class, for a copy or an unpickled layer (its state is set
+    after): the lean class is made again where the process has not made it yet."""
+    module = original.__new__(_lean_class(original))
+    module.__dict__["hfspec_original"] = original
+    return module
+
+
 class LeanLayer:
     """The forward of a Llama-like decoder layer as one kernel call (see the module doc). Mixed into a subclass of the
     layer's own class by :func:`use`."""
 
     hfspec_original: type
     hfspec_plan: _Plan | None = None
+
+    def __reduce_ex__(self, protocol: int):
+        # copied and pickled by its own class (the lean one is made at run time), without the plan's C pointers
+        state = {k: v for k, v in self.__dict__.items() if k not in ("hfspec_plan", "hfspec_original")}
+        return _rebuilt, (self.hfspec_original,), state
 
     def forward(
         self,
