@@ -122,6 +122,7 @@ def scripted_auto(monkeypatch):
     monkeypatch.setattr(Costs, "record_lookup", lambda self, batch, seconds: None)
     # The script is the price of a step whatever the batch: a batch is not priced by its token rows here.
     monkeypatch.setattr(Costs, "verify_seconds", lambda self, batch, k: self.measured(k))
+    monkeypatch.setattr(Costs, "draft_seconds", lambda self, batch: self.draft)
 
     def script(gen, profile: str):
         verify, draft = AUTO_COSTS[profile]
