@@ -119,13 +119,7 @@ def attention(
     kv_heads, length, dv = key.shape[1], key.shape[2], value.shape[-1]
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     out = torch.empty((batch, rows, heads, dv), dtype=query.dtype)
-    if mask is not None:
-        if mask.shape[-1] > length:
-            mask = mask[..., :length]
-        mask = mask.expand(batch, heads, rows, length)
-        mask_strides = mask.stride()
-    else:
-        mask_strides = (0, 0, 0, 0)
+    mask, mask_strides = broadcast_mask(mask, batch, heads, rows, length)
     sizes = array.array(
         "q",
         (
@@ -162,6 +156,29 @@ def attention(
     return out
 
 
+def broadcast_mask(
+    mask: torch.Tensor | None, batch: int, heads: int, rows: int, length: int
+) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    """``mask`` cut to ``length`` keys and broadcast to (batch, heads, rows, length), with its element strides as the
+    kernel takes them (zeros for no mask); ``expand``'s RuntimeError where it does not broadcast."""
+    if mask is None:
+        return None, (0, 0, 0, 0)
+    if mask.shape[-1] > length:
+        mask = mask[..., :length]
+    mask = mask.expand(batch, heads, rows, length)
+    return mask, mask.stride()
+
+
+def causal(rows: int, mask: torch.Tensor | None, module_causal: bool) -> bool:
+    """transformers' sdpa ``is_causal`` rule: several query rows, no mask, and a causal module."""
+    return bool(rows > 1 and mask is None and module_causal)
+
+
+def mask_kind(mask: torch.Tensor) -> int | None:
+    """The kernel's code for ``mask``'s dtype (boolean or additive), or None where it reads no such mask."""
+    return _MASKS.get(mask.dtype)
+
+
 def _served(
     module: nn.Module,
     query: torch.Tensor,
@@ -196,7 +213,7 @@ def sdpa_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
+    is_causal = causal(query.shape[2], attention_mask, is_causal)
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:
         if is_causal:

@@ -64,8 +64,8 @@ return hidden_states
 """
     ).body
 )
-_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"))
-_MLP = (("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # of self_attn
+_MLP = ("gate_proj", "up_proj", "down_proj")  # of mlp
 
 
 class _Linear(ctypes.Structure):
@@ -102,9 +102,7 @@ class _Plan:
     layer: _Layer | None = None
     keep: tuple = ()  # the tensors the pointers in ``layer`` point into
     max_rows: int | None = None
-    heads: int = 0
-    head_dim: int = 0
-    causal: bool = True
+    causal: bool = True  # the attention module's own is_causal
 
 
 @functools.cache
@@ -123,8 +121,8 @@ def _parts(layer: nn.Module) -> tuple[nn.Module, ...] | None:
         modules.get("post_attention_layernorm"),
         attn,
         mlp,
-        *(attn._modules.get(name) for _, name in _PROJECTIONS),
-        *(mlp._modules.get(name) for _, name in _MLP),
+        *(attn._modules.get(name) for name in _PROJECTIONS),
+        *(mlp._modules.get(name) for name in _MLP),
         mlp._modules.get("act_fn"),
     )
     return None if any(part is None for part in found) else found
@@ -219,7 +217,7 @@ def _plan(key: tuple, parts: tuple[nn.Module, ...]) -> _Plan:
     )
     rows = [c.max_rows for c in c_linears if c.max_rows is not None]
     causal = bool(getattr(attn, "is_causal", True))
-    return _Plan(key, layer, tuple(keep), min(rows) if rows else None, q.n // head_dim, head_dim, causal)
+    return _Plan(key, layer, tuple(keep), min(rows) if rows else None, causal)
 
 
 def _rebuilt(original: type) -> nn.Module:
@@ -314,7 +312,7 @@ def _run(
     ):
         return None
     cos, sin = position_embeddings
-    head_dim = plan.head_dim
+    head_dim = plan.layer.head_dim
     if not (
         cos.dtype is sin.dtype is torch.float32
         and cos.is_cpu
@@ -332,20 +330,15 @@ def _run(
         return None
     cache_layer, keys, values, start = columns
     length = start + tokens
-    if mask is None:
-        mask_kind, mask_strides = 0, (0, 0, 0, 0)
-    else:
-        mask_kind = cpu_attention._MASKS.get(mask.dtype)
-        if mask_kind is None or not mask.is_cpu or mask.dim() > 4:
+    if mask is not None:
+        kind = cpu_attention.mask_kind(mask)
+        if kind is None or not mask.is_cpu or mask.dim() > 4:
             return None
-        if mask.shape[-1] > length:
-            mask = mask[..., :length]
-        try:
-            mask = mask.expand(batch, plan.heads, tokens, length)
-        except RuntimeError:
-            return None
-        mask_strides = mask.stride()
-    causal = tokens > 1 and mask is None and plan.causal
+    try:
+        mask, mask_strides = cpu_attention.broadcast_mask(mask, batch, plan.layer.heads, tokens, length)
+    except RuntimeError:
+        return None
+    causal = cpu_attention.causal(tokens, mask, plan.causal)
     step = array.array(
         "q",
         (
@@ -354,7 +347,7 @@ def _run(
             start,
             *keys.stride()[:3],
             *values.stride()[:3],
-            mask_kind,
+            0 if mask is None else kind,
             *mask_strides,
             causal,
             cos.stride(0) if cos.shape[0] > 1 else 0,
