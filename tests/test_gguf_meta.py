@@ -52,3 +52,34 @@ def test_what_is_quick_to_read_is_not_kept(gguf, monkeypatch):
     monkeypatch.setattr(gguf_meta, "WORTH_KEEPING", 60.0)
     gguf_meta.names(gguf, lambda: {"a": "b"})
     assert not gguf_meta.entry(gguf).exists()
+
+
+def test_reads_inside_read_once_parse_the_file_once_and_give_what_separate_reads_give(gguf, monkeypatch):
+    import gguf as gguf_package
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    parsed = []
+    original = gguf_package.GGUFReader
+
+    class Counted(original):
+        def __init__(self, *args, **kwargs):
+            parsed.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", Counted)
+
+    def read():
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return config.to_dict(), model.state_dict()
+
+    apart = read()
+    separate = len(parsed)
+    parsed.clear()
+    with gguf_meta.read_once(gguf):
+        together = read()
+    assert separate >= 3 and len(parsed) == 1
+    assert gguf_package.GGUFReader is Counted  # put back
+    assert together[0] == apart[0]
+    assert together[1].keys() == apart[1].keys()
+    assert all(t.equal(apart[1][k]) for k, t in together[1].items())

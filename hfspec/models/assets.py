@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hfspec.errors import HfspecError, SetupError
-from hfspec.models import wheels
+from hfspec.models import gguf_meta, wheels
 from hfspec.models.paths import DATA, cache_dir  # here too: callers (and tests) find the cache root through assets
 
 __all__ = [
@@ -157,19 +157,22 @@ def _save_config_and_tokenizer(gguf_dir: Path) -> None:
     """The model's config, generation config and tokenizer, read from the GGUF, saved beside it."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME)
+    with gguf_meta.read_once(gguf_dir / _GGUF_NAME):
+        config = AutoConfig.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME)
     # As transformers saves the float32 model it builds from the GGUF (a GGUF's config names neither).
     config.architectures, config.dtype = ["LlamaForCausalLM"], torch.float32
     config.save_pretrained(gguf_dir)
     GenerationConfig.from_model_config(config).save_pretrained(gguf_dir)
-    AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME).save_pretrained(gguf_dir)
+    tokenizer.save_pretrained(gguf_dir)
 
 
 def _load_gguf_model(gguf_dir: Path):
     """The offline target dequantized to float32 by transformers, as a plain (unquantized) model."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME, dtype=torch.float32)
+    with gguf_meta.read_once(gguf_dir / _GGUF_NAME):
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME, dtype=torch.float32)
     # The weights are already dequantised; the leftover GGUF quantization config
     # would make save_pretrained fail and the copy look quantised.
     if hasattr(model.config, "quantization_config"):
