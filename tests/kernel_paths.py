@@ -1,9 +1,11 @@
-"""A kernel source built on its own for the vector paths this CPU's build does not take (-O1: seconds), where the
-CPU can run them; each path must give the same bits as the native one."""
+"""A kernel source built on its own for the vector paths this CPU's build does not take (-O1: seconds, kept in the
+kernel cache for later runs), where the CPU can run them; each path must give the same bits as the native one."""
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -15,25 +17,38 @@ AVX2 = (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"})
 SCALAR: tuple[list[str], set[str]] = ([], set())
 
 
-def build(
-    source: Path, paths: dict[str, tuple[list[str], set[str]]], out: Path, bind: Callable[[Any], Any]
-) -> dict[str, Any]:
+def build(source: Path, paths: dict[str, tuple[list[str], set[str]]], bind: Callable[[Any], Any]) -> dict[str, Any]:
     """``{isa: bind(library)}`` for each of ``paths`` (``isa: (flags, cpu flags it needs)``) this CPU can run,
-    compiled in parallel with the flags the library build gives ``source``."""
+    compiled in parallel with the flags the library build gives ``source``. Each build is kept in the kernel cache
+    under a key of the source, its headers, the flags and the compiler, as the library is: a later run loads it."""
     cpu = set(toolchain.cpu_flags().split())
     common = ["-O1", "-march=x86-64", *toolchain.SOURCE_FLAGS.get(source.name, ())]
     common += ["-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    jobs = {
-        isa: subprocess.Popen(
-            ["g++", *common, *extra, "-o", str(out / f"{isa}.so"), str(source)], stderr=subprocess.PIPE, text=True
-        )
-        for isa, (extra, needs) in paths.items()
-        if needs <= cpu
-    }
-    found = {}
-    for isa, job in jobs.items():
+    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
+    kept = toolchain.library_path().parent / "paths"
+    kept.mkdir(parents=True, exist_ok=True)
+    jobs, found = {}, {}
+    for isa, (extra, needs) in paths.items():
+        if not needs <= cpu:
+            continue
+        command = ["g++", *common, *extra]
+        key = hashlib.sha256(
+            b"\0".join([source.read_bytes(), *(h.read_bytes() for h in toolchain.HEADERS), *map(str.encode, command)])
+            + compiler.encode()
+        ).hexdigest()[:16]
+        path = kept / f"{source.stem}-{isa}-{key}.so"
+        if not path.is_file():
+            staged = path.with_name(f".{path.name}.{os.getpid()}")
+            jobs[isa] = (
+                path,
+                staged,
+                subprocess.Popen([*command, "-o", str(staged), str(source)], stderr=subprocess.PIPE, text=True),
+            )
+        found[isa] = path
+    for path, staged, job in jobs.values():
         assert job.wait() == 0, job.stderr.read()[-1500:]
-        path = out / f"{isa}.so"
+        os.replace(staged, path)
+    for isa, path in found.items():
         found[isa] = bind(kernels.KernelLibrary(path, isa, 0.0, (), {}, ctypes.CDLL(str(path))))
         assert found[isa].isa == isa
     return found

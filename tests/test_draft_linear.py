@@ -112,9 +112,9 @@ OTHER_PATHS = {
 
 
 @pytest.fixture(scope="module")
-def other_paths(tmp_path_factory, draft_kernel) -> dict[str, draft_linear.DraftKernel]:
+def other_paths(draft_kernel) -> dict[str, draft_linear.DraftKernel]:
     source = Path(draft_linear.__file__).parent / "csrc" / "draft.cpp"
-    return kernel_paths.build(source, OTHER_PATHS, tmp_path_factory.mktemp("draft-paths"), draft_linear._bind)
+    return kernel_paths.build(source, OTHER_PATHS, draft_linear._bind)
 
 
 @pytest.mark.parametrize("bits", draft_linear.BITS)

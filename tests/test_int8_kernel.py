@@ -169,9 +169,9 @@ OTHER_PATHS = {"avx2": kernel_paths.AVX2, "scalar": kernel_paths.SCALAR}
 
 
 @pytest.fixture(scope="module")
-def other_paths(tmp_path_factory, ik) -> dict[str, int8.Int8Kernel]:
+def other_paths(ik) -> dict[str, int8.Int8Kernel]:
     source = Path(int8.__file__).parent / "csrc" / "int8.cpp"
-    return kernel_paths.build(source, OTHER_PATHS, tmp_path_factory.mktemp("int8-paths"), int8._bind)
+    return kernel_paths.build(source, OTHER_PATHS, int8._bind)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
