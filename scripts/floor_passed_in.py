@@ -1,10 +1,11 @@
-"""The floor with models passed in: a useless (random) draft given to SpeculativeGenerator as a model, defaults on.
+"""The floor with models passed in: the shipped draft and a useless (random) one given to SpeculativeGenerator as
+models, defaults on, against the target's own ``generate()``.
 
 A user who builds ``SpeculativeGenerator(target, draft, tokenizer)`` from models of their own gets them as they are
-(no kernels unless asked). With a draft whose guesses are never accepted, gamma="auto" should fall back to plain
-decoding and cost at most a few percent against the target's own ``generate()``. Interleaved prompt by prompt, the
-order alternating; tokens per second leave out the prompt (the tokens after the first ÷ their seconds). Prints one
-JSON object with lscpu's model name and torch's threads.
+(no kernels unless asked). The shipped draft should never cost speed, greedy or sampled (T = 0.7), and with a draft
+whose guesses are never accepted gamma="auto" should fall back to plain decoding and cost at most a few percent.
+Interleaved prompt by prompt, the order rotating; tokens per second leave out the prompt (the tokens after the
+first ÷ their seconds). Prints one JSON object with lscpu's model name and torch's threads.
 
     python scripts/floor_passed_in.py --prompts 8 --new 48
 """
@@ -42,43 +43,63 @@ def main() -> None:
     path = assets.offline_target_float32()
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    config = AutoModelForCausalLM.from_pretrained(assets.shipped_draft_path()).config
+    shipped = AutoModelForCausalLM.from_pretrained(assets.shipped_draft_path(), dtype=torch.float32).eval()
     torch.manual_seed(0)
-    useless = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    gen = SpeculativeGenerator(target, useless, tok)
+    useless = AutoModelForCausalLM.from_config(shipped.config, dtype=torch.float32).eval()
+    gens = {
+        "shipped": SpeculativeGenerator(target, shipped, tok),
+        "useless": SpeculativeGenerator(target, useless, tok),
+    }
     prompts = [p["prompt"] for p in load_prompts(None)[: args.prompts]]
+
+    def plain(sample: bool):
+        def run(ids, s):
+            extra = (
+                {"do_sample": True, "temperature": 0.7, "top_p": 1.0, "top_k": 0} if sample else {"do_sample": False}
+            )
+            kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.new, min_new_tokens=args.new)
+            return target.generate(ids, **kw, **extra, streamer=s)
+
+        return run
+
+    def hfspec(name: str, sample: bool):
+        extra = {"do_sample": True, "temperature": 0.7, "top_p": 1.0, "top_k": 0} if sample else {"do_sample": False}
+        return lambda ids, s: gens[name].generate(ids, max_new_tokens=args.new, eos_token_id=[], streamer=s, **extra)
+
     runs = {
-        "plain": lambda ids, s: target.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=args.new,
-            min_new_tokens=args.new,
-            streamer=s,
-        ),
-        "useless": lambda ids, s: gen.generate(ids, max_new_tokens=args.new, eos_token_id=[], streamer=s),
+        "plain": plain(False),
+        "shipped": hfspec("shipped", False),
+        "useless": hfspec("useless", False),
+        "plain T0.7": plain(True),
+        "shipped T0.7": hfspec("shipped", True),
     }
     warm = chat_ids(tok, "Hello.")
     for run in runs.values():
         rate(lambda s, run=run: run(warm, s), args.new)
     rows = []
+    names = list(runs)
     for i, text in enumerate(prompts):
         ids = chat_ids(tok, text)
         row = {}
-        for name in list(runs) if i % 2 == 0 else list(runs)[::-1]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            torch.manual_seed(i)
             row[name] = rate(lambda s, name=name: runs[name](ids, s), args.new)
         rows.append(row)
-    ratios = [r["useless"] / r["plain"] for r in rows]
+
+    def ratio(name: str, base: str) -> dict:
+        per = [r[name] / r[base] for r in rows]
+        return {"median": round(statistics.median(per), 3), "per_prompt": [round(x, 3) for x in per]}
+
     print(
         json.dumps(
             {
                 "cpu": cpu_model(),
                 "threads": torch.get_num_threads(),
                 "new_tokens": args.new,
-                "plain_tok_s": statistics.median(r["plain"] for r in rows),
-                "useless_tok_s": statistics.median(r["useless"] for r in rows),
-                "useless_x_plain": statistics.median(ratios),
-                "per_prompt": [round(x, 3) for x in ratios],
+                "tok_s": {name: round(statistics.median(r[name] for r in rows), 2) for name in runs},
+                "shipped_x_plain": ratio("shipped", "plain"),
+                "useless_x_plain": ratio("useless", "plain"),
+                "shipped_T0.7_x_plain_T0.7": ratio("shipped T0.7", "plain T0.7"),
             },
             indent=1,
         )
