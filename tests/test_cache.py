@@ -107,20 +107,25 @@ def test_rollback_with_ragged_rows_masks_holes(pair):
     assert torch.allclose(got[0], want0, atol=1e-5) and torch.allclose(got[1], want1, atol=1e-5)
 
 
+# Hundreds of steps, the cache buffers grown several times over (kv_buffer.BLOCK = 64 positions, doubled).
+LONG = 1024
+
+
 def test_long_run_keeps_caches_at_the_committed_length(model_dir, monkeypatch):
     common = dict(vocab_size=32, seed=0, hidden=16, layers=1, eos=None, window=8192)
     target, tok = tiny.load(model_dir("llama", **common))
     draft, _ = tiny.load(model_dir("llama", perturb=0.5, **common))
     log = spy_steps(monkeypatch)
     out = SpeculativeGenerator(target, draft, tok).generate(
-        [[7, 8]], max_new_tokens=4096, gamma=4, do_sample=True, seed=0
+        [[7, 8]], max_new_tokens=LONG, gamma=4, do_sample=True, seed=0
     )
-    assert out.sequences.shape[1] == 2 + 4096
+    assert out.sequences.shape[1] == 2 + LONG
+    assert len(log) > 200
     assert all(t_len == lengths[0] - 1 for _, _, t_len, _, lengths, _ in log)
     # Memory is flat: the cache never holds more than the committed tokens, however many drafts were rejected.
     assert out.stats.drafted > out.stats.accepted
     # The last step, which finishes the row and is not logged, commits between 1 and γ + 1 tokens.
-    assert 2 + 4096 - 1 - 1 - 4 <= max(t_len for _, _, t_len, *_ in log) <= 2 + 4096 - 1 - 1
+    assert 2 + LONG - 1 - 1 - 4 <= max(t_len for _, _, t_len, *_ in log) <= 2 + LONG - 1 - 1
 
 
 def test_context_limit_stops_cleanly_with_a_reason(model_dir):
