@@ -20,7 +20,7 @@ from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
 
-THREADS, CALLS = 4, 8
+THREADS, CALLS = 4, 4
 
 
 def calls(vocab: int) -> list[dict]:
@@ -50,21 +50,27 @@ def run_in_threads(call, arguments: list) -> list:
     return out
 
 
-def test_threads_sharing_one_generator_each_get_their_own_output(tiny_pair):
+@pytest.fixture(scope="module")
+def alone(tiny_pair):
+    """Each of ``calls`` run alone, one after another, on a generator of its own."""
+    target, draft, tok = tiny_pair("llama")
+    gen = SpeculativeGenerator(target, draft, tok)
+    return [gen.generate(**c).sequences for c in calls(target.config.vocab_size)]
+
+
+def test_threads_sharing_one_generator_each_get_their_own_output(tiny_pair, alone):
     target, draft, tok = tiny_pair("llama")
     gen = SpeculativeGenerator(target, draft, tok)
     todo = calls(target.config.vocab_size)
-    alone = [gen.generate(**c).sequences for c in todo]
     together = run_in_threads(lambda c, _: gen.generate(**c).sequences, todo)
     for i, (a, b) in enumerate(zip(alone, together)):
         assert torch.equal(a, b), f"call {i} ({'sampled' if todo[i].get('do_sample') else 'greedy'}) differs"
 
 
-def test_generators_on_the_same_models_run_at_once(tiny_pair):
+def test_generators_on_the_same_models_run_at_once(tiny_pair, alone):
     target, draft, tok = tiny_pair("llama")
     gens = [SpeculativeGenerator(target, draft, tok) for _ in range(THREADS)]
     todo = calls(target.config.vocab_size)
-    alone = [gens[0].generate(**c).sequences for c in todo]
     together = run_in_threads(lambda c, thread: gens[thread].generate(**c).sequences, todo)
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
 
@@ -135,8 +141,22 @@ class Interrupt(Exception):
 def drafter_for(kind: str, target, draft):
     """The draft a generator is built with: a model, a model with lookup (hybrid), lookup alone, an EAGLE-3 head."""
     if kind == "eagle3":
-        return Eagle3Drafter(eh.random_head(target, list(range(3, 40)), seed=4, scale=5.0), target)
+        head = eh.random_head(target, list(range(3, 40)), seed=4, scale=5.0, layer_ids=FEATURES)
+        return Eagle3Drafter(head, target)
     return {"model": draft, "hybrid": draft, "ngram": "ngram"}[kind]
+
+
+# Four layers, no early end: an EAGLE-3 head reads three of them (the hidden states entering layers 1, 2 and 3).
+LAYERS, FEATURES = 4, (1, 2, 3)
+PROMPT = torch.tensor([[5, 9, 11, 4, 7, 5, 9, 11]])
+
+
+@pytest.fixture(scope="module")
+def cut_pair(tiny_pair):
+    """The pair the interrupted calls run, and the target's own greedy continuation of PROMPT."""
+    target, draft, tok = tiny_pair("llama", layers=LAYERS, eos=None)
+    reference = target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=False, max_new_tokens=16)
+    return target, draft, tok, reference
 
 
 @pytest.mark.parametrize("where", ["drafter", "target"])
@@ -152,12 +172,11 @@ def drafter_for(kind: str, target, draft):
         ("eagle3", 4, Interrupt),
     ],
 )
-def test_a_call_cut_short_leaves_the_generator_exact(tiny_pair, fault, where, kind, tree):
-    target, draft, tok = tiny_pair("llama", layers=8, eos=None)  # an EAGLE-3 head reads 3 layers; no early end
+def test_a_call_cut_short_leaves_the_generator_exact(cut_pair, fault, where, kind, tree):
+    target, draft, tok, reference = cut_pair
     gen = SpeculativeGenerator(target, drafter_for(kind, target, draft), tok, ngram=kind == "hybrid")
-    prompt = torch.tensor([[5, 9, 11, 4, 7, 5, 9, 11]])
+    prompt = PROMPT
     args = {"max_new_tokens": 16, "gamma": 3, "tree": tree}
-    reference = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=16)
     sampled = gen.generate(prompt, do_sample=True, seed=3, **args).sequences
     for step in (1, 2):
         count = {"n": 0}
