@@ -293,7 +293,9 @@ def test_negative_control_q_without_the_shared_processing_is_detected(pair, monk
     assert chi_square_pvalue(counts, exact) < ALPHA
 
 
-def _sample(gen, prompt, settings, seed, samples=12_000, batch=3_000) -> tuple[np.ndarray, np.ndarray]:
+# 6000 samples: over 5 seeds each, the broken residual's p-value 1e-15 to 1e-21, the unprocessed q's 1e-36 to 1e-54,
+# the correct sampler's 0.16 to 1 (the tests ask for p < ALPHA = 1e-8 and p > ALPHA).
+def _sample(gen, prompt, settings, seed, samples=6_000, batch=3_000) -> tuple[np.ndarray, np.ndarray]:
     vocab = len(gen.tokenizer)
     (counts,) = stat_utils.sample_counts(
         gen, [prompt], settings, seed, vocab=vocab, new=2, samples=samples, batch=batch, gamma=2
