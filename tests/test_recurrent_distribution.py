@@ -32,19 +32,27 @@ def pair(model_dir):
     return target, draft, tok
 
 
-def sample_counts(gen: SpeculativeGenerator, seed: int, samples: int = SAMPLES) -> np.ndarray:
-    counts = np.zeros([V] * NEW)
+def sample_counts(gen: SpeculativeGenerator, seed: int, samples: int = SAMPLES) -> tuple[np.ndarray, list]:
+    """Counts of the first NEW tokens of ``samples`` calls, and each call's stats."""
+    counts, stats = np.zeros([V] * NEW), []
     g = torch.Generator().manual_seed(seed)
     for _ in range(samples):
         out = gen.generate([PROMPT_A], max_new_tokens=NEW, gamma=2, do_sample=True, generator=g)
         counts[tuple(out.sequences[0, -NEW:].tolist())] += 1
-    return counts
+        stats.append(out.stats)
+    return counts, stats
 
 
-def test_recurrent_joint_of_first_tokens_matches_target(pair):
+@pytest.fixture(scope="module")
+def drawn(pair):
+    """The samples the exactness test counts; the rollback test reads their steps."""
     target, draft, tok = pair
-    counts = sample_counts(SpeculativeGenerator(target, draft, tok), seed=1)
-    pv = chi_square_pvalue(counts, exact_joint(target, PROMPT_A, {}))
+    return sample_counts(SpeculativeGenerator(target, draft, tok), seed=1)
+
+
+def test_recurrent_joint_of_first_tokens_matches_target(pair, drawn):
+    counts, _ = drawn
+    pv = chi_square_pvalue(counts, exact_joint(pair[0], PROMPT_A, {}))
     assert pv > ALPHA, f"{ARCH}: speculative samples differ from the target (p-value {pv:.3g})"
 
 
@@ -52,16 +60,13 @@ def test_negative_control_a_state_left_unreplayed_is_detected(pair, monkeypatch)
     # Restored but not advanced by the kept tokens: the steps after a rollback read a wrong state.
     target, draft, tok = pair
     monkeypatch.setattr(RecurrentState, "_replay_mixers", lambda self, keep: None)
-    counts = sample_counts(SpeculativeGenerator(target, draft, tok), seed=5, samples=150)
+    counts, _ = sample_counts(SpeculativeGenerator(target, draft, tok), seed=5, samples=100)
     assert chi_square_pvalue(counts, exact_joint(target, PROMPT_A, {})) < ALPHA
 
 
-def test_rollbacks_happen_after_partial_acceptance(pair):
-    # Otherwise the tests above could pass without ever replaying a kept draft.
-    target, draft, tok = pair
-    gen = SpeculativeGenerator(target, draft, tok)
-    g = torch.Generator().manual_seed(0)
-    outs = [gen.generate([PROMPT_A], max_new_tokens=NEW, gamma=2, do_sample=True, generator=g) for _ in range(200)]
-    accepted = [o.stats.accepted_by_position for o in outs]
-    assert 0.2 < sum(o.stats.accepted for o in outs) / sum(o.stats.drafted for o in outs) < 0.9
+def test_rollbacks_happen_after_partial_acceptance(drawn):
+    # Otherwise the test above could pass without ever replaying a kept draft: its own samples' steps.
+    _, stats = drawn
+    accepted = [s.accepted_by_position for s in stats]
+    assert 0.2 < sum(s.accepted for s in stats) / sum(s.drafted for s in stats) < 0.9
     assert any(a[:1] == (1,) and a[1:2] == (0,) for a in accepted), "no step kept exactly one of two drafts"
