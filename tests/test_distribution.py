@@ -20,8 +20,11 @@ from stat_utils import ALPHA, chi_square_pvalue
 from hfspec import SpeculativeGenerator
 from hfspec.decoding import sampling
 
-# 6000 samples put the negative control below p = 1e-260 (8 seeds tried); the test asks for p < ALPHA = 1e-8.
+# sample_counts' defaults, as other test files draw: 6000 samples put the negative control below p = 1e-260.
 V, NEW, SAMPLES, BATCH = 9, 3, 6_000, 6_000
+# The samples per prompt the tests here draw, in one call: 3000 put the negative control below p = 1e-98 (5 seeds
+# tried); the test asks for p < ALPHA = 1e-8.
+ROWS = 3_000
 PROMPT_A = [7, 8, 7, 7]
 PROMPT_B = [8]
 
@@ -52,10 +55,16 @@ def sample_counts(
     gamma: int | str = 2,
     histogram: list[int] | None = None,
     samples: int = SAMPLES,
+    batch: int = BATCH,
 ) -> list[np.ndarray]:
     return stat_utils.sample_counts(
-        gen, prompts, settings, seed, vocab=V, new=NEW, samples=samples, batch=BATCH, gamma=gamma, histogram=histogram
+        gen, prompts, settings, seed, vocab=V, new=NEW, samples=samples, batch=batch, gamma=gamma, histogram=histogram
     )
+
+
+def drawn(gen, prompts: list[list[int]], settings: dict, seed: int, **kwargs) -> list[np.ndarray]:
+    """ROWS samples per prompt, the prompts' rows interleaved in one call."""
+    return sample_counts(gen, prompts, settings, seed, samples=ROWS, batch=ROWS * len(prompts), **kwargs)
 
 
 SETTINGS = {
@@ -71,7 +80,7 @@ def test_joint_of_first_tokens_matches_target(pair, name):
     target, draft, tok = pair
     settings = SETTINGS[name]
     gen = SpeculativeGenerator(target, draft, tok)
-    (counts,) = sample_counts(gen, [PROMPT_A], settings, seed=len(name))
+    (counts,) = drawn(gen, [PROMPT_A], settings, seed=len(name))
     pv = chi_square_pvalue(counts, exact_joint(target, PROMPT_A, settings))
     assert pv > ALPHA, f"{name}: speculative samples differ from the target (p-value {pv:.3g})"
 
@@ -83,7 +92,7 @@ def test_auto_gamma_is_exact(pair, profile, scripted_auto):
     gen = scripted_auto(SpeculativeGenerator(target, draft, tok), profile)
     settings = {"temperature": 0.8, "top_p": 0.9}
     histogram = [0] * 10
-    (counts,) = sample_counts(gen, [PROMPT_A], settings, seed=7, gamma="auto", histogram=histogram)
+    (counts,) = drawn(gen, [PROMPT_A], settings, seed=7, gamma="auto", histogram=histogram)
     assert sum(1 for n in histogram if n) >= 2, f"auto chose a single γ: {histogram}"
     pv = chi_square_pvalue(counts, exact_joint(target, PROMPT_A, settings))
     assert pv > ALPHA, f"auto ({profile}): speculative samples differ from the target (p-value {pv:.3g})"
@@ -95,7 +104,7 @@ def test_float32_draws_where_a_device_has_no_float64_are_exact(pair, monkeypatch
     monkeypatch.setattr(sampling, "draw_dtype", lambda device: torch.float32)
     target, draft, tok = pair
     settings = {"temperature": 0.8, "top_k": 5}
-    (counts,) = sample_counts(SpeculativeGenerator(target, draft, tok), [PROMPT_A], settings, seed=11)
+    (counts,) = drawn(SpeculativeGenerator(target, draft, tok), [PROMPT_A], settings, seed=11)
     pv = chi_square_pvalue(counts, exact_joint(target, PROMPT_A, settings))
     assert pv > ALPHA, f"float32 draws: speculative samples differ from the target (p-value {pv:.3g})"
 
@@ -103,7 +112,7 @@ def test_float32_draws_where_a_device_has_no_float64_are_exact(pair, monkeypatch
 def test_rows_with_different_prompts_do_not_influence_each_other(pair):
     target, draft, tok = pair
     gen = SpeculativeGenerator(target, draft, tok)
-    counts = sample_counts(gen, [PROMPT_A, PROMPT_B], {"temperature": 0.8}, seed=99)
+    counts = drawn(gen, [PROMPT_A, PROMPT_B], {"temperature": 0.8}, seed=99)
     for prompt, c in zip((PROMPT_A, PROMPT_B), counts):
         pv = chi_square_pvalue(c, exact_joint(target, prompt, {"temperature": 0.8}))
         assert pv > ALPHA, f"prompt {prompt}: p-value {pv:.3g}"
@@ -113,7 +122,7 @@ def test_negative_control_wrong_residual_is_detected(pair, monkeypatch):
     target, draft, tok = pair
     monkeypatch.setattr(sampling, "residual", lambda p, q: p)
     gen = SpeculativeGenerator(target, draft, tok)
-    (counts,) = sample_counts(gen, [PROMPT_A], {}, seed=5)
+    (counts,) = drawn(gen, [PROMPT_A], {}, seed=5)
     assert chi_square_pvalue(counts, exact_joint(target, PROMPT_A, {})) < ALPHA
 
 
