@@ -99,10 +99,10 @@ def two_level_samples(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_multi_draft_acceptance_is_exact_and_the_negative_control_fails(monkeypatch):
-    counts, exact = two_level_samples(6000, seed=1)
+    counts, exact = two_level_samples(3000, seed=1)
     assert chi_square_pvalue(counts, exact) > ALPHA
     monkeypatch.setattr(sampling, "residual", lambda p, q: p)  # the wrong rule: a rejected child leaves p as it was
-    counts, exact = two_level_samples(6000, seed=1)
+    counts, exact = two_level_samples(3000, seed=1)
     assert chi_square_pvalue(counts, exact) < ALPHA
 
 
@@ -136,7 +136,7 @@ def test_keep_gathers_a_tree_path_and_crops_the_rest():
 
 # -- end to end: exact at any temperature -----------------------------------------------------------
 
-NEW, SAMPLES = 3, 6_000
+NEW, SAMPLES = 3, 3_000
 PROMPT = [7, 8, 7, 7]
 
 
