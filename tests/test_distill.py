@@ -38,9 +38,15 @@ SMALL = dict(
 )
 
 
-def test_distill_trains_saves_and_reports(tiny_target, tmp_path):
-    out = tmp_path / "draft"
-    report = train_draft_model(tiny_target, out, **SMALL)
+@pytest.fixture(scope="module")
+def trained(tiny_target, tmp_path_factory):
+    """A draft trained with SMALL once: (its directory, its report); the tests only read it."""
+    out = tmp_path_factory.mktemp("trained") / "draft"
+    return out, train_draft_model(tiny_target, out, **SMALL)
+
+
+def test_distill_trains_saves_and_reports(trained):
+    out, report = trained
 
     assert isinstance(report, DraftModelReport)
     losses = torch.load(out / "train" / "checkpoint.pt", weights_only=False)["losses"]
@@ -62,10 +68,11 @@ def test_distill_trains_saves_and_reports(tiny_target, tmp_path):
     assert json.loads((out / "distill_report.json").read_text()) == report.to_dict()
 
 
-def test_distill_beats_untrained_draft(tiny_target, tmp_path):
+def test_distill_beats_untrained_draft(tiny_target, trained, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "data").symlink_to(trained[0] / "data")  # the same data, so the alphas compare
     untrained = train_draft_model(tiny_target, tmp_path / "a", **{**SMALL, "steps": 1, "lr": 1e-6})
-    trained = train_draft_model(tiny_target, tmp_path / "b", **SMALL)
-    assert trained.alpha > untrained.alpha + 0.05
+    assert trained[1].alpha > untrained.alpha + 0.05
 
 
 def test_resume_continues_data_and_training(tiny_target, tmp_path, monkeypatch):
@@ -100,27 +107,23 @@ def test_resume_refuses_a_different_architecture(tiny_target, tmp_path):
         train_draft_model(tiny_target, out, **{**SMALL, "steps": 2, "hidden": 8})
 
 
-def test_init_from_starts_where_an_earlier_draft_ended(tiny_target, tmp_path):
-    first = train_draft_model(tiny_target, tmp_path / "a", **SMALL)
-    data = tmp_path / "a" / "data"
+def test_init_from_starts_where_an_earlier_draft_ended(tiny_target, trained, tmp_path):
+    a, first = trained
     (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "data").symlink_to(data)  # same data, so the losses compare
-    more = train_draft_model(tiny_target, tmp_path / "b", **{**SMALL, "steps": 10}, init_from=tmp_path / "a")
-    fresh_losses = torch.load(tmp_path / "a" / "train" / "checkpoint.pt", weights_only=False)["losses"]
+    (tmp_path / "b" / "data").symlink_to(a / "data")  # same data, so the losses compare
+    more = train_draft_model(tiny_target, tmp_path / "b", **{**SMALL, "steps": 10}, init_from=a)
+    fresh_losses = torch.load(a / "train" / "checkpoint.pt", weights_only=False)["losses"]
     warm_losses = torch.load(tmp_path / "b" / "train" / "checkpoint.pt", weights_only=False)["losses"]
     # The warm start begins near the end of the first run, far below a fresh start.
     assert warm_losses[0] < 0.8 * fresh_losses[0]
     assert abs(warm_losses[0] - sum(fresh_losses[-5:]) / 5) < 0.3 * fresh_losses[0]
     assert more.alpha > first.alpha - 0.1
-    assert json.loads((tmp_path / "b" / "train" / "settings.json").read_text())["init_from"] == str(
-        (tmp_path / "a").resolve()
-    )
+    assert json.loads((tmp_path / "b" / "train" / "settings.json").read_text())["init_from"] == str(a.resolve())
 
 
-def test_init_from_refuses_a_different_architecture(tiny_target, tmp_path):
-    train_draft_model(tiny_target, tmp_path / "a", **{**SMALL, "steps": 2})
+def test_init_from_refuses_a_different_architecture(tiny_target, trained, tmp_path):
     with pytest.raises(ValueError, match="hidden_size 16 vs 8"):
-        train_draft_model(tiny_target, tmp_path / "b", **{**SMALL, "steps": 2, "hidden": 8}, init_from=tmp_path / "a")
+        train_draft_model(tiny_target, tmp_path / "b", **{**SMALL, "steps": 2, "hidden": 8}, init_from=trained[0])
     with pytest.raises(ValueError, match="config.json"):
         train_draft_model(tiny_target, tmp_path / "c", **SMALL, init_from=tmp_path / "missing")
 
@@ -138,7 +141,7 @@ def test_staged_acceptance_matches_the_target_forward_when_top_k_is_the_vocabula
     assert staged_agreement == pytest.approx(agreement, abs=0.02)
 
 
-def test_the_draft_kept_is_the_best_held_out_check(tiny_target, tmp_path, monkeypatch):
+def test_the_draft_kept_is_the_best_held_out_check(tiny_target, trained, tmp_path, monkeypatch):
     scores = iter([0.2, 0.5, 0.3, 0.1])  # checks at steps 10, 20, 30, 40: the second is best
 
     def scripted(draft, samples, pad, batch):
@@ -146,6 +149,8 @@ def test_the_draft_kept_is_the_best_held_out_check(tiny_target, tmp_path, monkey
 
     monkeypatch.setattr(draft_objective, "staged_acceptance", scripted)
     out = tmp_path / "draft"
+    out.mkdir()
+    (out / "data").symlink_to(trained[0] / "data")  # the data SMALL stages, staged once
     report = train_draft_model(tiny_target, out, **{**SMALL, "eval_every": 10})
     assert report.best_step == 20
     assert [c[:2] for c in report.heldout] == [(10, 0.2), (20, 0.5), (30, 0.3), (40, 0.1)]

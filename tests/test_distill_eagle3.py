@@ -134,9 +134,17 @@ def test_fast_unroll_equals_the_heads_training_time_test(target8, trained, steps
         assert torch.equal(batch.tokens[1, j + k + 2], sample["gen"][t].long())
 
 
+def staged(trained, out):
+    """``out`` holding the trained head's staged text and features (and nothing of its training)."""
+    for part in ("data", "features"):
+        shutil.copytree(trained[0] / part, out / part)
+    return out
+
+
 def test_trained_head_beats_an_untrained_one(target8, trained, tmp_path):
     _, report = trained
-    untrained = train_eagle3_head(target8, tmp_path / "untrained", **{**SMALL, "steps": 1, "lr": 1e-9})
+    # The same staged text and features: the heads' measures compare.
+    untrained = train_eagle3_head(target8, staged(trained, tmp_path / "untrained"), **{**SMALL, "steps": 1, "lr": 1e-9})
     assert report.alpha > untrained.alpha + 0.2
     # The untrained head starts by passing the target's highest feature through, so it already agrees
     # often at greedy; training must still close much of the remaining gap.
@@ -213,8 +221,8 @@ def test_head_drives_exact_greedy_decoding_in_both_layouts(target8, trained, tmp
     assert accepted > 0
 
 
-def test_resume_continues_training_without_restaging(target8, tmp_path, monkeypatch):
-    out = tmp_path / "head"
+def test_resume_continues_training_without_restaging(target8, trained, tmp_path, monkeypatch):
+    out = staged(trained, tmp_path / "head")
     real_loss = eagle3_ttt.loss
     monkeypatch.setattr(eagle3_ttt, "loss", tiny.fail_after(real_loss, 25))
     with pytest.raises(KeyboardInterrupt):
