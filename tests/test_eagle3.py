@@ -251,8 +251,9 @@ def test_features_are_the_hidden_states_entering_the_named_layers(target64, monk
 
 # -- the distribution ---------------------------------------------------------------------------
 
-# 6000 samples put the negative control below p = 1e-49 (6 seeds tried); the test asks for p < ALPHA = 1e-8.
-V, NEW, SAMPLES, BATCH = 9, 3, 6_000, 6_000
+# 3000 samples put the negative control below p = 1e-18 (17 seeds tried: 1e-18 to 1e-27); the test asks for
+# p < ALPHA = 1e-8.
+V, NEW, SAMPLES, BATCH = 9, 3, 3_000, 3_000
 PROMPT_A, PROMPT_B = [7, 8, 7, 7], [8]
 DRAFT_IDS = [0, 2, 3, 5, 7, 8]  # a draft vocabulary smaller than the target's 9 ids
 LAYER_IDS = (1, 2, 4)  # explicit feature layers of a 5-layer target (a shallow target keeps these tests quick)
@@ -266,7 +267,9 @@ def target9(model_dir):
 
 @pytest.fixture(scope="module")
 def trained9(target9):
-    head = eh.train_head(target9[0], draft_size=6, steps=150, layer_ids=LAYER_IDS)
+    # 80 steps: it accepts about 0.64 of drafts on PROMPT_A (150 steps: 0.73), well inside the range that the
+    # distribution tests need (see test_heads_in_the_distribution_tests_really_disagree_with_the_target).
+    head = eh.train_head(target9[0], draft_size=6, steps=80, layer_ids=LAYER_IDS)
     assert head.config.draft_vocab_size == 6
     return head
 
