@@ -167,9 +167,9 @@ def test_greedy_equals_target_generate(pair, draft, greedy):
     accepted = drafted = 0
     for text in TEXTS:
         prompt = gen.tokenizer(text)["input_ids"]
-        want = alone(gen.target, prompt, 24)
+        want = alone(gen.target, prompt, 16)
         for gamma in (1, 3, 5):
-            out = gen.generate([prompt], max_new_tokens=24, gamma=gamma)
+            out = gen.generate([prompt], max_new_tokens=16, gamma=gamma)
             assert rows_of(out)[0] == want, f"{draft}, {greedy}, γ={gamma}, {text!r}"
             accepted, drafted = accepted + out.stats.accepted, drafted + out.stats.drafted
     if draft == "draft":  # the resembling draft does get drafts accepted across the two tokenizers
