@@ -73,9 +73,9 @@ def reference(real_pair):
 def test_greedy_equals_the_target_on_real_prompts(real_pair, reference, prompt):
     target, draft, tok = real_pair
     ids = chat_ids(tok, prompt)
-    want = reference(prompt, 40)
-    out = SpeculativeGenerator(target, draft, tok).generate(ids, max_new_tokens=40, gamma=3, eos_token_id=[])
-    assert out.sequences.shape[1] - ids.shape[1] == 40
+    want = reference(prompt, 32)
+    out = SpeculativeGenerator(target, draft, tok).generate(ids, max_new_tokens=32, gamma=3, eos_token_id=[])
+    assert out.sequences.shape[1] - ids.shape[1] == 32
     assert torch.equal(out.sequences, want), tok.decode(out.sequences[0, ids.shape[1] :])
     assert out.stats.acceptance_rate > 0.0
 
@@ -125,8 +125,8 @@ def test_the_shipped_eagle3_head_is_exact_and_drafts_well(real_pair, reference):
     accepted = []
     for prompt in PROMPTS:
         ids = chat_ids(tok, prompt)
-        want = reference(prompt, 40)
-        out = gen.generate(ids, max_new_tokens=40, gamma=3, eos_token_id=[])
+        want = reference(prompt, 32)
+        out = gen.generate(ids, max_new_tokens=32, gamma=3, eos_token_id=[])
         assert torch.equal(out.sequences, want), tok.decode(out.sequences[0, ids.shape[1] :])
         accepted.append(out.stats.mean_accepted_length)
     # A trained head: well over one token per target pass on chat prompts (a random head gets about one).
@@ -147,9 +147,9 @@ def test_the_default_loaded_pair_runs_the_kernel_and_equals_its_own_generate(dra
     prompt = PROMPTS[["shipped", "shipped-eagle3"].index(draft)]  # one each: the other tests run both
     ids = chat_ids(gen.tokenizer, prompt)
     want = gen.target.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, eos_token_id=None
     )
-    out = gen.generate(ids, max_new_tokens=32, gamma=3, eos_token_id=[])
+    out = gen.generate(ids, max_new_tokens=24, gamma=3, eos_token_id=[])
     assert torch.equal(out.sequences, want), gen.tokenizer.decode(out.sequences[0, ids.shape[1] :])
 
 
