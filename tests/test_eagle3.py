@@ -71,17 +71,24 @@ def rows_of(out) -> list[list[int]]:
 # -- exact output -------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def greedy_wanted(target64):
+    """The target's own greedy continuations of the three prompts below, computed once for both heads."""
+    batch = prompts(3, seed=1)
+    return batch, [reference(target64[0], p, 20, eos_token_id=None) for p in batch]
+
+
 @pytest.mark.parametrize("which", ["trained", "random"])
-def test_greedy_equals_target_generate(target64, trained64, random64, which):
+def test_greedy_equals_target_generate(target64, trained64, random64, greedy_wanted, which):
+    # The three prompts (1, 2 and 5 tokens) go as one ragged batch per γ; every row equals the target's own.
     target, tok, _ = target64
     head = trained64 if which == "trained" else random64
     assert head.config.draft_vocab_size < head.config.vocab_size
     gen = SpeculativeGenerator(target, Eagle3Drafter(head, target), tok)
-    for prompt in prompts(3, seed=1):
-        want = reference(target, prompt, 20, eos_token_id=None)
-        for gamma in (1, 3, 6):
-            out = gen.generate([prompt], max_new_tokens=20, gamma=gamma, eos_token_id=[])
-            assert rows_of(out) == [want], f"{which}, γ={gamma}, prompt {prompt}"
+    batch, want = greedy_wanted
+    for gamma in (1, 3, 6):
+        out = gen.generate(batch, max_new_tokens=20, gamma=gamma, eos_token_id=[])
+        assert rows_of(out) == want, f"{which}, γ={gamma}"
 
 
 def test_batch_with_ragged_acceptance_equals_each_prompt_alone(target64, trained64):
@@ -106,11 +113,11 @@ def test_padded_target_vocabulary(model_dir):
     target, tok = tiny.load(model_dir("llama", **{**TARGET, "tokenizer_size": 56}))
     head = eh.random_head(target, list(range(3, 40)) + [58, 61], seed=4, scale=5.0)
     gen = SpeculativeGenerator(target, Eagle3Drafter(head, target), tok)
-    for prompt in prompts(3, seed=3, vocab=56):
-        want = reference(target, prompt, 20, eos_token_id=None, suppress_tokens=list(range(56, 64)))
-        assert rows_of(gen.generate([prompt], max_new_tokens=20, gamma=3, eos_token_id=[])) == [want]
-        sampled = gen.generate([prompt] * 8, max_new_tokens=20, gamma=3, do_sample=True, seed=0)
-        assert int(sampled.sequences.max()) < 56
+    batch = prompts(3, seed=3, vocab=56)
+    want = [reference(target, p, 20, eos_token_id=None, suppress_tokens=list(range(56, 64))) for p in batch]
+    assert rows_of(gen.generate(batch, max_new_tokens=20, gamma=3, eos_token_id=[])) == want
+    sampled = gen.generate([p for p in batch for _ in range(8)], max_new_tokens=20, gamma=3, do_sample=True, seed=0)
+    assert int(sampled.sequences.max()) < 56
 
 
 def test_trained_head_accepts_more_than_a_random_one(target64, trained64, random64):
@@ -372,9 +379,16 @@ LAYOUTS = [  # (layout, container, architecture, with the target's embedding)
 ]
 
 
+@pytest.fixture(scope="module")
+def layout_wanted(target64):
+    """Three prompts and the target's own greedy continuations, computed once for every layout."""
+    batch = prompts(3, seed=9)
+    return batch, [reference(target64[0], p, 12, eos_token_id=None) for p in batch]
+
+
 @pytest.mark.parametrize("layout, container, architecture, embedding", LAYOUTS)
 def test_hand_written_head_loads_and_runs(
-    target64, trained64, tmp_path, monkeypatch, layout, container, architecture, embedding
+    target64, trained64, layout_wanted, tmp_path, monkeypatch, layout, container, architecture, embedding
 ):
     target, tok, target_dir = target64
     emb = target.get_input_embeddings().weight
@@ -410,10 +424,8 @@ def test_hand_written_head_loads_and_runs(
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
     gen = SpeculativeGenerator.from_pretrained(str(target_dir), str(head_dir), dtype="float32")
     assert loaded == [str(target_dir)] and isinstance(gen.drafter, Eagle3Drafter)
-    for prompt in prompts(3, seed=9):
-        assert rows_of(gen.generate([prompt], max_new_tokens=12, gamma=3, eos_token_id=[])) == [
-            reference(target, prompt, 12, eos_token_id=None)
-        ]
+    batch, want = layout_wanted
+    assert rows_of(gen.generate(batch, max_new_tokens=12, gamma=3, eos_token_id=[])) == want
 
 
 def test_the_same_head_every_way_a_draft_is_accepted(target64, trained64, tmp_path, capsys):
