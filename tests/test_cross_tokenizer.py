@@ -168,7 +168,7 @@ def test_greedy_equals_target_generate(pair, draft, greedy):
     for text in TEXTS:
         prompt = gen.tokenizer(text)["input_ids"]
         want = alone(gen.target, prompt, 16)
-        for gamma in (1, 3, 5):
+        for gamma in (1, 5):  # one draft token, and several (γ = 3 runs in the batches below)
             out = gen.generate([prompt], max_new_tokens=16, gamma=gamma)
             assert rows_of(out)[0] == want, f"{draft}, {greedy}, γ={gamma}, {text!r}"
             accepted, drafted = accepted + out.stats.accepted, drafted + out.stats.drafted
