@@ -20,7 +20,7 @@ from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.errors import HfspecError
 from hfspec.generator import SpeculativeGenerator
 
-THREADS, CALLS = 4, 4
+THREADS, CALLS = 4, 2
 
 
 def calls(vocab: int) -> list[dict]:
@@ -149,13 +149,15 @@ def drafter_for(kind: str, target, draft):
 # Four layers, no early end: an EAGLE-3 head reads three of them (the hidden states entering layers 1, 2 and 3).
 LAYERS, FEATURES = 4, (1, 2, 3)
 PROMPT = torch.tensor([[5, 9, 11, 4, 7, 5, 9, 11]])
+# The cut comes at the first or second forward or proposal; the calls after it make 10 tokens over several steps.
+CUT_NEW = 10
 
 
 @pytest.fixture(scope="module")
 def cut_pair(tiny_pair):
     """The pair the interrupted calls run, and the target's own greedy continuation of PROMPT."""
     target, draft, tok = tiny_pair("llama", layers=LAYERS, eos=None)
-    reference = target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=False, max_new_tokens=16)
+    reference = target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=False, max_new_tokens=CUT_NEW)
     return target, draft, tok, reference
 
 
@@ -176,7 +178,7 @@ def test_a_call_cut_short_leaves_the_generator_exact(cut_pair, fault, where, kin
     target, draft, tok, reference = cut_pair
     gen = SpeculativeGenerator(target, drafter_for(kind, target, draft), tok, ngram=kind == "hybrid")
     prompt = PROMPT
-    args = {"max_new_tokens": 16, "gamma": 3, "tree": tree}
+    args = {"max_new_tokens": CUT_NEW, "gamma": 3, "tree": tree}
     sampled = gen.generate(prompt, do_sample=True, seed=3, **args).sequences
     for step in (1, 2):
         count = {"n": 0}
