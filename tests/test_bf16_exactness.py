@@ -32,6 +32,11 @@ V, NEW = 128, 24
 COMMON = dict(vocab_size=V, hidden=40, layers=3, eos=None, sharpness=0.3)
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(7, V) for _ in range(_rng.randrange(3, 25))] for _ in range(10)]
+# The prompts each also run alone (3 and 5 tokens): on torch's kernels a row alone diverges from the reference on
+# these in each chain, tree and lookup setting, where the first three prompts never do.
+ALONE = (4, 8)
+# The prompts of the near-tie check on torch's kernels: from the fourth to the ninth, all three that diverge alone.
+TORCH_PROMPTS = PROMPTS[3:9]
 SETTINGS = {
     "chain γ=1": dict(gamma=1, tree=None),
     "chain γ=4": dict(gamma=4, tree=None),
@@ -79,15 +84,15 @@ def check(
     want: list[list[int]],
     setting: dict,
     new: int = NEW,
-    alone: int = 3,
+    alone: tuple[int, ...] = ALONE,
 ) -> int:
-    """All prompts as one ragged batch, and the first ``alone`` each on its own, equal ``want``; the drafts
-    accepted. (Where the generator runs a batch's prompts one by one, a recurrent model's or a window counted in
-    cache columns, the batch is already each prompt alone: ``alone=0``.)"""
+    """All prompts as one ragged batch, and those at the indices ``alone`` each on its own, equal ``want``; the
+    drafts accepted. (Where the generator runs a batch's prompts one by one, a recurrent model's or a window counted
+    in cache columns, the batch is already each prompt alone: ``alone=()``.)"""
     out = gen.generate(prompts, max_new_tokens=new, **setting)
     assert rows_of(out) == want, (setting, "batch")
     accepted = out.stats.accepted
-    for p, w in zip(prompts[:alone], want):
+    for p, w in ((prompts[i], want[i]) for i in alone):
         out = gen.generate([p], max_new_tokens=new, **setting)
         assert rows_of(out)[0] == w, (setting, p)
         accepted += out.stats.accepted
@@ -122,7 +127,7 @@ def test_a_draft_with_another_tokenizer_equals_the_accelerated_models_own_genera
     accelerated(target, draft)
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     gen = SpeculativeGenerator(target, draft, tok, draft_tokenizer=draft_tok)
-    assert check(gen, prompts, own(target, prompts, 20), dict(gamma=3), new=20) > 0
+    assert check(gen, prompts, own(target, prompts, 20), dict(gamma=3), new=20, alone=(0, 1, 2)) > 0
 
 
 @pytest.mark.parametrize(
@@ -142,12 +147,14 @@ def test_sliding_windows_equal_the_accelerated_models_own_generate(model_dir, li
     target, draft = accelerated(
         bf16(model_dir(arch, seed=4, **common)), bf16(model_dir(arch, seed=4, perturb=0.3, **common))
     )
-    prompts = PROMPTS[:6]  # most longer than the window
+    prompts = [PROMPTS[i] for i in (0, 1, 4)]  # 15 and 9 tokens, past the window, and 3 within it
     want = own(target, prompts)
     for setting in settings:
         # One prompt alone (15 tokens, past the window) beside the batch: the chains' and trees' single rows are
         # covered at length above.
-        check(SpeculativeGenerator(target, draft, None), prompts, want, setting, alone=0 if arch == "mistral" else 1)
+        check(
+            SpeculativeGenerator(target, draft, None), prompts, want, setting, alone=() if arch == "mistral" else (0,)
+        )
 
 
 def test_a_qwen3_next_shaped_model_equals_its_own_generate(tmp_path, library):
@@ -159,9 +166,9 @@ def test_a_qwen3_next_shaped_model_equals_its_own_generate(tmp_path, library):
         bf16(tiny.build(tmp_path / "draft", "qwen3_next", seed=5, perturb=0.3, **common)),
     )
     assert "hfspec_functional" in target.__dict__  # its forwards run FunctionalActivations
-    prompts = PROMPTS[:4]
+    prompts = PROMPTS[:2]
     gen = SpeculativeGenerator(target, draft, None)
-    assert check(gen, prompts, own(target, prompts), dict(gamma=3), alone=0) > 0
+    assert check(gen, prompts, own(target, prompts), dict(gamma=3), alone=()) > 0
 
 
 # -- torch's own kernels: identical up to rounding ------------------------------------------------------------
@@ -175,14 +182,14 @@ def ulp_bf16(x: float) -> float:
 @pytest.fixture(scope="module")
 def torch_models(model_dir):
     target = bf16(model_dir("llama", seed=3, **COMMON))
-    return target, bf16(model_dir("llama", seed=3, perturb=0.3, **COMMON)), own(target, PROMPTS)
+    return target, bf16(model_dir("llama", seed=3, perturb=0.3, **COMMON)), own(target, TORCH_PROMPTS)
 
 
 @pytest.mark.parametrize("name", ["chain γ=4", "tree of 8"])
 def test_on_torchs_kernels_a_divergence_is_only_ever_a_near_tie(torch_models, name):
     target, draft, wanted = torch_models
     gen = SpeculativeGenerator(target, "ngram" if "ngram" in name else draft, None)
-    for p, want in zip(PROMPTS, wanted):
+    for p, want in zip(TORCH_PROMPTS, wanted):
         got = rows_of(gen.generate([p], max_new_tokens=NEW, **SETTINGS[name]))[0]
         if got == want:
             continue
