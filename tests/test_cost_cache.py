@@ -12,7 +12,7 @@ import torch
 
 from hfspec import SpeculativeGenerator, generator
 from hfspec.measure import cost_cache, costs
-from hfspec.measure.costs import Costs
+from hfspec.measure.costs import Costs, capped
 
 PROMPT = torch.tensor([[1, 5, 9, 14, 3, 7]])
 
@@ -61,7 +61,7 @@ def test_the_call_writes_back_the_costs_its_steps_refined(tiny_pair, kept_costs)
     back = Costs.from_record(json.loads(kept.read_text())["costs"])
     costs = gen.tuning.costs
     assert costs.observed_verify, "no step refined the costs"
-    assert back.verify == {k: min(s, costs.observed_verify.get((1, k), s)) for k, s in costs.verify.items()}
+    assert back.verify == capped({k: min(s, costs.observed_verify.get((1, k), s)) for k, s in costs.verify.items()})
     assert back.draft == min(costs.draft, costs.observed_draft.get(1, costs.draft))
 
 
@@ -71,8 +71,37 @@ def test_the_fastest_time_seen_is_kept_so_that_a_loaded_measurement_heals():
     loaded.record_verify(1, 2, 5.0)  # a step that another process stalled
     loaded.record_draft(1, 0.001)
     kept = loaded.fastest()
-    assert kept.verify[1] == 0.5 and kept.verify[2] == 0.6 and kept.verify[3] == loaded.observed_verify[(1, 3)] < 0.7
+    assert kept.verify[1] == 0.5 and kept.verify[3] == loaded.observed_verify[(1, 3)] < 0.6
+    assert kept.verify[2] == kept.verify[3]  # two tokens cost no more than three's quiet step: the stall is not kept
     assert kept.draft < 0.05 and not kept.observed_verify and not kept.observed_draft
+
+
+# Kept on this machine (AMD EPYC, 2 threads) by a process that a neighbour slowed while it measured two and four
+# tokens: as kept, v(1) = 30 priced every γ but 2 out for good, since only the γ a policy takes are timed again.
+SLOWED = {1: 0.066, 2: 1.947, 3: 0.150, 4: 2.242, 5: 0.357, 6: 0.160}
+
+
+def test_a_size_measured_dearer_than_a_larger_one_is_priced_as_the_larger():
+    loaded = Costs.from_record(Costs(SLOWED, 0.02).to_record())
+    assert loaded.verify == {1: 0.066, 2: 0.150, 3: 0.150, 4: 0.160, 5: 0.160, 6: 0.160}
+    assert loaded.v(1) == pytest.approx(0.150 / 0.066) and loaded.fastest().verify == loaded.verify
+    assert Costs(SLOWED, 0.02).v(1) > 29  # the control: the same times, not capped
+
+
+def test_a_size_slowed_while_it_is_measured_is_capped_by_a_larger_one(tiny_pair, monkeypatch):
+    # forward_seconds times sizes 1..3 round-robin after two warm-ups (1 and 3); here every forward over 2 tokens
+    # takes 1 s, one over 1 token 0.125 s and one over 3 tokens 0.25 s.
+    target, _, _ = tiny_pair("llama")
+    order = [1, 3, *[1, 2, 3] * 3]
+    calls = iter(order)
+
+    def scripted(fn, device):
+        k = next(calls)
+        return fn(), {1: 0.125, 2: 1.0, 3: 0.25}[k]
+
+    monkeypatch.setattr(costs, "timed", scripted)
+    assert costs.forward_seconds(target, [1, 5, 9], [1, 2, 3], 3, torch.device("cpu")) == {1: 0.125, 2: 0.25, 3: 0.25}
+    assert next(calls, None) is None, "not the forwards the timings were scripted for"
 
 
 def test_another_thread_count_dtype_or_pair_misses_the_cache(tiny_pair, measures):

@@ -42,7 +42,8 @@ def forward_seconds(
     device: torch.device,
     all_logits: bool = True,
 ) -> dict[int, float]:
-    """Median seconds of one forward over k new tokens after a cached ``context``, for each k in ``sizes``.
+    """Median seconds of one forward over k new tokens after a cached ``context``, for each k in ``sizes``,
+    :func:`capped`.
 
     The sizes take their turns round-robin after two warm-up forwards (the smallest
     and the largest size), so a drift of the machine hits them alike; the cache is
@@ -79,7 +80,19 @@ def forward_seconds(
         if measured:
             times[k].append(seconds)
         kv.keep(torch.zeros(1, dtype=torch.long, device=device), start, feed)
-    return {k: statistics.median(t) for k, t in times.items()}
+    return capped({k: statistics.median(t) for k, t in times.items()})
+
+
+def capped(verify: dict[int, float]) -> dict[int, float]:
+    """Each size's forward at most any larger size's. A forward over k new tokens could always run as one over
+    more, so a size measured dearer than a larger one was slowed by the machine (load, a neighbour), not by its
+    work; left as measured, it would price that γ out for good, since only the γ a policy takes are re-timed."""
+    out: dict[int, float] = {}
+    cap = math.inf
+    for k in sorted(verify, reverse=True):
+        cap = min(cap, verify[k])
+        out[k] = cap
+    return dict(sorted(out.items()))
 
 
 @dataclass
@@ -213,7 +226,7 @@ class Costs:
             return
         with Stopwatch(device) as watch:
             times = forward_seconds(target, context, [1, *missing], repeats, device)
-        self.verify.update({k: times[k] * self.verify[1] / times[1] for k in missing})
+        self.verify = capped({**self.verify, **{k: times[k] * self.verify[1] / times[1] for k in missing}})
         self.seconds_measuring += watch.seconds
 
     @property
@@ -230,7 +243,7 @@ class Costs:
         what a process keeps for the next one (``hfspec.measure.cost_cache``). Load on a CPU only ever slows a call down
         (``hfspec.cpu.plan`` keeps its fastest round for the same reason), so the fastest is the machine's own cost,
         and a measurement taken under load heals at the next quiet run; the running averages stay this process's."""
-        verify = {k: min(s, self.observed_verify.get((1, k), s)) for k, s in self.verify.items()}
+        verify = capped({k: min(s, self.observed_verify.get((1, k), s)) for k, s in self.verify.items()})
         return Costs(verify, min(self.draft, self.observed_draft.get(1, self.draft)))
 
     def to_record(self) -> dict[str, Any]:
@@ -265,7 +278,7 @@ class Costs:
 
         try:
             costs = cls(
-                table(record["verify"], 2),
+                capped(table(record["verify"], 2)),  # capped as it is read, whatever wrote it
                 seconds(record["draft"]),
                 observed_verify=table(record["observed_verify"], 3),
                 observed_draft=table(record["observed_draft"], 2),
