@@ -81,11 +81,17 @@ def test_the_fastest_time_seen_is_kept_so_that_a_loaded_measurement_heals():
 SLOWED = {1: 0.066, 2: 1.947, 3: 0.150, 4: 2.242, 5: 0.357, 6: 0.160}
 
 
-def test_a_size_measured_dearer_than_a_larger_one_is_priced_as_the_larger():
+def test_a_size_measured_dearer_than_what_it_could_run_as_is_priced_as_that():
+    # Two sizes slowed: each is capped by the parts it could run as (2 = 1 + 1) or by a larger size (4 by 6).
     loaded = Costs.from_record(Costs(SLOWED, 0.02).to_record())
-    assert loaded.verify == {1: 0.066, 2: 0.150, 3: 0.150, 4: 0.160, 5: 0.160, 6: 0.160}
-    assert loaded.v(1) == pytest.approx(0.150 / 0.066) and loaded.fastest().verify == loaded.verify
+    assert loaded.verify == pytest.approx({1: 0.066, 2: 0.132, 3: 0.150, 4: 0.160, 5: 0.160, 6: 0.160})
+    assert loaded.v(1) == pytest.approx(2.0) and loaded.fastest().verify == loaded.verify
     assert Costs(SLOWED, 0.02).v(1) > 29  # the control: the same times, not capped
+    # Every size past two slowed (nothing larger to cap them): two forwards in a row bound them.
+    tail = capped({1: 0.020, 2: 0.025, 3: 0.170, 4: 0.170, 5: 0.170})
+    assert tail == pytest.approx({1: 0.020, 2: 0.025, 3: 0.045, 4: 0.050, 5: 0.070})
+    quiet = {1: 0.020, 2: 0.025, 3: 0.031, 4: 0.036, 9: 0.070}  # as a quiet machine measures: nothing to cap
+    assert capped(quiet) == quiet
 
 
 def test_a_size_slowed_while_it_is_measured_is_capped_by_a_larger_one(tiny_pair, monkeypatch):

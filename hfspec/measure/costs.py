@@ -84,15 +84,22 @@ def forward_seconds(
 
 
 def capped(verify: dict[int, float]) -> dict[int, float]:
-    """Each size's forward at most any larger size's. A forward over k new tokens could always run as one over
-    more, so a size measured dearer than a larger one was slowed by the machine (load, a neighbour), not by its
-    work; left as measured, it would price that γ out for good, since only the γ a policy takes are re-timed."""
-    out: dict[int, float] = {}
-    cap = math.inf
-    for k in sorted(verify, reverse=True):
-        cap = min(cap, verify[k])
-        out[k] = cap
-    return dict(sorted(out.items()))
+    """Each size's forward at most what it could run as: the forwards over two smaller sizes that add up to it (a
+    forward over k new tokens can always run as two in a row), or one over a larger size (padded). A size measured
+    dearer than that was slowed by the machine (load, a neighbour), not by its work; left as measured, it would
+    price its γ out for good, since only the γ a policy takes are timed again."""
+    out = dict(sorted(verify.items()))
+    changed = True
+    while changed:
+        changed = False
+        for k in out:
+            bound = min(
+                [out[a] + out[k - a] for a in out if a < k and k - a in out] + [out[m] for m in out if m > k],
+                default=math.inf,
+            )
+            if bound < out[k]:
+                out[k], changed = bound, True
+    return out
 
 
 @dataclass
