@@ -17,6 +17,18 @@ AVX2 = (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"})
 SCALAR: tuple[list[str], set[str]] = ([], set())
 
 
+def kept(folder: str, files: list[Path], command: list[str], suffix: str) -> Path:
+    """Where a build or check of ``files`` by ``command`` is kept in the kernel cache: a name keyed by the files,
+    the command and the compiler's version, as the library's is, so that a change to any of them misses it."""
+    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        b"\0".join([*(f.read_bytes() for f in files), *map(str.encode, command), compiler.encode()])
+    ).hexdigest()[:16]
+    where = toolchain.library_path().parent / folder
+    where.mkdir(parents=True, exist_ok=True)
+    return where / f"{key}{suffix}"
+
+
 def build(source: Path, paths: dict[str, tuple[list[str], set[str]]], bind: Callable[[Any], Any]) -> dict[str, Any]:
     """``{isa: bind(library)}`` for each of ``paths`` (``isa: (flags, cpu flags it needs)``) this CPU can run,
     compiled in parallel with the flags the library build gives ``source``. Each build is kept in the kernel cache
@@ -24,19 +36,12 @@ def build(source: Path, paths: dict[str, tuple[list[str], set[str]]], bind: Call
     cpu = set(toolchain.cpu_flags().split())
     common = ["-O1", "-march=x86-64", *toolchain.SOURCE_FLAGS.get(source.name, ())]
     common += ["-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
-    kept = toolchain.library_path().parent / "paths"
-    kept.mkdir(parents=True, exist_ok=True)
     jobs, found = {}, {}
     for isa, (extra, needs) in paths.items():
         if not needs <= cpu:
             continue
         command = ["g++", *common, *extra]
-        key = hashlib.sha256(
-            b"\0".join([source.read_bytes(), *(h.read_bytes() for h in toolchain.HEADERS), *map(str.encode, command)])
-            + compiler.encode()
-        ).hexdigest()[:16]
-        path = kept / f"{source.stem}-{isa}-{key}.so"
+        path = kept("paths", [source, *toolchain.HEADERS], command, f"-{source.stem}-{isa}.so")
         if not path.is_file():
             staged = path.with_name(f".{path.name}.{os.getpid()}")
             jobs[isa] = (

@@ -3,7 +3,6 @@ one warning per process, and a failed build that is not tried again until the so
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -14,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import kernel_paths
 import pytest
 import torch
 import torch.nn.functional as F
@@ -249,16 +249,11 @@ def test_each_vector_path_uses_only_what_its_guard_names(flags, tmp_path):
     # cache under a key of the sources, their headers, the flags and the compiler, as the library is: the same
     # sources are not checked again (the control below always compiles).
     sources = list(toolchain.SOURCES)
-    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        b"\0".join([*(f.read_bytes() for f in (*sources, *toolchain.HEADERS)), flags.encode(), compiler.encode()])
-    ).hexdigest()[:16]
-    passed = toolchain.library_path().parent / "guards" / f"{key}.ok"
+    passed = kernel_paths.kept("guards", [*sources, *toolchain.HEADERS], ["g++", *flags.split()], ".ok")
     if passed.is_file():
         return
     proc = unity_build(sources, flags, tmp_path)
     assert proc.returncode == 0, f"the kernel sources with {flags}: {proc.stderr[-1500:]}"
-    passed.parent.mkdir(parents=True, exist_ok=True)
     passed.write_text(flags + "\n")
 
 
