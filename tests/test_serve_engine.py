@@ -462,3 +462,41 @@ def test_the_loop_runs_in_the_callers_thread_until_stopped(gen):
     engine.run()  # returns once the client's stop() ends the loop
     thread.join(10)
     assert answers and answers[0].finish_reason in ("stop", "length")
+
+
+def test_a_stop_from_another_thread_leaves_the_loops_rows_to_the_loop(gen, monkeypatch, caplog):
+    # hfspec serve's signal handler stops the engine from a thread of its own while the loop, on the main thread, is
+    # inside a step: the loop alone ends the rows, each with one final event, and no step fails.
+    engine = BatchEngine.from_generator(gen, model_name="tiny")
+    engine.run_here = True
+    step, stopper = serve_batch.Batch.step, []
+
+    def step_while_stopped(batch):
+        if not stopper:
+            stopper.append(threading.Thread(target=engine.stop))
+            stopper[0].start()
+            stopper[0].join(0.3)  # the stop runs, or waits for the loop, meanwhile
+        return step(batch)
+
+    monkeypatch.setattr(serve_batch.Batch, "step", step_while_stopped)
+    events = []
+
+    def client():
+        async def one():
+            handle = engine.submit(Request("a", (5, 6, 7), 40, temperature=0.0), asyncio.get_running_loop())
+            async for event in handle.events():
+                events.append(event)
+            await asyncio.sleep(0.3)  # a second final event would arrive meanwhile
+            while not handle.queue.empty():
+                events.append(handle.queue.get_nowait())
+
+        asyncio.run(one())
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    engine.run()
+    thread.join(10)
+    stopper[0].join(10)
+    finals = [e for e in events if isinstance(e, Done)]
+    assert [e.finish_reason for e in finals] == ["cancelled"] and events[-1] is finals[0]
+    assert not stopper[0].is_alive() and "step failed" not in caplog.text

@@ -130,6 +130,7 @@ class BatchEngine:
         self._slots = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._ended = threading.Event()  # set when the loop has ended every request it held
 
     @classmethod
     def from_generator(cls, generator: SpeculativeGenerator, *, model_name: str, **kwargs: int) -> BatchEngine:
@@ -177,17 +178,21 @@ class BatchEngine:
         """Run the engine's loop in the calling thread until :meth:`stop`. ``hfspec serve`` runs it on the main
         thread and the HTTP server beside it: OpenMP's parallel regions (torch's and the kernels') start cheaply only
         from the main thread, and a forward of the offline target took 2.2x as long from another one."""
-        self._thread = threading.current_thread()
+        with self._lock:
+            self._thread = threading.current_thread()
         self._serve()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop taking requests; the loop ends those in flight and waiting with ``Done("cancelled")`` at its next step
+        boundary. Waits up to ``timeout`` seconds for that, from any thread but the loop's own."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
-        if self._thread is not None and self._thread not in (threading.current_thread(), threading.main_thread()):
-            self._thread.join(timeout)
-        else:  # never started: the queued requests end here
+            started = self._thread is not None
+        if not started:  # no loop to end them: the queued requests end here
             self._end_all("cancelled")
+        elif self._thread is not threading.current_thread():  # only the loop's thread touches the batch
+            self._ended.wait(timeout)
 
     # The engine's thread from here on.
 
@@ -200,6 +205,8 @@ class BatchEngine:
             with self._lock:
                 self._stopping = True
             self._end_all("error", f"{type(error).__name__}: {error}")
+        finally:
+            self._ended.set()
 
     def _loop(self) -> None:
         with torch.inference_mode():
