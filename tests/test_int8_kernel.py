@@ -82,9 +82,9 @@ def test_every_row_count_and_thread_count_gives_the_references_bits(ik, fmt):
             assert torch.equal(got.view(torch.int32), expect), f"{fmt}: {m} rows on {threads} threads"
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_repacked_weights_give_the_references_bits(ik, fmt):
-    """On AVX2 the K-quants are repacked at load (8 columns interleaved); elsewhere nothing is packed."""
+    """On AVX2 every format is repacked at load (8 columns interleaved); elsewhere nothing is packed."""
     k, n = 768, 19  # two groups of 8 columns and a partial one
     w = blocks(fmt, n, k, seed=5)
     typ = GGMLQuantizationType[fmt].value
@@ -180,6 +180,11 @@ def test_every_path_gives_the_references_bits(other_paths, fmt):
     x = inputs(33, 512, seed=8)
     expect = int8_reference.linear(x, w, fmt).view(torch.int32)
     for isa, other in other_paths.items():
+        packed = int8.pack(w, GGMLQuantizationType[fmt].value, 512, other)
+        assert (packed is not None) == (isa == "avx2")  # AVX2 repacks every format
         for m in (1, 5, 16, 17, 33):
             got = kernel_out(other, x[:m], w, fmt, None, 2)
             assert torch.equal(got.view(torch.int32), expect[:m]), f"{fmt}: {m} rows on the {isa} path"
+            if packed is not None:
+                got = kernel_out(other, x[:m], w, fmt, None, 2, packed)
+                assert torch.equal(got.view(torch.int32), expect[:m]), f"{fmt}: {m} rows on the {isa} path, packed"

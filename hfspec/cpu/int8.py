@@ -71,9 +71,9 @@ def kernel() -> Int8Kernel | None:
 
 @dataclasses.dataclass(frozen=True)
 class Packed:
-    """A layer's weight blocks rewritten once into the layout this build's kernel reads fastest (the K-quants on AVX2:
-    8 output columns interleaved, scales unpacked to bytes, ``d`` widened to fp32; ``csrc/int8.cpp``). The same
-    numbers: the kernel gives the same bits from it as from the blocks."""
+    """A layer's weight blocks rewritten once into the layout this build's kernel reads fastest (on AVX2, every format:
+    8 output columns interleaved; the K-quants' scales unpacked to bytes and ``d`` widened to fp32; ``csrc/int8.cpp``).
+    The same numbers: the kernel gives the same bits from it as from the blocks."""
 
     data: torch.Tensor
     ggml_type: int

@@ -40,7 +40,8 @@
 // per instruction. On AVX2 (no AVX-512) 8 output columns of a block are unpacked once for every row, maddubs and madd
 // give the sums (Q8_0 with ggml's sign trick: |w| times the codes given w's sign, at most 2 * 128 * 127 per int16),
 // one reduction puts the 8 columns' sums in the lanes of one vector and the float steps run 8 columns per
-// instruction. Without AVX2 the integer loops (k_dots, block_dots) are left to the compiler.
+// instruction; with F16C the layers are repacked at load instead (pack32: 8 columns interleaved, no reduction).
+// Without AVX2 the integer loops (k_dots, block_dots) are left to the compiler.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -862,13 +863,17 @@ inline __m256i dot32(__m256i u, __m256i sg, __m256i qa) {
 // into the activations), each lane in the reference's order: S minus the code offset's term, S * (d * da), plus
 // m * s (Q4_1/Q5_1).
 template <int T>
-inline __m256 add_step32(__m256 sum, const __m256i* v, const Acts& a, int64_t row, __m256 dv, __m256 mv) {
-    __m256i dots = reduce8(v);
+inline __m256 step32(__m256 sum, __m256i dots, const Acts& a, int64_t row, __m256 dv, __m256 mv) {
     if constexpr (code_offset<T>() != 0)
         dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(code_offset<T>() * a.sums[row]));
     __m256 step = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dv, _mm256_set1_ps(a.d[row])));
     if constexpr (T == Q4_1 || T == Q5_1) step = _mm256_add_ps(step, _mm256_mul_ps(mv, _mm256_set1_ps(a.s[row])));
     return _mm256_add_ps(sum, step);
+}
+
+template <int T>
+inline __m256 add_step32(__m256 sum, const __m256i* v, const Acts& a, int64_t row, __m256 dv, __m256 mv) {
+    return step32<T>(sum, reduce8(v), a, row, dv, mv);
 }
 
 // The whole tile, any row count up to ROWS: output columns as lanes, 8 at a time. Each block of 8 columns is unpacked
@@ -1326,6 +1331,166 @@ void linear_packed(const float* x, int64_t ldx, const uint8_t* packed, const flo
         }
     }
 }
+
+// -- 32-weight formats repacked for AVX2 (F16C): 8 output columns interleaved --------------------------------------
+//
+// The file's layout needs a horizontal sum per block, column and row (tile32_rows8's reduce8), which bound the
+// kernel at a few rows. At load each group of 8 output columns is rewritten once, per block of 32 weights, in as
+// many bytes as the file holds them (PACKED32<T>):
+//   [0, 16)    d of the 8 columns, fp16 as stored (widened with F16C: the same value)
+//   [16, 32)   m of the 8 columns, fp16 (Q4_1, Q5_1 only)
+//   then       Q4_0, Q4_1, Q5_0, Q5_1: nib[v][32] for v < 4: byte 4c + e holds column c's code of element 4v + e in
+//              its low nibble and of element 16 + 4v + e in its high one;
+//              Q5_0, Q5_1: hi[32]: byte 4c + e holds the top bit of the code of nibble vector t (below) in bit t;
+//              Q8_0: w[v][32] for v < 8: byte 4c + e holds column c's signed code of element 4v + e.
+// Code vector v < 4 is the low nibbles of nib[v], 4 + v the high ones. A row's 4 activation codes broadcast so meet 4
+// codes of each of the 8 columns in one maddubs, and the 8 columns' S come out in the 8 int32 lanes: no horizontal
+// sum. Int16 sums stay below 2^15: 8 maddubs of 4-bit codes (8 * 2 * 15 * 127 = 30480), 4 of 5-bit ones (31496), one
+// of Q8_0's (|w| times the codes given w's sign: 2 * 128 * 127). The fp32 steps are the reference's, lane by lane.
+template <int T>
+constexpr int PACKED32 = T == Q4_0 ? 144 : T == Q4_1 ? 160 : T == Q5_0 ? 176 : T == Q5_1 ? 192 : 272;
+template <int T>
+constexpr int NIB32 = T == Q4_1 || T == Q5_1 ? 32 : 16;  // where the codes start
+
+// One block's 32 codes in element order (Q8_0: its signed codes as bytes), as block_dots reads them.
+template <int T>
+void codes32(const uint8_t* wb, uint8_t* code) {
+    if constexpr (T == Q8_0) {
+        memcpy(code, wb + 2, 32);
+    } else {
+        const uint8_t* qs = wb + codes_at<T>();
+        uint32_t qh = 0;
+        if constexpr (T == Q5_0 || T == Q5_1) memcpy(&qh, wb + high_at<T>(), 4);
+        for (int j = 0; j < 16; ++j) {
+            code[j] = (uint8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
+            code[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+        }
+    }
+}
+
+template <int T>
+void pack32(const uint8_t* w, int64_t ldw, int64_t N, int64_t K, uint8_t* out, int threads) {
+    constexpr int NB = nbytes<T>(), PB = PACKED32<T>, NIB = NIB32<T>;
+    const int64_t blocks = K / 32, groups = (N + 7) / 8;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        memset(out + g * blocks * PB, 0, blocks * PB);
+        for (int c = 0; c < 8 && 8 * g + c < N; ++c)
+            for (int64_t b = 0; b < blocks; ++b) {
+                const uint8_t* wb = w + (8 * g + c) * ldw + b * NB;
+                uint8_t* pb = out + (g * blocks + b) * PB;
+                memcpy(pb + 2 * c, wb, 2);
+                if constexpr (T == Q4_1 || T == Q5_1) memcpy(pb + 16 + 2 * c, wb + 2, 2);
+                uint8_t code[32];
+                codes32<T>(wb, code);
+                if constexpr (T == Q8_0) {
+                    for (int v = 0; v < 8; ++v)
+                        for (int e = 0; e < 4; ++e) pb[NIB + 32 * v + 4 * c + e] = code[4 * v + e];
+                } else {
+                    for (int v = 0; v < 4; ++v)
+                        for (int e = 0; e < 4; ++e) {
+                            const uint8_t low = code[4 * v + e], high = code[16 + 4 * v + e];
+                            pb[NIB + 32 * v + 4 * c + e] = (uint8_t)((low & 15) | ((high & 15) << 4));
+                            if constexpr (T == Q5_0 || T == Q5_1)
+                                pb[NIB + 128 + 4 * c + e] |= (uint8_t)(((low >> 4) << v) | ((high >> 4) << (4 + v)));
+                        }
+                }
+            }
+    }
+}
+
+// Rows m0 .. m0 + R (R <= ROWS) of the 8 columns of one group: acc[c][r] as the reference sums them. RF: R known at
+// compile time, or 0.
+template <int T, int RF>
+void packed32_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_t K, float (*acc)[ROWS]) {
+    constexpr int PB = PACKED32<T>, NIB = NIB32<T>;
+    const int R = RF ? RF : R_;
+    const int64_t blocks = K / 32;
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 sum[ROWS];
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* pb = pg + b * PB;
+        for (int off = 0; off < PB; off += 64) __builtin_prefetch(pb + 4 * PACKED_AHEAD * PB + off, 0, 0);
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)pb));
+        const __m256 mv = T == Q4_1 || T == Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(pb + 16)))
+                                                 : _mm256_setzero_ps();
+        __m256i u[8];  // code vector v: Q8_0 its signed codes, else unsigned
+        if constexpr (T == Q8_0) {
+            for (int v = 0; v < 8; ++v) u[v] = _mm256_loadu_si256((const __m256i*)(pb + NIB + 32 * v));
+        } else {
+            for (int v = 0; v < 4; ++v) {
+                const __m256i packed = _mm256_loadu_si256((const __m256i*)(pb + NIB + 32 * v));
+                u[v] = _mm256_and_si256(packed, nib);
+                u[4 + v] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nib);
+            }
+            if constexpr (T == Q5_0 || T == Q5_1) {  // bit t to bit 4 (16-bit shifts: what crosses a byte is masked off)
+                const __m256i top = _mm256_set1_epi8(0x10);
+                const __m256i hb = _mm256_loadu_si256((const __m256i*)(pb + NIB + 128));
+                u[0] = _mm256_or_si256(u[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+                u[1] = _mm256_or_si256(u[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), top));
+                u[2] = _mm256_or_si256(u[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+                u[3] = _mm256_or_si256(u[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), top));
+                u[4] = _mm256_or_si256(u[4], _mm256_and_si256(hb, top));
+                u[5] = _mm256_or_si256(u[5], _mm256_and_si256(_mm256_srli_epi16(hb, 1), top));
+                u[6] = _mm256_or_si256(u[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+                u[7] = _mm256_or_si256(u[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), top));
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const int8_t* q = a.q.data() + (m0 + r) * K + b * 32;
+            __m256i dots;
+            if constexpr (T == Q8_0) {
+                dots = _mm256_setzero_si256();
+                for (int v = 0; v < 8; ++v) {
+                    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(u[v], u[v]),
+                                                               _mm256_sign_epi8(broadcast_codes(q + 4 * v), u[v]));
+                    dots = _mm256_add_epi32(dots, _mm256_madd_epi16(pairs, ones));
+                }
+            } else if constexpr (T == Q4_0 || T == Q4_1) {
+                __m256i s = _mm256_maddubs_epi16(u[0], broadcast_codes(q));
+                for (int v = 1; v < 8; ++v)
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[v], broadcast_codes(q + 4 * (v % 4) + 16 * (v / 4))));
+                dots = _mm256_madd_epi16(s, ones);
+            } else {
+                __m256i s0 = _mm256_maddubs_epi16(u[0], broadcast_codes(q));
+                __m256i s1 = _mm256_maddubs_epi16(u[4], broadcast_codes(q + 16));
+                for (int v = 1; v < 4; ++v) {
+                    s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(u[v], broadcast_codes(q + 4 * v)));
+                    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(u[4 + v], broadcast_codes(q + 16 + 4 * v)));
+                }
+                dots = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+            }
+            sum[r] = step32<T>(sum[r], dots, a, (m0 + r) * blocks + b, dv, mv);
+        }
+    }
+    store_lanes(&sum, 8, R, acc);
+}
+
+template <int T>
+void linear_packed32(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t ldy,
+                     int64_t M, int64_t N, int64_t K, int threads) {
+    Acts a;
+    quantize(T, x, ldx, M, K, a, threads);
+    const int64_t groups = (N + 7) / 8, blocks = K / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        const int C = (int)(N - 8 * g < 8 ? N - 8 * g : 8);
+        const uint8_t* pg = packed + g * blocks * PACKED32<T>;
+        float acc[8][ROWS];
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const int R = (int)(M - m0 < ROWS ? M - m0 : ROWS);
+            switch (R) {
+                case 1: packed32_group<T, 1>(pg, a, m0, R, K, acc); break;
+                case 2: packed32_group<T, 2>(pg, a, m0, R, K, acc); break;
+                case 3: packed32_group<T, 3>(pg, a, m0, R, K, acc); break;
+                case 4: packed32_group<T, 4>(pg, a, m0, R, K, acc); break;
+                default: packed32_group<T, 0>(pg, a, m0, R, K, acc);
+            }
+            write_out(acc, C, R, bias, 8 * g, y + m0 * ldy, ldy);
+        }
+    }
+}
 #endif
 
 }  // namespace
@@ -1338,6 +1503,10 @@ int64_t hfspec_int8_packed_bytes(int type, int64_t N, int64_t K) {
 #if defined(HFSPEC_INT8_AVX2)
     if (is_k(type) && K % 256 == 0)
         return (N + 7) / 8 * (K / 256) * (type == Q4_K ? PACKED<Q4_K> : type == Q5_K ? PACKED<Q5_K> : PACKED<Q6_K>);
+#if defined(__F16C__)
+    if (block_bytes(type) != 0 && !is_k(type) && K % 32 == 0)
+        return (N + 7) / 8 * (K / 32) * block_bytes(type) * 8;  // PACKED32: the file's bytes, 8 columns a group
+#endif
 #endif
     (void)type, (void)N, (void)K;
     return 0;
@@ -1347,12 +1516,18 @@ int64_t hfspec_int8_packed_bytes(int type, int64_t N, int64_t K) {
 int hfspec_int8_pack(int type, const uint8_t* w, int64_t ldw, int64_t N, int64_t K, uint8_t* out, int threads) {
     if (hfspec_int8_packed_bytes(type, N, K) == 0) return 0;
 #if defined(HFSPEC_INT8_AVX2)
-    if (type == Q4_K)
-        pack<Q4_K>(w, ldw, N, K, out, threads);
-    else if (type == Q5_K)
-        pack<Q5_K>(w, ldw, N, K, out, threads);
-    else
-        pack<Q6_K>(w, ldw, N, K, out, threads);
+    switch (type) {
+        case Q4_K: pack<Q4_K>(w, ldw, N, K, out, threads); break;
+        case Q5_K: pack<Q5_K>(w, ldw, N, K, out, threads); break;
+        case Q6_K: pack<Q6_K>(w, ldw, N, K, out, threads); break;
+#if defined(__F16C__)
+        case Q4_0: pack32<Q4_0>(w, ldw, N, K, out, threads); break;
+        case Q4_1: pack32<Q4_1>(w, ldw, N, K, out, threads); break;
+        case Q5_0: pack32<Q5_0>(w, ldw, N, K, out, threads); break;
+        case Q5_1: pack32<Q5_1>(w, ldw, N, K, out, threads); break;
+        case Q8_0: pack32<Q8_0>(w, ldw, N, K, out, threads); break;
+#endif
+    }
 #else
     (void)w, (void)ldw, (void)out, (void)threads;
 #endif
@@ -1364,12 +1539,18 @@ int hfspec_int8_linear_packed(int type, const float* x, int64_t ldx, const uint8
                               float* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
     if (hfspec_int8_packed_bytes(type, N, K) == 0) return 0;
 #if defined(HFSPEC_INT8_AVX2)
-    if (type == Q4_K)
-        linear_packed<Q4_K>(x, ldx, packed, bias, y, ldy, M, N, K, threads);
-    else if (type == Q5_K)
-        linear_packed<Q5_K>(x, ldx, packed, bias, y, ldy, M, N, K, threads);
-    else
-        linear_packed<Q6_K>(x, ldx, packed, bias, y, ldy, M, N, K, threads);
+    switch (type) {
+        case Q4_K: linear_packed<Q4_K>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+        case Q5_K: linear_packed<Q5_K>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+        case Q6_K: linear_packed<Q6_K>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+#if defined(__F16C__)
+        case Q4_0: linear_packed32<Q4_0>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+        case Q4_1: linear_packed32<Q4_1>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+        case Q5_0: linear_packed32<Q5_0>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+        case Q5_1: linear_packed32<Q5_1>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+        case Q8_0: linear_packed32<Q8_0>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+#endif
+    }
 #else
     (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)threads;
 #endif
