@@ -150,10 +150,48 @@ constexpr int GROUP = 16;  // rows per lane-vector in the grouped layout
 constexpr int ROWS = 32;   // input rows per pass: their codes of one super-block (8 KB) stay in L1
 constexpr int GROUPED_MIN = 17;  // from this many rows on, AVX-512 sums K-quant rows 16 at a time
 
+#if defined(__AVX2__)
+// The largest |x[j]| of n (a multiple of 8) floats, as a loop of fmaxf(amax, fabsf(x[j])) from 0 finds it: a NaN
+// is passed over (max_ps returns its second operand when either is a NaN), and a maximum is exact in any order.
+inline float abs_max(const float* x, int n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+// The low bytes of 32 int32s (4 vectors) in order, as (int8_t) casts them.
+inline __m256i low_bytes(const __m256i* v) {
+    const __m256i low = _mm256_set1_epi32(0xFF);
+    const __m256i ab = _mm256_packus_epi32(_mm256_and_si256(v[0], low), _mm256_and_si256(v[1], low));
+    const __m256i cd = _mm256_packus_epi32(_mm256_and_si256(v[2], low), _mm256_and_si256(v[3], low));
+    return _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The sums of 32 int8 codes per 16 (lanes 0-7: the first 16, 8-15: the rest, each as two int32 halves summed below).
+inline __m256i code_pairs(__m256i codes) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), codes), _mm256_set1_epi16(1));
+}
+inline int lane_sum(__m128i v) {
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+}
+#endif
+
 // Q8_K, as ggml's quantize_row_q8_K_ref.
 void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
     for (int64_t b = 0; b < K / 256; ++b, x += 256, q += 256, bsums += 16) {
         float amax = 0.0f, top = 0.0f;
+#if defined(__AVX2__)
+        amax = abs_max(x, 256);
+        for (int j = 0; j < 256; ++j)  // the first element of that magnitude, as the strict > below picks it
+            if (fabsf(x[j]) == amax) {
+                top = x[j];
+                break;
+            }
+#else
         for (int j = 0; j < 256; ++j) {
             const float ax = fabsf(x[j]);
             if (ax > amax) {
@@ -161,6 +199,7 @@ void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsum
                 top = x[j];
             }
         }
+#endif
         if (amax == 0.0f) {
             d[b] = 0.0f;
             memset(q, 0, 256);
@@ -168,6 +207,20 @@ void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsum
             continue;
         }
         const float iscale = -127.0f / top;
+#if defined(__AVX2__)
+        const __m256 scale = _mm256_set1_ps(iscale);
+        for (int j = 0; j < 256; j += 32) {
+            __m256i v[4];  // to nearest even in the default rounding mode, as nearbyintf; then min(v, 127)
+            for (int i = 0; i < 4; ++i)
+                v[i] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(scale, _mm256_loadu_ps(x + j + 8 * i))),
+                                        _mm256_set1_epi32(127));
+            const __m256i codes = low_bytes(v);
+            _mm256_storeu_si256((__m256i*)(q + j), codes);
+            const __m256i pairs = code_pairs(codes);
+            bsums[j / 16] = (int16_t)lane_sum(_mm256_castsi256_si128(pairs));
+            bsums[j / 16 + 1] = (int16_t)lane_sum(_mm256_extracti128_si256(pairs, 1));
+        }
+#else
         for (int j = 0; j < 256; ++j) {
             const int v = (int)nearbyintf(iscale * x[j]);  // to nearest even in the default rounding mode
             q[j] = (int8_t)(v > 127 ? 127 : v);
@@ -177,6 +230,7 @@ void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsum
             for (int j = 0; j < 16; ++j) sum += q[16 * g + j];
             bsums[g] = (int16_t)sum;
         }
+#endif
         d[b] = 1.0f / iscale;
     }
 }
@@ -185,14 +239,28 @@ void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsum
 // for Q8_1 s = fp16(d * sum(q)) with the unrounded d. d and s are kept widened to fp32.
 void quantize_q8_0(const float* x, int64_t K, bool with_s, int8_t* q, float* d, float* s, int32_t* sums) {
     for (int64_t b = 0; b < K / 32; ++b, x += 32, q += 32) {
+#if defined(__AVX2__)
+        const float amax = abs_max(x, 32);
+#else
         float amax = 0.0f;
         for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
+#endif
         const float scale = amax / 127.0f, inverse = amax != 0.0f ? 127.0f / amax : 0.0f;
         int sum = 0;
+#if defined(__AVX2__)
+        __m256i v[4];  // to nearest even in the default rounding mode, as nearbyintf
+        for (int i = 0; i < 4; ++i)
+            v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(inverse)));
+        const __m256i codes = low_bytes(v);
+        _mm256_storeu_si256((__m256i*)q, codes);
+        const __m256i pairs = code_pairs(codes);
+        sum = lane_sum(_mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1)));
+#else
         for (int j = 0; j < 32; ++j) {
             q[j] = (int8_t)(int)nearbyintf(x[j] * inverse);
             sum += q[j];
         }
+#endif
         d[b] = round_half(scale);
         sums[b] = sum;
         if (with_s) s[b] = round_half(scale * (float)sum);
