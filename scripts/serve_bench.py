@@ -4,8 +4,8 @@
 Each server is ``LABEL=URL`` (a running server: hfspec serve, llama-server, vLLM) or, with ``--start``,
 ``LABEL=ARGS`` (this script starts ``python -m hfspec serve ARGS`` on a free port and stops it after). For each
 server and each client count (``--clients 1,4,16``), that many clients send streamed greedy chat requests back to
-back on loopback until ``--requests`` have finished; one warm-up request per server goes first (hfspec measures
-its costs on its first request). Reported per server and client count: total completion tokens per second over
+back on loopback until ``--requests`` have finished; one warm-up request per server goes first (a server is
+started only once the one before answers /health, which hfspec serve does once it has measured its costs). Reported per server and client count: total completion tokens per second over
 the wall time, and p50/p90/p99 of the time to first token and of the time per output token after the first, in
 one JSON object (stdout or ``--json``) and a table on stderr.
 
@@ -149,7 +149,8 @@ def free_port() -> int:
 
 
 def start_server(args: str, wait: float) -> tuple[subprocess.Popen, str]:
-    """``python -m hfspec serve ARGS`` on a free port; returns once /health answers."""
+    """``python -m hfspec serve ARGS`` on a free port; returns once /health answers 200, which hfspec serve does once
+    its engine has measured its costs: the next server's loading cannot slow those timings."""
     port = free_port()
     return started([sys.executable, "-m", "hfspec", "serve", *shlex.split(args), "--port", str(port)], port, wait)
 
@@ -248,7 +249,7 @@ async def bench(servers: list[tuple[str, str]], args: argparse.Namespace) -> dic
     models = {}
     for label, url in servers:
         models[label] = await model_of(url)
-        async with httpx.AsyncClient(timeout=600) as client:  # warm-up: hfspec measures its costs at first
+        async with httpx.AsyncClient(timeout=600) as client:  # warm-up: a first request is slower
             await one(client, url, models[label], PROMPTS[0], args.max_tokens)
     for n in args.clients:  # the servers in turns, client count by client count
         for label, url in servers:

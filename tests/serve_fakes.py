@@ -33,6 +33,8 @@ class FakeEngine:
         self.started = False
         self.tasks: set[asyncio.Task] = set()
 
+    ready = True
+
     @property
     def running(self) -> int:
         return len(self.active)

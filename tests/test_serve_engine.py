@@ -443,6 +443,7 @@ def test_the_loop_runs_in_the_callers_thread_until_stopped(gen):
     engine = BatchEngine.from_generator(gen, model_name="tiny")
     engine.run_here = True
     engine.start()  # as the app's lifespan calls it: nothing starts
+    assert not engine.ready  # /health answers 503 until the loop has measured its costs
     request = mixed_requests()[0]
     answers = []
 
@@ -450,6 +451,7 @@ def test_the_loop_runs_in_the_callers_thread_until_stopped(gen):
         async def one():
             async for event in engine.submit(request, asyncio.get_running_loop()).events():
                 if isinstance(event, Done):
+                    assert engine.ready
                     return event
 
         try:

@@ -127,10 +127,14 @@ def test_completions_default_to_16_tokens_and_stream_text_chunks(client, engine)
     assert got[-2]["choices"][0]["finish_reason"] == "length"
 
 
-def test_models_health_page_and_metrics(client):
+def test_models_health_page_and_metrics(client, engine):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
     assert client.get("/health").json() == {"status": "ok"}
+    engine.ready = False  # loading, or measuring its costs
+    loading = client.get("/health")
+    assert loading.status_code == 503 and loading.json() == {"status": "loading"} and loading.headers["retry-after"]
+    engine.ready = True
     page = client.get("/")
     assert page.status_code == 200 and "data-origin" in page.text and "<script" in page.text
     assert "http://" not in page.text and "https://" not in page.text and " src=" not in page.text  # nothing fetched

@@ -62,8 +62,11 @@ def create_app(engine: Engine, tokenizer: Any, *, api_key: str | None = None, ga
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        """200 once the engine serves; 503 while it loads and takes its first measurements (as llama-server)."""
+        if not engine.ready:
+            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

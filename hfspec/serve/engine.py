@@ -131,11 +131,18 @@ class BatchEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ended = threading.Event()  # set when the loop has ended every request it held
+        self._ready = threading.Event()  # set when the loop has measured its costs and takes requests
 
     @classmethod
     def from_generator(cls, generator: SpeculativeGenerator, *, model_name: str, **kwargs: int) -> BatchEngine:
         """An engine over ``generator`` (loaded with ``hfspec generate``'s model flags); see the class docstring."""
         return cls(generator, model_name=model_name, **kwargs)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the loop runs with its costs measured: timings taken before, while this machine may still be busy
+        loading (another server, say), would misprice drafting for the engine's life."""
+        return self._ready.is_set()
 
     @property
     def running(self) -> int:
@@ -211,6 +218,7 @@ class BatchEngine:
     def _loop(self) -> None:
         with torch.inference_mode():
             batch = self._batch()
+            self._ready.set()
             while True:
                 with self._lock:
                     while not self._stopping and not self._queue and not self._live:

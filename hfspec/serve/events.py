@@ -96,6 +96,11 @@ class Engine(Protocol):
     context_length: int  # prompt plus completion tokens a request may hold
     max_batch: int
 
+    @property
+    def ready(self) -> bool:
+        """Whether the engine serves now: its models are loaded and its first measurements taken (``/health``)."""
+        ...
+
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Handle:
         """Queue ``request``; raises ``QueueFull``. Thread-safe; events go to ``loop``."""
         ...

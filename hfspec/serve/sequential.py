@@ -83,6 +83,8 @@ class SequentialEngine:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
+    ready = True  # each request runs generate(), which measures what it needs on its first call
+
     @property
     def running(self) -> int:
         return self._running
