@@ -481,6 +481,19 @@ def test_a_drafting_step_over_a_batch_never_seen_is_priced_by_its_rows():
     assert costs.draft_seconds(1) == pytest.approx(costs.draft_seconds(8) * costs.rows(1) / costs.rows(8))
 
 
+def test_rows_past_the_chain_follow_the_larger_sizes_measured():
+    # A server times its batch's rows (16, 32): a forward between or past them is priced from them, not from the
+    # one-row chain's slope, which memory-bound rows keep flat.
+    costs = Costs(verify={1: 0.010, 2: 0.0105, 3: 0.011, 16: 0.040, 32: 0.072}, draft=0.004)
+    assert costs.rows(3) == pytest.approx(0.011)
+    assert costs.rows(8) == pytest.approx(0.011 + (0.040 - 0.011) * 5 / 13)
+    assert costs.rows(24) == pytest.approx(0.056)
+    assert costs.rows(64) == pytest.approx(0.072 + 0.002 * 32)
+    chain_only = Costs(verify={1: 0.010, 2: 0.0105, 3: 0.011}, draft=0.004)
+    assert chain_only.rows(32) == pytest.approx(0.011 + 0.0005 * 29)  # the chain's last slope, as before
+    assert costs.verify_seconds(16, 2) > 1.7 * costs.verify_seconds(16, 1)  # verifying γ = 1 over 16 rows is dear
+
+
 def test_tree_probes_let_trees_win_once_they_prove_themselves():
     # A poor chain: plain decoding wins, and the cautious prior keeps trees out too.
     costs = tree_costs({k: 1.0 + 0.05 * k for k in range(2, 34)})

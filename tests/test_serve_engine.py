@@ -31,6 +31,7 @@ from hfspec.errors import HfspecError
 from hfspec.serve import batch as serve_batch
 from hfspec.serve import command
 from hfspec.serve.engine import BatchEngine
+from hfspec.serve.engine import batch_rows as serve_batch_rows
 from hfspec.serve.events import Delta, Done, QueueFull, Request
 from hfspec.serve.sequential import SequentialEngine
 from hfspec.serve.text import TextStream
@@ -502,3 +503,14 @@ def test_a_stop_from_another_thread_leaves_the_loops_rows_to_the_loop(gen, monke
     finals = [e for e in events if isinstance(e, Done)]
     assert [e.finish_reason for e in finals] == ["cancelled"] and events[-1] is finals[0]
     assert not stopper[0].is_alive() and "step failed" not in caplog.text
+
+
+def test_the_engine_times_the_rows_a_full_batch_verifies(gen):
+    assert serve_batch_rows(8, 8) == [16, 32, 64]  # a batch of one token is within the chain's sizes
+    assert serve_batch_rows(16, 3) == [16, 32, 64]
+    assert serve_batch_rows(4, 2) == [4, 12]
+    assert serve_batch_rows(1, 8) == []
+    engine = BatchEngine.from_generator(gen, model_name="tiny", max_batch=4)
+    engine._batch()
+    costs = gen.tuning.costs
+    assert set(serve_batch_rows(4, costs.max_gamma)) <= set(costs.verify)

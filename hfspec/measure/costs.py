@@ -158,13 +158,15 @@ class Costs:
 
     def rows(self, rows: int) -> float:
         """A forward over ``rows`` token rows never timed as such (``batch`` rows of k tokens): priced as one row
-        of that many new tokens, since the linears read the same weights once for all of them; past the chain's
-        largest size measured, extrapolated along its last slope, so that a large batch's verification of γ+1
-        tokens per row is priced as the work it is, not as one row's."""
-        top = self.max_gamma + 1  # the chain's sizes, measured side by side (not a tree's, timed later)
+        of that many new tokens, since the linears read the same weights once for all of them (between sizes
+        measured, interpolated: the chain's, a tree's, a server's batches); past the largest size measured,
+        extrapolated along the slope of the two largest, so that a large batch's verification of γ+1 tokens per
+        row is priced as the work it is, not as one row's."""
+        top = max(self.verify)
         if rows <= top:
             return self.measured(rows)
-        slope = self.verify[top] - self.verify[top - 1] if top > 1 else 0.0
+        below = max((k for k in self.verify if k < top), default=None)
+        slope = (self.verify[top] - self.verify[below]) / (top - below) if below is not None else 0.0
         return self.verify[top] + max(0.0, slope) * (rows - top)
 
     def verify_seconds(self, batch: int, k: int) -> float:

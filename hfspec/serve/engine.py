@@ -72,6 +72,15 @@ def request_params(request: Request) -> SamplingParams:
     )
 
 
+def batch_rows(max_batch: int, max_gamma: int, largest: int = 64) -> list[int]:
+    """Token rows whose forward a server times at start, beyond one row's chain: a full batch of one token, and
+    powers of two up to the batch's verification of γ+1 (at most ``largest``: a forward over many more rows costs
+    seconds on a large target, and past the largest the price goes on along the last slope)."""
+    top = min(largest, max_batch * (max_gamma + 1))
+    sizes = {max_batch} | {1 << i for i in range(4, 8) if (1 << i) <= top} | {top}
+    return sorted(k for k in sizes if k > max_gamma + 1)
+
+
 class BatchEngine:
     """Continuous batching over a ``SpeculativeGenerator`` (the ``hfspec.serve.events.Engine`` protocol).
 
@@ -243,11 +252,17 @@ class BatchEngine:
             self._end_all("cancelled")
 
     def _batch(self) -> Batch:
-        """A fresh batch, with ``gamma="auto"``'s costs measured on this machine (once per generator)."""
+        """A fresh batch, with ``gamma="auto"``'s costs measured on this machine (once per generator), and the
+        target's forward over as many token rows as a full batch verifies (``batch_rows``)."""
         tuning = self.gen.tuning
         tuning.trees = ()  # the batch drafts chains
         tuning.setting = "serve"
-        self.gen.measure_costs()
+        costs = self.gen.measure_costs()
+        room = self.window if self.window is not None else 1 << 30  # context and rows within the positions
+        sizes = [k for k in batch_rows(self.max_batch, costs.max_gamma) if 2 * k < room]
+        if sizes:
+            device = self.gen.target.get_output_embeddings().weight.device
+            costs.measure_more(self.gen.target, [0] * min(64, room - max(sizes) - 1), sizes, device)
         return Batch(self.gen, AutoGamma(tuning), self.window)
 
     def _join(self, batch: Batch, joining: list[tuple[Handle, asyncio.AbstractEventLoop, SamplingParams]]) -> None:
