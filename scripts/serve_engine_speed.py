@@ -3,6 +3,7 @@
 On a pair (default: the offline preset, SmolLM2-135M-Instruct with its shipped EAGLE-3 head, on hfspec's CPU
 kernels), greedy chat requests through one ``BatchEngine``, three ways, each after a warm-up:
   1 client:       the requests one after another (each submitted when the last one finished), defaults (γ auto);
+  1 at γ = 0:     the same, plain decoding;
   16 concurrent:  16 requests submitted at once, defaults;
   16 at γ = 0:    the same 16 at once, plain decoding in the same batching.
 Prints total completion tokens per second of each and the ratios (bars: 16 concurrent ≥ 3× 1 client, and
@@ -98,6 +99,7 @@ def main() -> None:
         await run(engine, requests("auto", 2), concurrent=True)  # warm-up: costs measured, kernels touched
         return {
             "1 client": await run(engine, requests("auto", args.single), concurrent=False),
+            "1 at γ = 0": await run(engine, requests(0, args.single), concurrent=False),
             "16 concurrent": await run(engine, requests("auto"), concurrent=True),
             "16 at γ = 0": await run(engine, requests(0), concurrent=True),
         }
@@ -125,6 +127,7 @@ def main() -> None:
         )
     print(f"  16 concurrent / 1 client: {rate['16 concurrent'] / rate['1 client']:.2f}× (bar 3×)")
     print(f"  16 concurrent / γ = 0:    {rate['16 concurrent'] / rate['16 at γ = 0']:.2f}× (bar 1.3×)")
+    print(f"  1 client / γ = 0:         {rate['1 client'] / rate['1 at γ = 0']:.2f}× (speculation must not cost speed)")
 
 
 if __name__ == "__main__":
