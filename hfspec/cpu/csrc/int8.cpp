@@ -1283,6 +1283,20 @@ inline __m256i column_pairs(const uint8_t* s0, const uint8_t* s1) {
     return SIGNED ? _mm256_cvtepi8_epi16(both) : _mm256_cvtepu8_epi16(both);
 }
 
+// Code vector t's fifth bits, bit t of each byte of hb, to bit 4 of u[t] (16-bit shifts: what crosses a byte is masked
+// off).
+inline void add_fifth_bits(__m256i hb, __m256i* u) {
+    const __m256i top = _mm256_set1_epi8(0x10);
+        u[0] = _mm256_or_si256(u[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+        u[1] = _mm256_or_si256(u[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), top));
+        u[2] = _mm256_or_si256(u[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+        u[3] = _mm256_or_si256(u[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), top));
+        u[4] = _mm256_or_si256(u[4], _mm256_and_si256(hb, top));
+        u[5] = _mm256_or_si256(u[5], _mm256_and_si256(_mm256_srli_epi16(hb, 1), top));
+        u[6] = _mm256_or_si256(u[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+        u[7] = _mm256_or_si256(u[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), top));
+}
+
 // Column c's code vectors of chunk j: u[v] the 4 codes of elements 32j + 4v + e, u[4 + v] of 32j + 16 + 4v + e.
 template <int T>
 inline void unpack_chunk(const uint8_t* pb, int j, __m256i* u) {
@@ -1293,18 +1307,7 @@ inline void unpack_chunk(const uint8_t* pb, int j, __m256i* u) {
         u[v] = _mm256_and_si256(packed, nib);
         u[4 + v] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nib);
     }
-    if constexpr (T == Q5_K) {  // bit t to bit 4 (16-bit shifts: what crosses a byte is masked off)
-        const __m256i top = _mm256_set1_epi8(0x10);
-        const __m256i hb = _mm256_loadu_si256((const __m256i*)(pb + 1216 + 32 * j));
-        u[0] = _mm256_or_si256(u[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
-        u[1] = _mm256_or_si256(u[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), top));
-        u[2] = _mm256_or_si256(u[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
-        u[3] = _mm256_or_si256(u[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), top));
-        u[4] = _mm256_or_si256(u[4], _mm256_and_si256(hb, top));
-        u[5] = _mm256_or_si256(u[5], _mm256_and_si256(_mm256_srli_epi16(hb, 1), top));
-        u[6] = _mm256_or_si256(u[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
-        u[7] = _mm256_or_si256(u[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), top));
-    }
+    if constexpr (T == Q5_K) add_fifth_bits(_mm256_loadu_si256((const __m256i*)(pb + 1216 + 32 * j)), u);
     if constexpr (T == Q6_K) {
         const __m256i top = _mm256_set1_epi8(0x30);
         for (int h = 0; h < 2; ++h) {
@@ -1373,31 +1376,6 @@ void packed_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_t 
         }
     }
     store_lanes(&sum, 8, R, acc);
-}
-
-template <int T>
-void linear_packed(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t ldy,
-                   int64_t M, int64_t N, int64_t K, int threads) {
-    Acts a;
-    quantize(T, x, ldx, M, K, a, threads);
-    const int64_t groups = (N + 7) / 8, blocks = K / 256;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-        const int C = (int)(N - 8 * g < 8 ? N - 8 * g : 8);
-        const uint8_t* pg = packed + g * blocks * PACKED<T>;
-        float acc[8][ROWS];
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-            const int R = (int)(M - m0 < ROWS ? M - m0 : ROWS);
-            switch (R) {
-                case 1: packed_group<T, 1>(pg, a, m0, R, K, acc); break;
-                case 2: packed_group<T, 2>(pg, a, m0, R, K, acc); break;
-                case 3: packed_group<T, 3>(pg, a, m0, R, K, acc); break;
-                case 4: packed_group<T, 4>(pg, a, m0, R, K, acc); break;
-                default: packed_group<T, 0>(pg, a, m0, R, K, acc);
-            }
-            write_out(acc, C, R, bias, 8 * g, y + m0 * ldy, ldy);
-        }
-    }
 }
 
 // -- 32-weight formats repacked for AVX2 (F16C): 8 output columns interleaved --------------------------------------
@@ -1492,18 +1470,7 @@ void packed32_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_
                 u[v] = _mm256_and_si256(packed, nib);
                 u[4 + v] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nib);
             }
-            if constexpr (T == Q5_0 || T == Q5_1) {  // bit t to bit 4 (16-bit shifts: what crosses a byte is masked off)
-                const __m256i top = _mm256_set1_epi8(0x10);
-                const __m256i hb = _mm256_loadu_si256((const __m256i*)(pb + NIB + 128));
-                u[0] = _mm256_or_si256(u[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
-                u[1] = _mm256_or_si256(u[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), top));
-                u[2] = _mm256_or_si256(u[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
-                u[3] = _mm256_or_si256(u[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), top));
-                u[4] = _mm256_or_si256(u[4], _mm256_and_si256(hb, top));
-                u[5] = _mm256_or_si256(u[5], _mm256_and_si256(_mm256_srli_epi16(hb, 1), top));
-                u[6] = _mm256_or_si256(u[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
-                u[7] = _mm256_or_si256(u[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), top));
-            }
+            if constexpr (T == Q5_0 || T == Q5_1) add_fifth_bits(_mm256_loadu_si256((const __m256i*)(pb + NIB + 128)), u);
         }
         for (int r = 0; r < R; ++r) {
             const int8_t* q = a.q.data() + (m0 + r) * K + b * 32;
@@ -1535,25 +1502,35 @@ void packed32_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_
     store_lanes(&sum, 8, R, acc);
 }
 
+// One group's rows from its packed blocks: the K-quants' kernel or the 32-weight formats'.
+template <int T, int RF>
+inline void packed_rows(const uint8_t* pg, const Acts& a, int64_t m0, int R, int64_t K, float (*acc)[ROWS]) {
+    if constexpr (T == Q4_K || T == Q5_K || T == Q6_K)
+        packed_group<T, RF>(pg, a, m0, R, K, acc);
+    else
+        packed32_group<T, RF>(pg, a, m0, R, K, acc);
+}
+
 template <int T>
-void linear_packed32(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t ldy,
-                     int64_t M, int64_t N, int64_t K, int threads) {
+void linear_packed(const float* x, int64_t ldx, const uint8_t* packed, const float* bias, float* y, int64_t ldy,
+                   int64_t M, int64_t N, int64_t K, int threads) {
+    constexpr bool k = T == Q4_K || T == Q5_K || T == Q6_K;
     Acts a;
     quantize(T, x, ldx, M, K, a, threads);
-    const int64_t groups = (N + 7) / 8, blocks = K / 32;
+    const int64_t groups = (N + 7) / 8, group_bytes = k ? K / 256 * PACKED<T> : K / 32 * PACKED32<T>;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
         const int C = (int)(N - 8 * g < 8 ? N - 8 * g : 8);
-        const uint8_t* pg = packed + g * blocks * PACKED32<T>;
+        const uint8_t* pg = packed + g * group_bytes;
         float acc[8][ROWS];
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
             const int R = (int)(M - m0 < ROWS ? M - m0 : ROWS);
             switch (R) {
-                case 1: packed32_group<T, 1>(pg, a, m0, R, K, acc); break;
-                case 2: packed32_group<T, 2>(pg, a, m0, R, K, acc); break;
-                case 3: packed32_group<T, 3>(pg, a, m0, R, K, acc); break;
-                case 4: packed32_group<T, 4>(pg, a, m0, R, K, acc); break;
-                default: packed32_group<T, 0>(pg, a, m0, R, K, acc);
+                case 1: packed_rows<T, 1>(pg, a, m0, R, K, acc); break;
+                case 2: packed_rows<T, 2>(pg, a, m0, R, K, acc); break;
+                case 3: packed_rows<T, 3>(pg, a, m0, R, K, acc); break;
+                case 4: packed_rows<T, 4>(pg, a, m0, R, K, acc); break;
+                default: packed_rows<T, 0>(pg, a, m0, R, K, acc);
             }
             write_out(acc, C, R, bias, 8 * g, y + m0 * ldy, ldy);
         }
@@ -1612,11 +1589,11 @@ int hfspec_int8_linear_packed(int type, const float* x, int64_t ldx, const uint8
         case Q5_K: linear_packed<Q5_K>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
         case Q6_K: linear_packed<Q6_K>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
 #if defined(__F16C__)
-        case Q4_0: linear_packed32<Q4_0>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
-        case Q4_1: linear_packed32<Q4_1>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
-        case Q5_0: linear_packed32<Q5_0>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
-        case Q5_1: linear_packed32<Q5_1>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
-        case Q8_0: linear_packed32<Q8_0>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+        case Q4_0: linear_packed<Q4_0>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+        case Q4_1: linear_packed<Q4_1>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+        case Q5_0: linear_packed<Q5_0>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+        case Q5_1: linear_packed<Q5_1>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
+        case Q8_0: linear_packed<Q8_0>(x, ldx, packed, bias, y, ldy, M, N, K, threads); break;
 #endif
     }
 #else
