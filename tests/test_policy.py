@@ -130,6 +130,30 @@ def test_probes_get_rarer_while_they_fail():
     assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0]
 
 
+def test_a_probe_kept_whole_but_slower_than_plain_steps_does_not_call_the_next_one_soon():
+    # A one-draft probe accepted 41% of the time, each taking twice a plain step (a catch-up, a draft, two tokens
+    # verified): "kept whole" said "look again soon" and probes ran every 8 plain steps; now only a probe that
+    # committed its tokens faster than plain steps do shortens the wait.
+    def probes(step_seconds: float) -> list[int]:
+        costs = cpu_costs()
+        policy, found = auto(costs, prior=0.05), []
+        for i in range(600):
+            plan = policy.gamma(ROW)
+            if plan.gamma:
+                found.append(i)
+            seconds = (0.0, 0.040) if not plan.gamma else (step_seconds - 0.040, 0.040)
+            kept = [plan.gamma] if plan.gamma else [0]
+            confidence = [[0.9] * plan.gamma] if plan.gamma else None
+            policy.update(step(plan.gamma, kept, confidence, None, *seconds, costs=costs, plan=plan))
+            policy.tuning.evidence().accepted, policy.tuning.evidence().trials = 5.0, 100.0  # α stays poor
+            policy.by_row[0].accepted, policy.by_row[0].trials = 0.05 * policy.row_weight, policy.row_weight
+        return found
+
+    slow, fast = probes(0.080 * 2), probes(0.060)  # 2 tokens in 4 plain steps' time, or in 1.5
+    assert len(slow) < len(fast) / 3, (len(slow), len(fast))
+    assert max(b - a for a, b in zip(slow, slow[1:])) > 64
+
+
 def test_auto_stops_drafting_early_on_low_confidence():
     costs = cpu_costs(v=(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0))
     policy = auto(costs, prior=0.7)

@@ -138,7 +138,7 @@ class AutoGamma(GammaPolicy):
     own running α) divided by the time the step will take (γ drafting steps plus a target
     forward over γ+1 tokens, from the measured and refined ``Costs``). γ = 0 is plain
     decoding. While plain decoding wins, a probe step with drafts now and then (ever rarer
-    while probes fail) notices when acceptance rises again; where trees are allowed, every
+    while probes commit their tokens no faster than plain steps do) notices when acceptance rises again; where trees are allowed, every
     other probe drafts the smallest tree, so that trees gather evidence too.
 
     Within a step, drafting stops early when the drafter's probabilities, calibrated by
@@ -329,13 +329,21 @@ class AutoGamma(GammaPolicy):
         drafted = len(confidence)
         return drafted >= plan.gamma or self.best(plan, reach, expected, drafted)[0] == drafted
 
+    def beat_plain(self, step: Step) -> bool:
+        """Whether a step committed its tokens faster than plain decoding's steps do: a one-draft probe kept
+        whole at α ≈ 0.4 says little, and one that took twice a plain step for its two tokens did not pay."""
+        batch = step.rows.numel()
+        tokens = sum(n + 1 for n in step.accepted.tolist())
+        seconds = step.draft_seconds + step.verify_seconds
+        return seconds > 0 and tokens / seconds > batch / self.costs.verify_seconds(batch, 1)
+
     def update(self, step: Step) -> None:
         if step.tree:
             self.learn_tree(step)
             return
         drafted, accepted = step.drafted.tolist(), step.accepted.tolist()
         probing = isinstance(step.plan, AutoPlan) and step.plan.probing
-        if probing and any(d and n == d for d, n in zip(drafted, accepted)):
+        if probing and self.beat_plain(step):
             self.probe[1] = self.probe_every  # a probe that paid: look again soon
         sources = step.sources if self.hybrid else None
         if sources is None:
