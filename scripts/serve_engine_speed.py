@@ -1,7 +1,7 @@
 """Does the server's engine really batch? Total tokens per second at 1 and at 16 concurrent requests.
 
 On a pair (default: the offline preset, SmolLM2-135M-Instruct with its shipped EAGLE-3 head, on hfspec's CPU
-kernels), greedy chat requests through one ``BatchEngine``, three ways, each after a warm-up:
+kernels), greedy chat requests through one ``BatchEngine``, four ways, each after a warm-up:
   1 client:       the requests one after another (each submitted when the last one finished), defaults (γ auto);
   1 at γ = 0:     the same, plain decoding;
   16 concurrent:  16 requests submitted at once, defaults;

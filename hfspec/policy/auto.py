@@ -138,8 +138,9 @@ class AutoGamma(GammaPolicy):
     own running α) divided by the time the step will take (γ drafting steps plus a target
     forward over γ+1 tokens, from the measured and refined ``Costs``). γ = 0 is plain
     decoding. While plain decoding wins, a probe step with drafts now and then (ever rarer
-    while probes commit their tokens no faster than plain steps do) notices when acceptance rises again; where trees are allowed, every
-    other probe drafts the smallest tree, so that trees gather evidence too.
+    while probes commit their tokens no faster than plain steps do) notices when acceptance
+    rises again; where trees are allowed, every other probe drafts the smallest tree, so that
+    trees gather evidence too.
 
     Within a step, drafting stops early when the drafter's probabilities, calibrated by
     what was accepted before, say that drafting on can no longer raise the step's

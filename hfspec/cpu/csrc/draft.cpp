@@ -31,6 +31,8 @@
 #include <string.h>
 
 #include <vector>
+
+#include "quant_rows.h"
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define HFSPEC_DRAFT_VNNI512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -250,12 +252,7 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* c) {
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x)),
                                                               _mm512_abs_ps(_mm512_loadu_ps(x + 16))));
 #elif defined(HFSPEC_DRAFT_AVX2)
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 m = _mm256_setzero_ps();  // max_ps passes a NaN over as fmaxf does (its second operand is m)
-        for (int e = 0; e < QK; e += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + e)), m);
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+        const float amax = hfspec_rows::abs_max(x, QK);
 #else
         float amax = 0.0f;
         for (int e = 0; e < QK; ++e) amax = fmaxf(amax, fabsf(x[e]));
@@ -271,18 +268,11 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* c) {
 #elif defined(HFSPEC_DRAFT_AVX2)
         static_assert(QK == 32, "one block is four vectors");
         __m256i v[4];  // lrintf: to nearest even in the default rounding mode; then the low bytes, as the casts
-        const __m256i low = _mm256_set1_epi32(0xFF);
         for (int i = 0; i < 4; ++i)
-            v[i] = _mm256_and_si256(
-                _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(inverse))), low);
-        const __m256i bytes = _mm256_permutevar8x32_epi32(
-            _mm256_packus_epi16(_mm256_packus_epi32(v[0], v[1]), _mm256_packus_epi32(v[2], v[3])),
-            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(inverse)));
+        const __m256i bytes = hfspec_rows::low_bytes(v);
         _mm256_storeu_si256((__m256i*)q, bytes);
-        const __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(fours), _mm256_extracti128_si256(fours, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-        sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+        sum = hfspec_rows::code_total(bytes);
 #else
         for (int e = 0; e < QK; ++e) {
             q[e] = (int8_t)lrintf(x[e] * inverse);  // |x * inverse| <= 127 (rounded), nearest even by default

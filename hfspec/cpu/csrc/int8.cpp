@@ -47,6 +47,8 @@
 #include <string.h>
 
 #include <vector>
+
+#include "quant_rows.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX2__)
 #define HFSPEC_INT8_AVX512 1
 #elif defined(__AVX2__)
@@ -151,33 +153,8 @@ constexpr int ROWS = 32;   // input rows per pass: their codes of one super-bloc
 constexpr int GROUPED_MIN = 17;  // from this many rows on, AVX-512 sums K-quant rows 16 at a time
 
 #if defined(__AVX2__)
-// The largest |x[j]| of n (a multiple of 8) floats, as a loop of fmaxf(amax, fabsf(x[j])) from 0 finds it: a NaN
-// is passed over (max_ps returns its second operand when either is a NaN), and a maximum is exact in any order.
-inline float abs_max(const float* x, int n) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 m = _mm256_setzero_ps();
-    for (int j = 0; j < n; j += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), m);
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
-}
-
-// The low bytes of 32 int32s (4 vectors) in order, as (int8_t) casts them.
-inline __m256i low_bytes(const __m256i* v) {
-    const __m256i low = _mm256_set1_epi32(0xFF);
-    const __m256i ab = _mm256_packus_epi32(_mm256_and_si256(v[0], low), _mm256_and_si256(v[1], low));
-    const __m256i cd = _mm256_packus_epi32(_mm256_and_si256(v[2], low), _mm256_and_si256(v[3], low));
-    return _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-// The sums of 32 int8 codes per 16 (lanes 0-7: the first 16, 8-15: the rest, each as two int32 halves summed below).
-inline __m256i code_pairs(__m256i codes) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), codes), _mm256_set1_epi16(1));
-}
-inline int lane_sum(__m128i v) {
-    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
-}
+using hfspec_rows::abs_max, hfspec_rows::code_sums, hfspec_rows::code_total, hfspec_rows::lane_sum,
+    hfspec_rows::low_bytes;
 #endif
 
 // Q8_K, as ggml's quantize_row_q8_K_ref.
@@ -216,9 +193,9 @@ void quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsum
                                         _mm256_set1_epi32(127));
             const __m256i codes = low_bytes(v);
             _mm256_storeu_si256((__m256i*)(q + j), codes);
-            const __m256i pairs = code_pairs(codes);
-            bsums[j / 16] = (int16_t)lane_sum(_mm256_castsi256_si128(pairs));
-            bsums[j / 16 + 1] = (int16_t)lane_sum(_mm256_extracti128_si256(pairs, 1));
+            const __m256i sums = code_sums(codes);
+            bsums[j / 16] = (int16_t)lane_sum(_mm256_castsi256_si128(sums));
+            bsums[j / 16 + 1] = (int16_t)lane_sum(_mm256_extracti128_si256(sums, 1));
         }
 #else
         for (int j = 0; j < 256; ++j) {
@@ -253,8 +230,7 @@ void quantize_q8_0(const float* x, int64_t K, bool with_s, int8_t* q, float* d, 
             v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(inverse)));
         const __m256i codes = low_bytes(v);
         _mm256_storeu_si256((__m256i*)q, codes);
-        const __m256i pairs = code_pairs(codes);
-        sum = lane_sum(_mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1)));
+        sum = code_total(codes);
 #else
         for (int j = 0; j < 32; ++j) {
             q[j] = (int8_t)(int)nearbyintf(x[j] * inverse);
@@ -1287,14 +1263,14 @@ inline __m256i column_pairs(const uint8_t* s0, const uint8_t* s1) {
 // off).
 inline void add_fifth_bits(__m256i hb, __m256i* u) {
     const __m256i top = _mm256_set1_epi8(0x10);
-        u[0] = _mm256_or_si256(u[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
-        u[1] = _mm256_or_si256(u[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), top));
-        u[2] = _mm256_or_si256(u[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
-        u[3] = _mm256_or_si256(u[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), top));
-        u[4] = _mm256_or_si256(u[4], _mm256_and_si256(hb, top));
-        u[5] = _mm256_or_si256(u[5], _mm256_and_si256(_mm256_srli_epi16(hb, 1), top));
-        u[6] = _mm256_or_si256(u[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
-        u[7] = _mm256_or_si256(u[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), top));
+    u[0] = _mm256_or_si256(u[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+    u[1] = _mm256_or_si256(u[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), top));
+    u[2] = _mm256_or_si256(u[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+    u[3] = _mm256_or_si256(u[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), top));
+    u[4] = _mm256_or_si256(u[4], _mm256_and_si256(hb, top));
+    u[5] = _mm256_or_si256(u[5], _mm256_and_si256(_mm256_srli_epi16(hb, 1), top));
+    u[6] = _mm256_or_si256(u[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+    u[7] = _mm256_or_si256(u[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), top));
 }
 
 // Column c's code vectors of chunk j: u[v] the 4 codes of elements 32j + 4v + e, u[4 + v] of 32j + 16 + 4v + e.
@@ -1394,7 +1370,7 @@ void packed_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_t 
 // sum. Int16 sums stay below 2^15: 8 maddubs of 4-bit codes (8 * 2 * 15 * 127 = 30480), 4 of 5-bit ones (31496), one
 // of Q8_0's (|w| times the codes given w's sign: 2 * 128 * 127). The fp32 steps are the reference's, lane by lane.
 template <int T>
-constexpr int PACKED32 = T == Q4_0 ? 144 : T == Q4_1 ? 160 : T == Q5_0 ? 176 : T == Q5_1 ? 192 : 272;
+constexpr int PACKED32 = 8 * nbytes<T>();
 template <int T>
 constexpr int NIB32 = T == Q4_1 || T == Q5_1 ? 32 : 16;  // where the codes start
 
@@ -1461,9 +1437,12 @@ void packed32_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)pb));
         const __m256 mv = T == Q4_1 || T == Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(pb + 16)))
                                                  : _mm256_setzero_ps();
-        __m256i u[8];  // code vector v: Q8_0 its signed codes, else unsigned
+        __m256i u[8], sg[8];  // code vector v unsigned (Q8_0: |w|, and its signs in sg)
         if constexpr (T == Q8_0) {
-            for (int v = 0; v < 8; ++v) u[v] = _mm256_loadu_si256((const __m256i*)(pb + NIB + 32 * v));
+            for (int v = 0; v < 8; ++v) {
+                sg[v] = _mm256_loadu_si256((const __m256i*)(pb + NIB + 32 * v));
+                u[v] = _mm256_sign_epi8(sg[v], sg[v]);
+            }
         } else {
             for (int v = 0; v < 4; ++v) {
                 const __m256i packed = _mm256_loadu_si256((const __m256i*)(pb + NIB + 32 * v));
@@ -1478,8 +1457,7 @@ void packed32_group(const uint8_t* pg, const Acts& a, int64_t m0, int R_, int64_
             if constexpr (T == Q8_0) {
                 dots = _mm256_setzero_si256();
                 for (int v = 0; v < 8; ++v) {
-                    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(u[v], u[v]),
-                                                               _mm256_sign_epi8(broadcast_codes(q + 4 * v), u[v]));
+                    const __m256i pairs = _mm256_maddubs_epi16(u[v], _mm256_sign_epi8(broadcast_codes(q + 4 * v), sg[v]));
                     dots = _mm256_add_epi32(dots, _mm256_madd_epi16(pairs, ones));
                 }
             } else if constexpr (T == Q4_0 || T == Q4_1) {
@@ -1550,7 +1528,7 @@ int64_t hfspec_int8_packed_bytes(int type, int64_t N, int64_t K) {
         return (N + 7) / 8 * (K / 256) * (type == Q4_K ? PACKED<Q4_K> : type == Q5_K ? PACKED<Q5_K> : PACKED<Q6_K>);
 #if defined(__F16C__)
     if (block_bytes(type) != 0 && !is_k(type) && K % 32 == 0)
-        return (N + 7) / 8 * (K / 32) * block_bytes(type) * 8;  // PACKED32: the file's bytes, 8 columns a group
+        return (N + 7) / 8 * (K / 32) * 8 * block_bytes(type);  // PACKED32: the file's bytes, 8 columns a group
 #endif
 #endif
     (void)type, (void)N, (void)K;
