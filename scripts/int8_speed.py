@@ -4,11 +4,13 @@ Loads the file with its blocks kept (``hfspec.models.gguf_native``) once per ari
 fills hfspec's buffered cache with ``--depth`` tokens, then times a forward of k new tokens against it (the cache
 cropped back after each), the contenders taking turns so that a busy machine disturbs all alike: ``int8`` and
 ``float32`` as hfspec runs them (each decoder layer in one kernel call, ``hfspec.cpu.layer``), and
-``int8-modules``, the same int8 model with its layers run module by module (what that one call saves). Prints JSON
+``int8-modules``, the same int8 model with its layers run module by module (what that one call saves), and
+``int8-noamx``, the same int8 model with the kernel's AMX path off (where the CPU has AMX; the bits are the
+same, so this shows what the tiles save). Prints JSON
 with the CPU's ``lscpu`` model name and the load average: on a shared machine the numbers say so.
 
     python scripts/int8_speed.py [--file PATH] [--threads 2] [--depth 256] [--ks 1,2,4,8,16] [--reps 7]
-        [--contenders int8,int8-modules,float32]
+        [--contenders int8,int8-modules,int8-noamx,float32]
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hfspec.cpu import fast
+from hfspec.cpu import fast, int8
 from hfspec.cpu import layer as cpu_layer
 from hfspec.models import gguf_native
 from hfspec.models.kv_buffer import buffered_cache
@@ -76,6 +78,7 @@ def main() -> None:
             caches[name] = buffered_cache(args.depth + max(ks))
             model(prompt, cache=caches[name], use_cache=True, logits_to_keep=1)
     best = {name: dict.fromkeys(ks, float("inf")) for name in models}
+    ik = int8.kernel()
     for _ in range(args.reps):
         for k in ks:
             for name, model in models.items():  # in turns: a busy spell hits all
@@ -83,6 +86,8 @@ def main() -> None:
                     cpu_layer.unuse(model)
                 else:
                     cpu_layer.use(model, fast._KERNEL)
+                if ik is not None:
+                    ik.use_amx(not name.endswith("-noamx"))
                 seconds = step_seconds(model, caches[name], k, vocab, g)
                 best[name][k] = min(best[name][k], seconds)
     result = {
@@ -93,6 +98,7 @@ def main() -> None:
         "depth": args.depth,
         "reps": args.reps,
         "note": "best of reps; on a shared machine the absolute times carry its load",
+        "amx": bool(ik is not None and ik.use_amx(True)),
     }
     for name in models:
         t1 = best[name][ks[0]] if ks[0] == 1 else None

@@ -14,6 +14,11 @@ from typing import Any
 from hfspec.cpu import kernels, toolchain
 
 AVX2 = (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"})
+# AVX-512 with VNNI and without AMX: on a CPU with AMX, the path its native build takes for fewer rows.
+AVX512_VNNI = (
+    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
+    {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
+)
 SCALAR: tuple[list[str], set[str]] = ([], set())
 
 

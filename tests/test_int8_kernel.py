@@ -126,6 +126,25 @@ def test_a_layer_packs_its_weight_once_and_again_when_it_is_replaced(ik):
     assert not torch.equal(first, second)
 
 
+def test_amx_off_and_on_give_the_references_bits(ik):
+    """Where the CPU has AMX, K-quant tiles of several rows run on it by default; turned off, the same rows take
+    the AVX-512 VNNI path. Both give the reference's bits (the main test above runs with AMX on)."""
+    if not ik.use_amx(True):
+        pytest.skip("no AMX here")
+    try:
+        for fmt in ("Q4_K", "Q5_K", "Q6_K"):
+            w = blocks(fmt, 19, 512, seed=11)
+            x = inputs(65, 512, seed=12)
+            expect = int8_reference.linear(x, w, fmt).view(torch.int32)
+            for on in (False, True):
+                assert ik.use_amx(on) == on
+                for m in (6, 8, 12, 16, 33, 65):
+                    got = kernel_out(ik, x[:m], w, fmt, None, 2)
+                    assert torch.equal(got.view(torch.int32), expect[:m]), f"{fmt}: {m} rows, AMX {on}"
+    finally:
+        ik.use_amx(True)
+
+
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
 def test_a_row_alone_gives_the_bits_it_gives_among_others(ik, fmt):
     k = 768 if fmt != "Q8_0" else 96
@@ -165,7 +184,7 @@ def test_the_reference_is_close_to_the_dequantized_product():
 
 # The paths this CPU's build does not take, built on their own where the CPU can run them; each must give the
 # reference's bits, as the native build does (integer sums are exact, the float steps the same).
-OTHER_PATHS = {"avx2": kernel_paths.AVX2, "scalar": kernel_paths.SCALAR}
+OTHER_PATHS = {"avx512vnni": kernel_paths.AVX512_VNNI, "avx2": kernel_paths.AVX2, "scalar": kernel_paths.SCALAR}
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,17 @@ class Int8Kernel:
             ctypes.c_int,
         )
 
+        self._amx = library.function("hfspec_int8_amx", [ctypes.c_int], ctypes.c_int)
+
+    @property
+    def amx(self) -> bool:
+        """Whether K-quant layers run several rows on AMX tiles here (same bits as without)."""
+        return bool(self._amx(-1))
+
+    def use_amx(self, on: bool) -> bool:
+        """Turn the AMX path on or off for this process (where the CPU and build have it); whether it is on."""
+        return bool(self._amx(int(on)))
+
     def __deepcopy__(self, memo: dict) -> Int8Kernel:
         return self  # process state, as the library
 
