@@ -528,16 +528,18 @@ void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
 // tdpbusd multiplies the 16 columns' unsigned codes (tile A, a column per tile row: the codes kblock unpacks, in the
 // order the rows' codes are stored) with the rows' signed codes (tile B, ggml's VNNI layout built once per call:
 // per 4 codes a row of 16 rows' dwords) into 16 x 16 exact int32 sums, which are stored and scaled by the
-// column's sub-block scale in int32, columns as tile rows and input rows as lanes. The integer sums are exact, so
+// column's sub-block scale in int32, columns as tile rows and input rows as lanes. Q6_K's codes go in signed, u - 32
+// (tdpbssd), so its offset term is in the sums already. The integer sums are exact, so
 // A = sum_j sc_j * dot_j and M come out as the other paths give them, and the float steps run 16 rows per
 // instruction in the reference's order (as k_block_grouped). Rows past R are zero codes in B and never written.
 // Linux grants a process the tile state on request (arch_prctl); where it does not, this path is off.
+//
 // From this many rows on, a K-quant tile goes to AMX (the crossover measured on a Sapphire Rapids Xeon, 2 threads:
-// Q4_K 8960 x 1536 at 4 rows 0.65 ms on AMX against 0.59 on AVX-512 VNNI, at 8 rows 0.70 against 0.81; Q6_K, with
-// twice the sub-blocks, 1.24 against 0.98 at 8 rows and 1.28 against 1.59 at 16).
+// Q4_K 8960 x 1536 at 4 rows 0.59 ms on AMX and on AVX-512 VNNI, at 8 rows 0.69 against 0.89; Q6_K 1536 x 8960,
+// with twice the sub-blocks, 0.95 against 0.54 at 4 rows, even at 8, 0.99 against 1.59 at 16).
 template <int T>
 constexpr int amx_min() {
-    return T == Q6_K ? 12 : 6;
+    return T == Q6_K ? 8 : 6;
 }
 
 bool amx_granted() {
@@ -589,7 +591,8 @@ inline void amx_column(const uint8_t* w, uint8_t* codes, int8_t* sc, int32_t* mu
     if constexpr (T == Q6_K) {
         KBlock kb;
         kblock<T>(w, kb);
-        for (int p = 0; p < 4; ++p) _mm512_store_si512((void*)(codes + 64 * p), kb.u[p]);
+        const __m512i offset = _mm512_set1_epi8(32);  // signed codes u - 32: no bsum term (tdpbssd)
+        for (int p = 0; p < 4; ++p) _mm512_store_si512((void*)(codes + 64 * p), _mm512_sub_epi8(kb.u[p], offset));
         memcpy(sc, w + 192, 16);
         memcpy(mult, kb.mult, 8 * sizeof(int32_t));
     } else {
@@ -619,6 +622,32 @@ inline void amx_column(const uint8_t* w, uint8_t* codes, int8_t* sc, int32_t* mu
     }
 }
 
+// Four sub-blocks from s0 on: their sums into out[0..3] ([column][row], 64 bytes a column).
+template <int T>
+inline void tile_round(const uint8_t* codes, const int32_t* rows, int s0, int32_t (*out)[16][16]) {
+    constexpr int S = T == Q6_K ? 16 : 32;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, codes + s0 * S, 256);
+    _tile_loadd(6, rows + s0 * (S / 4) * GROUP, 64);
+    if constexpr (T == Q6_K) _tile_dpbssd(0, 4, 6); else _tile_dpbusd(0, 4, 6);
+    _tile_loadd(5, codes + (s0 + 1) * S, 256);
+    _tile_loadd(7, rows + (s0 + 1) * (S / 4) * GROUP, 64);
+    if constexpr (T == Q6_K) _tile_dpbssd(1, 5, 7); else _tile_dpbusd(1, 5, 7);
+    _tile_loadd(4, codes + (s0 + 2) * S, 256);
+    _tile_loadd(6, rows + (s0 + 2) * (S / 4) * GROUP, 64);
+    if constexpr (T == Q6_K) _tile_dpbssd(2, 4, 6); else _tile_dpbusd(2, 4, 6);
+    _tile_loadd(5, codes + (s0 + 3) * S, 256);
+    _tile_loadd(7, rows + (s0 + 3) * (S / 4) * GROUP, 64);
+    if constexpr (T == Q6_K) _tile_dpbssd(3, 5, 7); else _tile_dpbusd(3, 5, 7);
+    _tile_stored(0, out[0], 64);
+    _tile_stored(1, out[1], 64);
+    _tile_stored(2, out[2], 64);
+    _tile_stored(3, out[3], 64);
+}
+
 template <int T>
 void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K, float (*acc)[ROWS],
               const uint8_t* next) {
@@ -626,13 +655,12 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
     constexpr int S = T == Q6_K ? 16 : 32, SUBS = 256 / S;
     constexpr int J = T == Q6_K ? 8 : 4;  // int16 pairs of multipliers of the bsum terms
     const int64_t blocks = K / 256, dwords = K / 4;
-    configure_tiles<S>();
     alignas(64) uint8_t codes[16][256];
-    alignas(64) int32_t sums[4][16][16];  // four sub-blocks' sums, [column][row]
+    alignas(64) int32_t sums[2][4][16][16];  // two rounds of four sub-blocks' sums, [column][row]
     int8_t sc[16][16];
     int32_t mult[16][8];
     float d[16], dmin[16];
-    memset(codes, 0, sizeof codes);  // columns past C: zero codes, their sums never read
+    if (C < 16) memset(codes, 0, sizeof codes);  // columns past C: zero codes, their sums never read
     for (int64_t b = 0; b < blocks; ++b) {
         prefetch_block<NB>(next, ldw, b);
         for (int c = 0; c < C; ++c) {
@@ -646,42 +674,29 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
             const int32_t* rows = a.tiles.data() + (g * dwords + b * 64) * GROUP;
             __m512i dots[16];
             for (int c = 0; c < C; ++c) dots[c] = _mm512_setzero_si512();
-            for (int s0 = 0; s0 < SUBS; s0 += 4) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                _tile_loadd(4, codes[0] + s0 * S, 256);
-                _tile_loadd(6, rows + s0 * (S / 4) * GROUP, 64);
-                _tile_dpbusd(0, 4, 6);
-                _tile_loadd(5, codes[0] + (s0 + 1) * S, 256);
-                _tile_loadd(7, rows + (s0 + 1) * (S / 4) * GROUP, 64);
-                _tile_dpbusd(1, 5, 7);
-                _tile_loadd(4, codes[0] + (s0 + 2) * S, 256);
-                _tile_loadd(6, rows + (s0 + 2) * (S / 4) * GROUP, 64);
-                _tile_dpbusd(2, 4, 6);
-                _tile_loadd(5, codes[0] + (s0 + 3) * S, 256);
-                _tile_loadd(7, rows + (s0 + 3) * (S / 4) * GROUP, 64);
-                _tile_dpbusd(3, 5, 7);
-                _tile_stored(0, sums[0], 64);
-                _tile_stored(1, sums[1], 64);
-                _tile_stored(2, sums[2], 64);
-                _tile_stored(3, sums[3], 64);
+            // Rounds of four sub-blocks; a round's sums are read after the next round's multiplies are issued,
+            // so that the vector loads do not wait on the tile stores just made.
+            for (int round = 0; round <= SUBS / 4; ++round) {
+                if (round < SUBS / 4) tile_round<T>(codes[0], rows, round * 4, sums[round & 1]);
+                if (round == 0) continue;
+                const int s0 = (round - 1) * 4;
                 for (int t = 0; t < 4; ++t)
                     for (int c = 0; c < C; ++c)
-                        dots[c] = _mm512_add_epi32(dots[c], _mm512_mullo_epi32(_mm512_load_si512((const void*)sums[t][c]),
-                                                                               _mm512_set1_epi32(sc[c][s0 + t])));
+                        dots[c] = _mm512_add_epi32(
+                            dots[c], _mm512_mullo_epi32(_mm512_load_si512((const void*)sums[(round - 1) & 1][t][c]),
+                                                        _mm512_set1_epi32(sc[c][s0 + t])));
             }
             // The bsum terms and the float steps, rows as lanes, each in the reference's order.
             const int32_t* pairs = a.pairs.data() + (g * blocks + b) * 8 * GROUP;
             const __m512 da = _mm512_loadu_ps(a.dg.data() + (g * blocks + b) * GROUP);
             for (int c = 0; c < C; ++c) {
                 __m512i mins = _mm512_setzero_si512();
-                for (int j = 0; j < J; ++j)
-                    mins = _mm512_add_epi32(mins, _mm512_madd_epi16(_mm512_loadu_si512((const void*)(pairs + j * GROUP)),
-                                                                    _mm512_set1_epi32(mult[c][j])));
-                __m512i dv = dots[c];
-                if constexpr (T == Q6_K) dv = _mm512_sub_epi32(dv, _mm512_slli_epi32(mins, 5));
+                if constexpr (T != Q6_K)  // Q6_K's offset is in its signed codes already
+                    for (int j = 0; j < J; ++j)
+                        mins = _mm512_add_epi32(
+                            mins, _mm512_madd_epi16(_mm512_loadu_si512((const void*)(pairs + j * GROUP)),
+                                                    _mm512_set1_epi32(mult[c][j])));
+                const __m512i dv = dots[c];
                 float* out = acc[c] + g0;
                 __m512 sum = _mm512_loadu_ps(out);
                 sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_cvtepi32_ps(dv), _mm512_mul_ps(_mm512_set1_ps(d[c]), da)));
@@ -1321,6 +1336,10 @@ void linear(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const fl
 #endif
 #pragma omp parallel num_threads(threads)
     {
+#if defined(HFSPEC_INT8_AMX)
+    if constexpr (is_k(T))
+        if (amx) configure_tiles<T == Q6_K ? 16 : 32>();  // tile_amx's shapes, once per thread and call
+#endif
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
         const int64_t n0 = t * COLS;
