@@ -74,6 +74,32 @@ def test_buffers_hold_what_concatenation_holds_through_steps_trees_row_changes_a
     ours.check(ours.mask.sum(dim=1), "buffered")
 
 
+def test_columns_left_as_holes_in_every_row_are_dropped_when_rows_leave():
+    # A running batch: a row joins left-padded to the batch's length, the old row leaves. Without the trim the
+    # cache would keep every column the batch ever held; with it, the joined row's own columns are what remain.
+    g = torch.Generator().manual_seed(1)
+    for kv in (KVState(1, torch.device("cpu")), concatenating(1)):
+        step(kv, columns(1, 80, g), torch.tensor([80]), None)
+        part = KVState(1, torch.device("cpu"))
+        keys = columns(1, 5, g)
+        step(part, keys, torch.tensor([5]), None)
+        kv.merge(part)
+        assert kv.length == 80  # the joined row left-padded with 75 holes
+        kv.select_rows(torch.tensor([1]))
+        assert kv.length == 5 and torch.equal(kv.mask, torch.ones(1, 5, dtype=torch.long))
+        for layer in range(2):
+            assert torch.equal(kv.cache.layers[layer].keys, keys + layer)
+            assert torch.equal(kv.cache.layers[layer].values, -keys)
+        step(kv, columns(1, 3, g), torch.tensor([3]), None)  # the trimmed cache goes on
+        kv.check(torch.tensor([8]), "trimmed")
+    few = KVState(2, torch.device("cpu"))  # a few leading holes: not worth a copy of the cache
+    step(few, columns(2, 40, g), torch.tensor([40, 40]), None)
+    step(few, columns(2, 10, g), torch.tensor([10, 10]), None)
+    few.mask[1, :20] = 0
+    few.select_rows(torch.tensor([1]))
+    assert few.length == 50
+
+
 def test_steps_write_in_place_and_crops_only_move_the_length():
     layer = BufferLayer()
     g = torch.Generator().manual_seed(1)

@@ -28,6 +28,8 @@ from hfspec.decoding import sampling
 from hfspec.drafters.eagle3 import Eagle3Drafter
 from hfspec.drafters.ngram import NgramDrafter
 from hfspec.errors import HfspecError
+from hfspec.models import kv_cache
+from hfspec.models.kv_buffer import BufferLayer
 from hfspec.serve import batch as serve_batch
 from hfspec.serve import command
 from hfspec.serve.engine import BatchEngine
@@ -131,9 +133,16 @@ def test_sixteen_staggered_requests_each_equal_alone(drafter, pair, monkeypatch,
         serve_batch.Batch, "merge", lambda batch, part: joined.append((batch.active, steps[0])) or merge(batch, part)
     )
     monkeypatch.setattr(serve_batch.Batch, "step", counting)
+    # Columns that every row holds as holes are dropped as soon as rows leave (in service, once there are many):
+    # each row's output must not change.
+    trims = []
+    drop_front = BufferLayer.drop_front
+    monkeypatch.setattr(kv_cache, "_TRIM_AT_LEAST", 1)
+    monkeypatch.setattr(BufferLayer, "drop_front", lambda layer, n: trims.append(n) or drop_front(layer, n))
     requests = mixed_requests()
     together = serve(gen, requests, stagger=0.004, max_batch=6, max_queue=16)
     monkeypatch.undo()
+    assert trims, "no cache was trimmed"
     assert sum(1 for running, taken in joined if running and taken) >= 4, f"too few joined a running batch: {joined}"
     assert max(running for running, _ in joined) == 5, "the batch never filled up"
     assert all(done.finish_reason in ("stop", "length") for *_, done in together), "a request was lost or failed"

@@ -125,6 +125,16 @@ class BufferLayer(DynamicLayer):
         if self.is_initialized:
             self._length = max(0, self._length + tokens_to_remove)
 
+    def drop_front(self, count: int) -> None:
+        """Forget the first ``count`` positions, the rest moved to the front of buffers of the same capacity."""
+        if count <= 0 or not self.is_initialized or self._keys is None:
+            return
+        keys, values, length = self._keys, self._values, self._length - count
+        self._keys, self._values = keys.new_empty(keys.shape), values.new_empty(values.shape)
+        self._keys[:, :, :length] = keys[:, :, count : self._length]
+        self._values[:, :, :length] = values[:, :, count : self._length]
+        self._length = length
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows ``indices``, with the buffers' spare room (one copy, as ``DynamicLayer`` makes)."""
         if self.get_seq_length() > 0:

@@ -30,8 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from hfspec.models.adapter import tree_attention
-from hfspec.models.kv_buffer import buffered_cache
+from hfspec.models.kv_buffer import BufferLayer, buffered_cache
 from hfspec.models.recurrent import RecurrentState, is_recurrent
+
+# Leading columns that are holes in every row are dropped once there are this many (and a quarter of the cache).
+_TRIM_AT_LEAST = 32
 
 
 class KVState:
@@ -170,6 +173,29 @@ class KVState:
         else:
             self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the leading columns that are holes in every row, once they are many: in a running batch rows join
+        left-padded to the batch's length and leave, so without this the cache would grow with every step the
+        batch has ever taken, and every later step and merge would carry it. Nothing attends to a hole, and each
+        row's positions are counted from its tokens, so no row's result changes."""
+        if self.recurrent is not None or self.mask.shape[0] == 0:
+            return
+        held = self.mask.any(dim=0)
+        if not bool(held.any()):
+            return
+        first = int(held.int().argmax())
+        if first < max(_TRIM_AT_LEAST, self.length // 4):  # a copy of the cache: only when it pays for itself
+            return
+        for layer in self.cache.layers:
+            if not layer.get_seq_length():
+                continue
+            if isinstance(layer, BufferLayer):
+                layer.drop_front(first)
+            else:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        self.mask = self.mask[:, first:]
 
     def merge(self, other: KVState) -> None:
         """Append ``other``'s rows after these (a row prefilled alone joining a running batch).
