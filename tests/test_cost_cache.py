@@ -72,7 +72,7 @@ def test_the_fastest_time_seen_is_kept_so_that_a_loaded_measurement_heals():
     loaded.record_draft(1, 0.001)
     kept = loaded.fastest()
     assert kept.verify[1] == 0.5 and kept.verify[3] == loaded.observed_verify[(1, 3)] < 0.6
-    assert kept.verify[2] == kept.verify[3]  # two tokens cost no more than three's quiet step: the stall is not kept
+    assert kept.verify[2] <= kept.verify[3]  # two tokens cost no more than three's quiet step: the stall is not kept
     assert kept.draft < 0.05 and not kept.observed_verify and not kept.observed_draft
 
 

@@ -499,10 +499,35 @@ def test_a_drafting_step_over_a_batch_never_seen_is_priced_by_its_rows():
     costs = Costs(verify={1: 0.010, 2: 0.011, 3: 0.012, 4: 0.013}, draft=0.004)
     assert costs.draft_seconds(1) == pytest.approx(0.004)
     assert costs.draft_seconds(16) == pytest.approx(0.004 * costs.rows(16) / costs.rows(1))  # 2.5x, not one row's
-    costs.record_draft(8, 0.012)
-    assert costs.draft_seconds(8) == pytest.approx(0.004 * costs.rows(8) / costs.rows(1) * 0.8 + 0.012 * 0.2)  # _EMA
+    costs.record_draft(8, 0.009)
+    assert costs.draft_seconds(8) == pytest.approx(0.004 * costs.rows(8) / costs.rows(1) * 0.8 + 0.009 * 0.2)  # _EMA
     assert costs.draft_seconds(16) == pytest.approx(costs.draft_seconds(8) * costs.rows(16) / costs.rows(8))
     assert costs.draft_seconds(1) == pytest.approx(costs.draft_seconds(8) * costs.rows(1) / costs.rows(8))
+
+
+def test_one_stalled_step_pulls_a_running_time_up_by_a_tenth_at_most_and_a_fast_one_is_taken():
+    costs = Costs(verify={1: 0.010, 2: 0.012}, draft=0.004, observed_verify={(8, 1): 0.020})
+    costs.record_verify(8, 1, 0.200)  # another process stalled this step
+    assert costs.verify_seconds(8, 1) == pytest.approx(0.020 * 1.1)
+    costs.record_verify(8, 1, 0.001)
+    assert costs.verify_seconds(8, 1) == pytest.approx(0.022 * 0.8 + 0.001 * 0.2)
+
+
+def test_a_drafting_step_after_plain_ones_is_priced_with_the_catch_up_it_cost_last_time():
+    # A server's batch of 8 at α = 0.5: one draft verified beside each row pays on the step's own price, but not
+    # once the draft model's catch-up on the plain steps' tokens (timed on such a step) is added.
+    costs = Costs(verify={1: 0.010, 2: 0.011}, draft=0.001, observed_draft={8: 0.002})
+    costs.observed_verify.update({(8, 1): 0.020, (8, 2): 0.024})
+    policy = auto(costs, prior=0.5, batch=8)
+    rows = torch.arange(8)
+    assert policy.gamma(rows).gamma >= 1
+    assert costs.catch_up_seconds(8) == 0.0
+    plan = AutoPlan(1, 0, Price(costs, True), 8, (0.5,) * 8, tuple((i, 1.0, 0.5) for i in range(8)), (1.0,) * 8)
+    policy.update(step(1, [0] * 8, drafted=[1] * 8, draft_seconds=0.020, verify_seconds=0.024, plan=plan))
+    assert costs.catch_up_seconds(8) == pytest.approx(0.020 - 0.002)  # the first drafting step: after_plain
+    assert policy.gamma(rows).gamma >= 1  # drafting on: no catch-up to pay
+    policy.update(step(0, [0] * 8, verify_seconds=0.020))  # a plain step: the next drafting one catches up
+    assert policy.gamma(rows).gamma == 0
 
 
 def test_rows_past_the_chain_follow_the_larger_sizes_measured():

@@ -31,6 +31,18 @@ from hfspec.models.kv_cache import KVState
 
 # Weight of a new observation in the running averages of real step times.
 _EMA = 0.2
+# How far one slow observation may pull a running average up: a step slowed by something else (a collection, a page
+# fault, a kernel shape timed on first use, another process) is taken as at most this factor of the average, so that
+# one spike cannot make a kind of step look dear for as long as that kind is not taken again. A fast observation is
+# taken as it is: nothing makes a step faster than it can be, and a measurement taken under load must heal.
+_CLIP = 1.5
+
+
+def _blend(old: float, seconds: float) -> float:
+    """The running average ``old`` after one more observation ``seconds`` (at most ``_CLIP`` times ``old``)."""
+    if old > 0:
+        seconds = min(seconds, old * _CLIP)
+    return (1 - _EMA) * old + _EMA * seconds
 
 
 @torch.inference_mode()
@@ -125,6 +137,8 @@ class Costs:
     observed_draft: dict[int, float] = field(default_factory=dict)
     observed_lookup: dict[int, float] = field(default_factory=dict)
     observed_tree_draft: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch, nodes): seconds
+    # The draft model's catch-up: what its first step after plain steps took beyond its own drafting, by batch.
+    observed_catch_up: dict[int, float] = field(default_factory=dict)
 
     @property
     def max_gamma(self) -> int:
@@ -142,7 +156,7 @@ class Costs:
 
     def record_tree_draft(self, batch: int, nodes: int, seconds: float) -> None:
         old = self.observed_tree_draft.get((batch, nodes), seconds)
-        self.observed_tree_draft[(batch, nodes)] = (1 - _EMA) * old + _EMA * seconds
+        self.observed_tree_draft[(batch, nodes)] = _blend(old, seconds)
 
     def measured(self, k: int) -> float:
         """The measured forward over k new tokens (batch 1); between measured sizes (a tree's, which skip
@@ -196,6 +210,15 @@ class Costs:
         """Seconds of a lookup without the draft model: nothing until a step has taken one."""
         return self.observed_lookup.get(batch, 0.0)
 
+    def catch_up_seconds(self, batch: int) -> float:
+        """Seconds the draft model spends catching up on the tokens committed while it did not run (plain
+        steps, lookup-alone steps), in the first step that runs it again: nothing until such a step was timed."""
+        return self.observed_catch_up.get(batch, 0.0)
+
+    def record_catch_up(self, batch: int, seconds: float) -> None:
+        old = self.observed_catch_up.get(batch, seconds)
+        self.observed_catch_up[batch] = _blend(old, seconds)
+
     def step_seconds(
         self, batch: int, gamma: int, model: bool = True, lookup: bool = False, drafts: float = 1.0
     ) -> float:
@@ -214,15 +237,15 @@ class Costs:
         old = self.observed_verify.get((batch, k))
         if old is None:  # the first observation may carry one-off costs: start from the prediction
             old = self.verify_seconds(batch, k)
-        self.observed_verify[(batch, k)] = (1 - _EMA) * old + _EMA * seconds
+        self.observed_verify[(batch, k)] = _blend(old, seconds)
 
     def record_draft(self, batch: int, seconds_per_step: float) -> None:
         old = self.draft_seconds(batch)
-        self.observed_draft[batch] = (1 - _EMA) * old + _EMA * seconds_per_step
+        self.observed_draft[batch] = _blend(old, seconds_per_step)
 
     def record_lookup(self, batch: int, seconds: float) -> None:
         old = self.observed_lookup.get(batch, seconds)
-        self.observed_lookup[batch] = (1 - _EMA) * old + _EMA * seconds
+        self.observed_lookup[batch] = _blend(old, seconds)
 
     def measure_more(
         self, target: Any, context: Sequence[int], sizes: Sequence[int], device: torch.device, repeats: int = 3
@@ -265,6 +288,7 @@ class Costs:
             "observed_draft": [[b, s] for b, s in sorted(self.observed_draft.items())],
             "observed_lookup": [[b, s] for b, s in sorted(self.observed_lookup.items())],
             "observed_tree_draft": [[b, n, s] for (b, n), s in sorted(self.observed_tree_draft.items())],
+            "observed_catch_up": [[b, s] for b, s in sorted(self.observed_catch_up.items())],
         }
 
     @classmethod
@@ -293,6 +317,7 @@ class Costs:
                 observed_draft=table(record["observed_draft"], 2),
                 observed_lookup=table(record["observed_lookup"], 2),
                 observed_tree_draft=table(record["observed_tree_draft"], 3),
+                observed_catch_up=table(record.get("observed_catch_up", []), 2),  # absent from older records
             )
         except (KeyError, TypeError) as err:
             raise ValueError(f"not a record of costs: {err!r}") from None

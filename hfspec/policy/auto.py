@@ -136,8 +136,9 @@ class AutoGamma(GammaPolicy):
     For each step it maximises, over γ, the expected committed tokens of the active rows
     (Leviathan et al., arXiv 2211.17192: (1 - α^(γ+1)) / (1 - α) per row, with each row's
     own running α) divided by the time the step will take (γ drafting steps plus a target
-    forward over γ+1 tokens, from the measured and refined ``Costs``). γ = 0 is plain
-    decoding. While plain decoding wins, a probe step with drafts now and then (ever rarer
+    forward over γ+1 tokens, from the measured and refined ``Costs``; the first step that runs
+    the draft model after steps without it also pays its catch-up on their tokens, priced from
+    such steps before). γ = 0 is plain decoding. While plain decoding wins, a probe step with drafts now and then (ever rarer
     while probes commit their tokens no faster than plain steps do) notices when acceptance
     rises again; where trees are allowed, every other probe drafts the smallest tree, so that
     trees gather evidence too.
@@ -264,8 +265,10 @@ class AutoGamma(GammaPolicy):
         evidence, best = self.tuning.tree_evidence(), (0, -1.0)
         for nodes in self.tuning.trees:
             tokens = sum(evidence.expected_tokens(nodes, a) for a in alpha)
-            seconds = self.costs.tree_draft_seconds(batch, nodes, shape(nodes)[1]) + self.costs.verify_seconds(
-                batch, nodes + 1
+            seconds = (
+                self.costs.tree_draft_seconds(batch, nodes, shape(nodes)[1])
+                + self.costs.verify_seconds(batch, nodes + 1)
+                + self.catch_up(batch)
             )
             if tokens / seconds > best[1]:
                 best = (nodes, tokens / seconds)
@@ -288,7 +291,10 @@ class AutoGamma(GammaPolicy):
         self.learn(step.rows.tolist(), [d for d, _ in chains], [k for _, k in chains], None)
         batch = step.rows.numel()
         self.costs.record_verify(batch, step.parents.shape[1] + 1, step.verify_seconds)
-        if not self.after_plain:  # after plain steps, drafting began with a long catch-up
+        if self.after_plain:  # drafting began with a catch-up: priced apart, for the next such step
+            expected = self.costs.tree_draft_seconds(batch, step.plan.nodes, shape(step.plan.nodes)[1])
+            self.costs.record_catch_up(batch, max(0.0, step.draft_seconds - expected))
+        else:
             self.costs.record_tree_draft(batch, step.plan.nodes, step.draft_seconds)
         self.after_plain = False
 
@@ -311,14 +317,20 @@ class AutoGamma(GammaPolicy):
                 best, rate = g, r
         return best, rate
 
+    def catch_up(self, batch: int) -> float:
+        """What running the draft model this step costs beyond its drafts: its catch-up on the tokens of the
+        steps it did not run in (learnt from such steps), nothing while it runs step after step."""
+        return self.costs.catch_up_seconds(batch) if self.after_plain else 0.0
+
     def seconds(self, plan: AutoPlan, gamma: int) -> float:
         """The expected time of a step of ``plan``'s kind with γ drafts."""
         if not self.hybrid:
-            return self.costs.step_seconds(plan.batch, gamma)
+            return self.costs.step_seconds(plan.batch, gamma) + (self.catch_up(plan.batch) if gamma else 0.0)
         model, drafts = plan.price.model, 1.0
         if not model:  # the lookup alone verifies only the pending token when no row found a match
             drafts = 1.0 - math.prod(1.0 - p for _, p, _ in plan.parts)
-        return self.costs.step_seconds(plan.batch, gamma, model, lookup=True, drafts=drafts)
+        catch_up = self.catch_up(plan.batch) if model and gamma else 0.0
+        return self.costs.step_seconds(plan.batch, gamma, model, lookup=True, drafts=drafts) + catch_up
 
     def stop(self, plan: Plan, confidence: list[torch.Tensor]) -> bool:
         assert isinstance(plan, AutoPlan), "a plan of this policy"
@@ -357,9 +369,13 @@ class AutoGamma(GammaPolicy):
         self.costs.record_verify(batch, step.gamma + 1, step.verify_seconds)
         if sources is not None and not model_gamma:  # the lookup alone: its time is what drafting cost
             self.costs.record_lookup(batch, step.draft_seconds)
-        elif model_gamma and not self.after_plain:  # after plain steps, drafting began with a long catch-up
+        elif model_gamma:
             lookup = self.costs.lookup_seconds(batch) if sources is not None else 0.0
-            self.costs.record_draft(batch, max(0.0, step.draft_seconds - lookup) / model_gamma)
+            drafting = max(0.0, step.draft_seconds - lookup)
+            if self.after_plain:  # drafting began with a catch-up: priced apart, for the next such step
+                self.costs.record_catch_up(batch, max(0.0, drafting - model_gamma * self.costs.draft_seconds(batch)))
+            else:
+                self.costs.record_draft(batch, drafting / model_gamma)
         self.after_plain = model_gamma == 0  # the draft model did not run: it catches up when it next does
 
     def learn(self, rows: list[int], drafted: list[int], accepted: list[int], confidence: torch.Tensor | None) -> None:
