@@ -220,12 +220,21 @@ class Costs:
         self.observed_catch_up[batch] = _blend(old, seconds)
 
     def step_seconds(
-        self, batch: int, gamma: int, model: bool = True, lookup: bool = False, drafts: float = 1.0
+        self,
+        batch: int,
+        gamma: int,
+        model: bool = True,
+        lookup: bool = False,
+        drafts: float = 1.0,
+        catch_up: bool = False,
     ) -> float:
-        """Expected seconds of a step of up to γ drafts per row: γ draft-model steps if ``model``, one lookup
-        if ``lookup`` (neither when γ = 0: a plain step calls no drafter), and a verification over γ+1 tokens
-        with probability ``drafts``, over the pending token alone otherwise (no row had anything to draft)."""
+        """Expected seconds of a step of up to γ drafts per row: γ draft-model steps if ``model`` (and, with
+        ``catch_up``, the model's catch-up on the steps it did not run in), one lookup if ``lookup`` (neither when
+        γ = 0: a plain step calls no drafter), and a verification over γ+1 tokens with probability ``drafts``, over
+        the pending token alone otherwise (no row had anything to draft)."""
         drafting = gamma * self.draft_seconds(batch) if model else 0.0
+        if model and gamma and catch_up:
+            drafting += self.catch_up_seconds(batch)
         if lookup and gamma:
             drafting += self.lookup_seconds(batch)
         verify = self.verify_seconds(batch, gamma + 1)

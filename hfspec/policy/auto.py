@@ -138,10 +138,10 @@ class AutoGamma(GammaPolicy):
     own running α) divided by the time the step will take (γ drafting steps plus a target
     forward over γ+1 tokens, from the measured and refined ``Costs``; the first step that runs
     the draft model after steps without it also pays its catch-up on their tokens, priced from
-    such steps before). γ = 0 is plain decoding. While plain decoding wins, a probe step with drafts now and then (ever rarer
-    while probes commit their tokens no faster than plain steps do) notices when acceptance
-    rises again; where trees are allowed, every other probe drafts the smallest tree, so that
-    trees gather evidence too.
+    such steps before). γ = 0 is plain decoding. While plain decoding wins, a probe step with
+    drafts now and then (ever rarer while probes commit their tokens no faster than plain steps
+    do) notices when acceptance rises again; where trees are allowed, every other probe drafts
+    the smallest tree, so that trees gather evidence too.
 
     Within a step, drafting stops early when the drafter's probabilities, calibrated by
     what was accepted before, say that drafting on can no longer raise the step's
@@ -268,7 +268,7 @@ class AutoGamma(GammaPolicy):
             seconds = (
                 self.costs.tree_draft_seconds(batch, nodes, shape(nodes)[1])
                 + self.costs.verify_seconds(batch, nodes + 1)
-                + self.catch_up(batch)
+                + (self.costs.catch_up_seconds(batch) if self.after_plain else 0.0)
             )
             if tokens / seconds > best[1]:
                 best = (nodes, tokens / seconds)
@@ -317,20 +317,15 @@ class AutoGamma(GammaPolicy):
                 best, rate = g, r
         return best, rate
 
-    def catch_up(self, batch: int) -> float:
-        """What running the draft model this step costs beyond its drafts: its catch-up on the tokens of the
-        steps it did not run in (learnt from such steps), nothing while it runs step after step."""
-        return self.costs.catch_up_seconds(batch) if self.after_plain else 0.0
-
     def seconds(self, plan: AutoPlan, gamma: int) -> float:
-        """The expected time of a step of ``plan``'s kind with γ drafts."""
+        """The expected time of a step of ``plan``'s kind with γ drafts; after steps without the draft model, a
+        step that runs it also pays its catch-up on their tokens."""
         if not self.hybrid:
-            return self.costs.step_seconds(plan.batch, gamma) + (self.catch_up(plan.batch) if gamma else 0.0)
+            return self.costs.step_seconds(plan.batch, gamma, catch_up=self.after_plain)
         model, drafts = plan.price.model, 1.0
         if not model:  # the lookup alone verifies only the pending token when no row found a match
             drafts = 1.0 - math.prod(1.0 - p for _, p, _ in plan.parts)
-        catch_up = self.catch_up(plan.batch) if model and gamma else 0.0
-        return self.costs.step_seconds(plan.batch, gamma, model, lookup=True, drafts=drafts) + catch_up
+        return self.costs.step_seconds(plan.batch, gamma, model, lookup=True, drafts=drafts, catch_up=self.after_plain)
 
     def stop(self, plan: Plan, confidence: list[torch.Tensor]) -> bool:
         assert isinstance(plan, AutoPlan), "a plan of this policy"

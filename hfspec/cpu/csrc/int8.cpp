@@ -585,7 +585,7 @@ void amx_rows(Acts& a, int64_t M, int64_t K) {
 // One column's super-block for the tiles: its codes as kblock unpacks them (Q4_K here directly: two loads, no
 // scale lanes), its sub-block scales by sub-block s in the stored order of the codes (Q4_K/Q5_K 8 sub-blocks of 32:
 // per 128 elements [0, 32), [64, 96), [32, 64), [96, 128), i.e. sub-blocks 4i, 4i + 2, 4i + 1, 4i + 3; Q6_K 16 of
-// 16, signed), and the int16 pairs of multipliers of the bsum terms (as KBlock::mult).
+// 16, signed), and (Q4_K/Q5_K) the int16 pairs of the mins, the bsum terms' multipliers (as KBlock::mult).
 template <int T>
 inline void amx_column(const uint8_t* w, uint8_t* codes, int8_t* sc, int32_t* mult) {
     if constexpr (T == Q6_K) {
@@ -594,7 +594,7 @@ inline void amx_column(const uint8_t* w, uint8_t* codes, int8_t* sc, int32_t* mu
         const __m512i offset = _mm512_set1_epi8(32);  // signed codes u - 32: no bsum term (tdpbssd)
         for (int p = 0; p < 4; ++p) _mm512_store_si512((void*)(codes + 64 * p), _mm512_sub_epi8(kb.u[p], offset));
         memcpy(sc, w + 192, 16);
-        memcpy(mult, kb.mult, 8 * sizeof(int32_t));
+        (void)mult;  // no bsum term
     } else {
         uint32_t m[3];
         memcpy(m, w + 4, 12);
@@ -653,12 +653,11 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
               const uint8_t* next) {
     constexpr int NB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
     constexpr int S = T == Q6_K ? 16 : 32, SUBS = 256 / S;
-    constexpr int J = T == Q6_K ? 8 : 4;  // int16 pairs of multipliers of the bsum terms
     const int64_t blocks = K / 256, dwords = K / 4;
     alignas(64) uint8_t codes[16][256];
     alignas(64) int32_t sums[2][4][16][16];  // two rounds of four sub-blocks' sums, [column][row]
     int8_t sc[16][16];
-    int32_t mult[16][8];
+    int32_t mult[16][4];  // Q4_K/Q5_K: the mins' int16 pairs
     float d[16], dmin[16];
     if (C < 16) memset(codes, 0, sizeof codes);  // columns past C: zero codes, their sums never read
     for (int64_t b = 0; b < blocks; ++b) {
@@ -692,7 +691,7 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
             for (int c = 0; c < C; ++c) {
                 __m512i mins = _mm512_setzero_si512();
                 if constexpr (T != Q6_K)  // Q6_K's offset is in its signed codes already
-                    for (int j = 0; j < J; ++j)
+                    for (int j = 0; j < 4; ++j)
                         mins = _mm512_add_epi32(
                             mins, _mm512_madd_epi16(_mm512_loadu_si512((const void*)(pairs + j * GROUP)),
                                                     _mm512_set1_epi32(mult[c][j])));
@@ -1212,27 +1211,30 @@ void tile32_runs8(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
 }
 #endif
 
+// One block's 32 codes in element order (Q8_0: its signed codes as bytes), as block_dots and pack32 read them.
+template <int T>
+void codes32(const uint8_t* wb, uint8_t* code) {
+    if constexpr (T == Q8_0) {
+        memcpy(code, wb + 2, 32);
+    } else {
+        const uint8_t* qs = wb + codes_at<T>();
+        uint32_t qh = 0;
+        if constexpr (T == Q5_0 || T == Q5_1) memcpy(&qh, wb + high_at<T>(), 4);
+        for (int j = 0; j < 16; ++j) {
+            code[j] = (uint8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
+            code[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+        }
+    }
+}
+
 // S[r] for rows r < R of the block at w: the rows' codes at q, K apart; their code sums at sums, ldb apart.
 template <int T>
 void block_dots(const uint8_t* w, int R, const int8_t* q, int64_t K, const int32_t* sums, int64_t ldb, int32_t* S) {
     (void)sums, (void)ldb;
+    uint8_t code[32];
+    codes32<T>(w, code);
     int8_t wv[32];
-    if constexpr (T == Q8_0) {
-        memcpy(wv, w + 2, 32);
-    } else {
-        const uint8_t* qs = w + codes_at<T>();
-        uint32_t qh = 0;
-        if constexpr (T == Q5_0 || T == Q5_1) memcpy(&qh, w + high_at<T>(), 4);
-        for (int j = 0; j < 16; ++j) {
-            int lo = qs[j] & 15, hi = qs[j] >> 4;
-            if constexpr (T == Q5_0 || T == Q5_1) {
-                lo |= ((qh >> j) & 1) << 4;
-                hi |= ((qh >> (j + 16)) & 1) << 4;
-            }
-            wv[j] = (int8_t)(lo - code_offset<T>());
-            wv[j + 16] = (int8_t)(hi - code_offset<T>());
-        }
-    }
+    for (int j = 0; j < 32; ++j) wv[j] = (int8_t)(code[j] - code_offset<T>());  // Q8_0: its own signed bytes
     for (int r = 0; r < R; ++r) {
         const int8_t* a = q + r * K;
         int32_t dot = 0;
@@ -1592,22 +1594,6 @@ template <int T>
 constexpr int PACKED32 = 8 * nbytes<T>();
 template <int T>
 constexpr int NIB32 = T == Q4_1 || T == Q5_1 ? 32 : 16;  // where the codes start
-
-// One block's 32 codes in element order (Q8_0: its signed codes as bytes), as block_dots reads them.
-template <int T>
-void codes32(const uint8_t* wb, uint8_t* code) {
-    if constexpr (T == Q8_0) {
-        memcpy(code, wb + 2, 32);
-    } else {
-        const uint8_t* qs = wb + codes_at<T>();
-        uint32_t qh = 0;
-        if constexpr (T == Q5_0 || T == Q5_1) memcpy(&qh, wb + high_at<T>(), 4);
-        for (int j = 0; j < 16; ++j) {
-            code[j] = (uint8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
-            code[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
-        }
-    }
-}
 
 template <int T>
 void pack32(const uint8_t* w, int64_t ldw, int64_t N, int64_t K, uint8_t* out, int threads) {
