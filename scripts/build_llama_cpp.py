@@ -9,7 +9,8 @@ builds only these four tools. A second run reuses the download, the tree and the
 Its standard output is one line, the folder holding the binaries; everything else goes to standard error.
 
 ``--portable`` configures without ``-march=native`` (AVX-512 and VNNI on, AMX and AVX512-BF16 off): use it where a
-native build dies with an illegal instruction. The full build takes about 10 minutes on 2 cores.
+native build dies with an illegal instruction, or with a general protection fault in its AMX code (seen on a
+Sapphire Rapids Xeon, for any forward of 2 or more tokens). The full build takes about 10 minutes on 2 cores.
 
     python scripts/build_llama_cpp.py                 # build (or reuse) and print the bin folder
     python scripts/build_llama_cpp.py --jobs 1        # gentler on a shared machine

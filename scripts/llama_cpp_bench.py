@@ -83,7 +83,7 @@ class Server:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise SystemExit(f"{' '.join(command)} exited with status {self.process.returncode}")
+                raise SystemExit(llama_cpp.tool_failed(" ".join(map(str, command)), self.process.returncode))
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
@@ -119,7 +119,7 @@ def run_speculative(binary: Path, args: argparse.Namespace, text: str, n_max: in
     )
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"llama-speculative-simple failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+        raise SystemExit(llama_cpp.tool_failed("llama-speculative-simple", proc.returncode, proc.stderr))
     run = llama_cpp.parse_speculative(proc.stdout, proc.stderr, text)
     return {
         "prompt_tokens": run.prompt_tokens,
@@ -136,7 +136,10 @@ def bench(binary: Path, args: argparse.Namespace) -> dict:
         command = llama_cpp.bench_command(
             binary, model, threads=args.threads, ks=ks, new=32, depth=args.depth, reps=args.reps
         )
-        return llama_cpp.parse_bench(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(llama_cpp.tool_failed("llama-bench", proc.returncode, proc.stderr))
+        return llama_cpp.parse_bench(proc.stdout)
 
     target = llama_cpp.verification_costs(one(args.target, [1, 2, 4, 8, 16]), args.depth)
     draft = llama_cpp.verification_costs(one(args.draft, [0]), args.depth)

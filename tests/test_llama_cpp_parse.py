@@ -94,3 +94,9 @@ def test_commands_name_the_2026_options() -> None:
     assert "-md" not in plain and plain[plain.index("--host") + 1] == "127.0.0.1"
     draft = llama_cpp.server_command("s", "t.gguf", port=1, threads=2, slots=1, draft="d.gguf")
     assert draft[draft.index("-md") + 1] == "d.gguf" and "--spec-draft-n-max" not in draft
+
+
+def test_a_tool_killed_by_a_signal_is_told_to_build_a_portable_one():
+    crashed = llama_cpp.tool_failed("llama-bench", -11, "stderr text")
+    assert "signal 11" in crashed and "build_llama_cpp.py --portable" in crashed and crashed.endswith("stderr text")
+    assert llama_cpp.tool_failed("llama-bench", 1) == "llama-bench failed (exit status 1)"

@@ -28,6 +28,7 @@ __all__ = [
     "parse_speculative",
     "server_command",
     "speculative_command",
+    "tool_failed",
     "verification_costs",
 ]
 
@@ -214,3 +215,16 @@ def server_command(
         if n_max is not None:
             command += ["--spec-draft-n-max", str(n_max)]
     return command
+
+
+def tool_failed(tool: str, status: int, stderr: str = "") -> str:
+    """The error for a llama.cpp tool that exited with ``status``; one killed by a signal is told how to build a
+    portable one."""
+    message = f"{tool} failed (exit status {status})"
+    if status < 0:
+        message += (
+            f": killed by signal {-status}. A native build can die on some CPUs (seen: a general protection fault "
+            "in its AMX code on a Sapphire Rapids Xeon, for any forward of 2 or more tokens); build without "
+            "-march=native with `python scripts/build_llama_cpp.py --portable` and pass the folder it prints as --bin"
+        )
+    return message + (f"\n{stderr[-2000:]}" if stderr else "")
