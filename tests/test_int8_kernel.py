@@ -128,7 +128,8 @@ def test_a_layer_packs_its_weight_once_and_again_when_it_is_replaced(ik):
 
 def test_amx_off_and_on_give_the_references_bits(ik):
     """Where the CPU has AMX, K-quant tiles of several rows run on it by default; turned off, the same rows take
-    the AVX-512 VNNI path. Both give the reference's bits (the main test above runs with AMX on)."""
+    the AVX-512 VNNI path. Both give the reference's bits (the main test above runs with AMX on): up to 8 rows two
+    sub-blocks share a tile multiply, from 9 rows one does."""
     if not ik.use_amx(True):
         pytest.skip("no AMX here")
     try:
@@ -138,7 +139,7 @@ def test_amx_off_and_on_give_the_references_bits(ik):
             expect = int8_reference.linear(x, w, fmt).view(torch.int32)
             for on in (False, True):
                 assert ik.use_amx(on) == on
-                for m in (6, 8, 12, 16, 33, 65):
+                for m in (4, 5, 6, 7, 8, 9, 12, 16, 33, 65):
                     got = kernel_out(ik, x[:m], w, fmt, None, 2)
                     assert torch.equal(got.view(torch.int32), expect[:m]), f"{fmt}: {m} rows, AMX {on}"
     finally:

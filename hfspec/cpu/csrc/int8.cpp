@@ -44,7 +44,8 @@
 // Without AVX2 the integer loops (k_dots, block_dots) are left to the compiler.
 //
 // Where the CPU has AMX (and Linux grants the tile state), a K-quant tile of enough rows (amx_min) goes to tile_amx:
-// tdpbusd per sub-block, 16 columns by 16 rows, then the same integer scales and float steps (see there).
+// tdpbusd per sub-block (two sub-blocks of up to 8 rows each per multiply), 16 columns by 16 lanes, then the same
+// integer scales and float steps (see there).
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -157,6 +158,7 @@ struct Acts {
     std::vector<float> dg;
     std::vector<int32_t> pairs;
     std::vector<int32_t> tiles;  // AMX, K-quants: the rows' codes in tile B's layout (amx_rows); empty: no AMX
+    int tile_subs = 1;           // AMX: sub-blocks per tile multiply (amx_subs)
 };
 
 constexpr int GROUP = 16;  // rows per lane-vector in the grouped layout
@@ -524,24 +526,24 @@ void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
 #if defined(HFSPEC_INT8_AMX)
 // -- K-quants on AMX (Sapphire Rapids and later): several rows per tile multiply ----------------------------------
 //
-// Up to 16 output columns and 16 input rows per tile: per sub-block (32 weights of Q4_K/Q5_K, 16 of Q6_K) one
-// tdpbusd multiplies the 16 columns' unsigned codes (tile A, a column per tile row: the codes kblock unpacks, in the
+// Up to 16 output columns and 16 input rows per tile: per sub-block (32 weights of Q4_K/Q5_K, 16 of Q6_K; with up
+// to 8 rows, per two sub-blocks: amx_subs) one tdpbusd multiplies the 16 columns' unsigned codes (tile A, a column per tile row: the codes kblock unpacks, in the
 // order the rows' codes are stored) with the rows' signed codes (tile B, ggml's VNNI layout built once per call:
 // per 4 codes a row of 16 rows' dwords) into 16 x 16 exact int32 sums, which are stored and scaled by the
-// column's sub-block scale in int32, columns as tile rows and input rows as lanes. Q6_K's codes go in signed, u - 32
+// column's sub-block scale in int32, columns as tile rows and input rows (and sub-blocks) as lanes. Q6_K's codes go in signed, u - 32
 // (tdpbssd), so its offset term is in the sums already. The integer sums are exact, so
 // A = sum_j sc_j * dot_j and M come out as the other paths give them, and the float steps run 16 rows per
 // instruction in the reference's order (as k_block_grouped). Rows past R are zero codes in B and never written.
 // Linux grants a process the tile state on request (arch_prctl); where it does not, this path is off.
 //
-// From this many rows on, a K-quant tile goes to AMX (the crossover measured on a Sapphire Rapids Xeon, 2 threads:
-// Q4_K 8960 x 1536 at 4 rows 0.59 ms on AMX and on AVX-512 VNNI, at 8 rows 0.69 against 0.89; Q6_K 1536 x 8960,
-// with twice the sub-blocks, 0.95 against 0.54 at 4 rows, even at 8, 0.99 against 1.59 at 16).
+// From this many rows on, a K-quant tile goes to AMX (the crossover measured on a Sapphire Rapids Xeon, 2 threads,
+// AMX against AVX-512 VNNI: Q4_K 8960 x 1536 at 4 rows 0.63 against 0.65 ms, at 8 0.61 against 0.90; Q6_K
+// 151936 x 1536, a head with twice the sub-blocks, at 5 rows 16.5 against 14.7, at 6 even, at 8 17.0 against 19.8;
+// the whole Qwen2.5-Coder-1.5B step from 4 or 3 rows and Q6_K's from 4, 5 or 6 within 3% of each other).
 template <int T>
 constexpr int amx_min() {
-    return T == Q6_K ? 8 : 6;
+    return T == Q6_K ? 6 : 4;
 }
-
 bool amx_granted() {
     static const bool ok = [] {
         constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
@@ -552,33 +554,43 @@ bool amx_granted() {
 std::atomic<bool> amx_wanted{true};
 inline bool amx_on() { return amx_wanted.load(std::memory_order_relaxed) && amx_granted(); }
 
-// Tiles 0-3: the sums of four sub-blocks (16 columns x 16 rows of int32 each); tiles 4, 5: the codes of 16 columns
-// (S bytes each); tiles 6, 7: the rows' codes (S / 4 rows of 16 dwords). Four sums in flight, two operand pairs
-// alternating, so that one sub-block's multiply does not wait for the last one's store.
+// Tiles 0-3: the sums of four multiplies (16 columns x 16 lanes of int32 each); tiles 4, 5: the codes of 16
+// columns (KT bytes each); tiles 6, 7: the rows' codes (KT / 4 rows of 16 dwords). Four sums in flight, two operand
+// pairs alternating, so that one multiply does not wait for the last one's store.
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
 };
-template <int S>
+template <int KT>
 void configure_tiles() {
     TileConfig cfg;
     for (int t = 0; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    for (int t = 4; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = S;
-    for (int t = 6; t < 8; ++t) cfg.rows[t] = S / 4, cfg.colsb[t] = 64;
+    for (int t = 4; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = KT;
+    for (int t = 6; t < 8; ++t) cfg.rows[t] = KT / 4, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
 
-// The rows' codes in tile B's layout: per group of 16 rows (g), per 4 codes (kk, in the stored order), the 16 rows'
-// dwords (rows past M zero).
-void amx_rows(Acts& a, int64_t M, int64_t K) {
-    const int64_t groups = (M + GROUP - 1) / GROUP, dwords = K / 4;
+// Sub-blocks per tile multiply: with up to 8 rows, two sub-blocks of 8 rows each share the 16 lanes (tile B is
+// block-diagonal: lane 8h + r holds row r's codes where the dword lies in the multiply's sub-block h, zero
+// elsewhere), so that one multiply, one store and one scaling serve two sub-blocks (K = 2S <= 64 bytes).
+constexpr int amx_subs(int64_t M) { return M <= GROUP / 2 ? 2 : 1; }
+
+// The rows' codes in tile B's layout: per group of 16 / G rows, per 4 codes (kk, in the stored order), 16 dword
+// lanes, lane h * (16 / G) + r row r's where kk lies in sub-block h of its multiply (rows past M, other lanes zero).
+void amx_rows(Acts& a, int64_t M, int64_t K, int S, int G) {
+    const int RG = GROUP / G;
+    const int64_t groups = (M + RG - 1) / RG, dwords = K / 4;
     a.tiles.assign(groups * dwords * GROUP, 0);
+    a.tile_subs = G;
     const int32_t* q = (const int32_t*)a.q.data();
     for (int64_t i = 0; i < M; ++i) {
-        int32_t* out = a.tiles.data() + (i / GROUP) * dwords * GROUP + i % GROUP;
+        int32_t* out = a.tiles.data() + (i / RG) * dwords * GROUP + i % RG;
         const int32_t* row = q + i * dwords;
-        for (int64_t kk = 0; kk < dwords; ++kk) out[kk * GROUP] = row[kk];
+        for (int64_t s = 0; s < K / S; ++s) {
+            int32_t* lanes = out + (s % G) * RG;
+            for (int64_t kk = s * (S / 4); kk < (s + 1) * (S / 4); ++kk) lanes[kk * GROUP] = row[kk];
+        }
     }
 }
 
@@ -622,25 +634,25 @@ inline void amx_column(const uint8_t* w, uint8_t* codes, int8_t* sc, int32_t* mu
     }
 }
 
-// Four sub-blocks from s0 on: their sums into out[0..3] ([column][row], 64 bytes a column).
-template <int T>
-inline void tile_round(const uint8_t* codes, const int32_t* rows, int s0, int32_t (*out)[16][16]) {
-    constexpr int S = T == Q6_K ? 16 : 32;
+// Four multiplies from t0 on (KT bytes of codes each): their sums into out[0..3] ([column][lane], 64 bytes a
+// column).
+template <int T, int KT>
+inline void tile_round(const uint8_t* codes, const int32_t* rows, int t0, int32_t (*out)[16][16]) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    _tile_loadd(4, codes + s0 * S, 256);
-    _tile_loadd(6, rows + s0 * (S / 4) * GROUP, 64);
+    _tile_loadd(4, codes + t0 * KT, 256);
+    _tile_loadd(6, rows + t0 * (KT / 4) * GROUP, 64);
     if constexpr (T == Q6_K) _tile_dpbssd(0, 4, 6); else _tile_dpbusd(0, 4, 6);
-    _tile_loadd(5, codes + (s0 + 1) * S, 256);
-    _tile_loadd(7, rows + (s0 + 1) * (S / 4) * GROUP, 64);
+    _tile_loadd(5, codes + (t0 + 1) * KT, 256);
+    _tile_loadd(7, rows + (t0 + 1) * (KT / 4) * GROUP, 64);
     if constexpr (T == Q6_K) _tile_dpbssd(1, 5, 7); else _tile_dpbusd(1, 5, 7);
-    _tile_loadd(4, codes + (s0 + 2) * S, 256);
-    _tile_loadd(6, rows + (s0 + 2) * (S / 4) * GROUP, 64);
+    _tile_loadd(4, codes + (t0 + 2) * KT, 256);
+    _tile_loadd(6, rows + (t0 + 2) * (KT / 4) * GROUP, 64);
     if constexpr (T == Q6_K) _tile_dpbssd(2, 4, 6); else _tile_dpbusd(2, 4, 6);
-    _tile_loadd(5, codes + (s0 + 3) * S, 256);
-    _tile_loadd(7, rows + (s0 + 3) * (S / 4) * GROUP, 64);
+    _tile_loadd(5, codes + (t0 + 3) * KT, 256);
+    _tile_loadd(7, rows + (t0 + 3) * (KT / 4) * GROUP, 64);
     if constexpr (T == Q6_K) _tile_dpbssd(3, 5, 7); else _tile_dpbusd(3, 5, 7);
     _tile_stored(0, out[0], 64);
     _tile_stored(1, out[1], 64);
@@ -648,18 +660,25 @@ inline void tile_round(const uint8_t* codes, const int32_t* rows, int s0, int32_
     _tile_stored(3, out[3], 64);
 }
 
-template <int T>
+template <int T, int G>
 void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K, float (*acc)[ROWS],
               const uint8_t* next) {
     constexpr int NB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
-    constexpr int S = T == Q6_K ? 16 : 32, SUBS = 256 / S;
+    constexpr int S = T == Q6_K ? 16 : 32, SUBS = 256 / S, KT = G * S, MULS = SUBS / G, RG = GROUP / G;
     const int64_t blocks = K / 256, dwords = K / 4;
     alignas(64) uint8_t codes[16][256];
-    alignas(64) int32_t sums[2][4][16][16];  // two rounds of four sub-blocks' sums, [column][row]
-    int8_t sc[16][16];
+    alignas(64) int32_t sums[2][4][16][16];  // two rounds of four multiplies' sums, [column][lane]
+    alignas(16) int8_t sc[16][16];
     int32_t mult[16][4];  // Q4_K/Q5_K: the mins' int16 pairs
     float d[16], dmin[16];
-    if (C < 16) memset(codes, 0, sizeof codes);  // columns past C: zero codes, their sums never read
+    if (C < 16) memset(codes, 0, sizeof codes), memset(sc, 0, sizeof sc);  // columns past C: zero, never written
+    // lane h * RG + r of multiply t's scale vector: sub-block t * G + h's scale
+    __m512i pick[MULS];
+    for (int t = 0; t < MULS; ++t) {
+        alignas(64) int32_t idx[16];
+        for (int l = 0; l < 16; ++l) idx[l] = t * G + l / RG;
+        pick[t] = _mm512_load_si512((const void*)idx);
+    }
     for (int64_t b = 0; b < blocks; ++b) {
         prefetch_block<NB>(next, ldw, b);
         for (int c = 0; c < C; ++c) {
@@ -668,26 +687,37 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
             d[c] = half_at(wb + (T == Q6_K ? 208 : 0));
             dmin[c] = T == Q6_K ? 0.0f : half_at(wb + 2);
         }
-        for (int g0 = 0; g0 < R; g0 += GROUP) {
-            const int64_t g = (m0 + g0) / GROUP;
+        for (int g0 = 0; g0 < R; g0 += RG) {
+            const int64_t g = (m0 + g0) / RG;
             const int32_t* rows = a.tiles.data() + (g * dwords + b * 64) * GROUP;
-            __m512i dots[16];
-            for (int c = 0; c < C; ++c) dots[c] = _mm512_setzero_si512();
-            // Rounds of four sub-blocks; a round's sums are read after the next round's multiplies are issued,
-            // so that the vector loads do not wait on the tile stores just made.
-            for (int round = 0; round <= SUBS / 4; ++round) {
-                if (round < SUBS / 4) tile_round<T>(codes[0], rows, round * 4, sums[round & 1]);
-                if (round == 0) continue;
-                const int s0 = (round - 1) * 4;
-                for (int t = 0; t < 4; ++t)
-                    for (int c = 0; c < C; ++c)
-                        dots[c] = _mm512_add_epi32(
-                            dots[c], _mm512_mullo_epi32(_mm512_load_si512((const void*)sums[(round - 1) & 1][t][c]),
-                                                        _mm512_set1_epi32(sc[c][s0 + t])));
+            __m512i dots[16], scale[16];
+            for (int c = 0; c < 16; ++c) {
+                dots[c] = _mm512_setzero_si512();
+                if constexpr (G > 1)
+                    scale[c] = _mm512_cvtepi8_epi32(_mm_load_si128((const __m128i*)sc[c]));
             }
+            // Rounds of four multiplies; a round's sums are read after the next round's multiplies are issued, so
+            // that the vector loads do not wait on the tile stores just made.
+            for (int round = 0; round <= MULS / 4; ++round) {
+                if (round < MULS / 4) tile_round<T, KT>(codes[0], rows, round * 4, sums[round & 1]);
+                if (round == 0) continue;
+                const int t0 = (round - 1) * 4;
+                for (int t = 0; t < 4; ++t)
+                    for (int c = 0; c < 16; ++c) {
+                        const __m512i s = G > 1 ? _mm512_permutexvar_epi32(pick[t0 + t], scale[c])
+                                                : _mm512_set1_epi32(sc[c][t0 + t]);
+                        dots[c] = _mm512_add_epi32(
+                            dots[c], _mm512_mullo_epi32(_mm512_load_si512((const void*)sums[(round - 1) & 1][t][c]), s));
+                    }
+            }
+            // G = 2: row r's sum is that of its lanes r and 8 + r (the two 256-bit halves)
+            if constexpr (G == 2)
+                for (int c = 0; c < 16; ++c)
+                    dots[c] = _mm512_add_epi32(dots[c], _mm512_shuffle_i32x4(dots[c], dots[c], 0x4E));
             // The bsum terms and the float steps, rows as lanes, each in the reference's order.
-            const int32_t* pairs = a.pairs.data() + (g * blocks + b) * 8 * GROUP;
-            const __m512 da = _mm512_loadu_ps(a.dg.data() + (g * blocks + b) * GROUP);
+            const int64_t g16 = (m0 + g0) / GROUP;  // G > 1: one group of at most RG rows
+            const int32_t* pairs = a.pairs.data() + (g16 * blocks + b) * 8 * GROUP;
+            const __m512 da = _mm512_loadu_ps(a.dg.data() + (g16 * blocks + b) * GROUP);
             for (int c = 0; c < C; ++c) {
                 __m512i mins = _mm512_setzero_si512();
                 if constexpr (T != Q6_K)  // Q6_K's offset is in its signed codes already
@@ -1257,7 +1287,10 @@ void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R
         for (int r = 0; r < ROWS; ++r) acc[c][r] = 0.0f;
 #if defined(HFSPEC_INT8_AMX)
     if constexpr (k)
-        if (R >= amx_min<T>() && !a.tiles.empty()) return tile_amx<T>(w, ldw, C, a, m0, R, K, acc, next);
+        if (R >= amx_min<T>() && !a.tiles.empty()) {
+            if (a.tile_subs == 1) return tile_amx<T, 1>(w, ldw, C, a, m0, R, K, acc, next);
+            if (a.tile_subs == 2) return tile_amx<T, 2>(w, ldw, C, a, m0, R, K, acc, next);
+        }
 #endif
 #if defined(HFSPEC_INT8_AVX512)
     if constexpr (k) {
@@ -1333,14 +1366,18 @@ void linear(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const fl
     const int64_t tiles = (N + COLS - 1) / COLS;
 #if defined(HFSPEC_INT8_AMX)
     if constexpr (is_k(T))
-        if (M >= amx_min<T>() && amx_on()) amx_rows(a, M, K);
+        if (M >= amx_min<T>() && amx_on()) amx_rows(a, M, K, T == Q6_K ? 16 : 32, amx_subs(M));
     const bool amx = !a.tiles.empty();
 #endif
 #pragma omp parallel num_threads(threads)
     {
 #if defined(HFSPEC_INT8_AMX)
     if constexpr (is_k(T))
-        if (amx) configure_tiles<T == Q6_K ? 16 : 32>();  // tile_amx's shapes, once per thread and call
+        if (amx) {  // tile_amx's shapes, once per thread and call
+            constexpr int S = T == Q6_K ? 16 : 32;
+            if (a.tile_subs == 1) configure_tiles<S>();
+            if (a.tile_subs == 2) configure_tiles<2 * S>();
+        }
 #endif
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
