@@ -385,16 +385,15 @@ inline void kblock(const uint8_t* w, KBlock& kb) {
         }
         _mm256_store_si256((__m256i*)kb.mult, _mm512_castsi512_si256(sc));
     } else {
-        // ggml's unpacking of the 6-bit scales and mins: bytes 0-7 of ``m`` the scales, 8-15 the mins
-        uint32_t m[4];
+        // ggml's unpacking of the 6-bit scales and mins, into registers (8 bytes each): a vector load of bytes
+        // just stored piecewise would wait for the stores to retire
+        uint32_t m[3];
         memcpy(m, w + 4, 12);
-        m[3] = ((m[2] >> 4) & 0x0F0F0F0Fu) | (((m[1] >> 6) & 0x03030303u) << 4);
-        const uint32_t mins_low = m[1] & 0x3F3F3F3Fu;
-        m[1] = (m[2] & 0x0F0F0F0Fu) | (((m[0] >> 6) & 0x03030303u) << 4);
-        m[2] = mins_low;
-        m[0] &= 0x3F3F3F3Fu;
-        const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)m)));
-        const uint8_t* mn = (const uint8_t*)(m + 2);
+        const uint64_t scales = (uint64_t)(m[0] & 0x3F3F3F3Fu) |
+                                (uint64_t)((m[2] & 0x0F0F0F0Fu) | (((m[0] >> 6) & 0x03030303u) << 4)) << 32;
+        const uint64_t mins = (uint64_t)(m[1] & 0x3F3F3F3Fu) |
+                              (uint64_t)(((m[2] >> 4) & 0x0F0F0F0Fu) | (((m[1] >> 6) & 0x03030303u) << 4)) << 32;
+        const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scales)));
         const uint8_t* qs = w + (T == Q4_K ? 16 : 48);
         __m512i qh = _mm512_setzero_si512();
         if constexpr (T == Q5_K) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + 16)));
@@ -415,7 +414,7 @@ inline void kblock(const uint8_t* w, KBlock& kb) {
             kb.s[2 * i] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB32[2 * i]), sc);
             kb.s[2 * i + 1] = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)SUB32[2 * i + 1]), sc);
         }
-        _mm256_store_si256((__m256i*)kb.mult, _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)mn))));
+        _mm256_store_si256((__m256i*)kb.mult, _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mins))));
     }
 }
 
@@ -537,13 +536,10 @@ void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
 // Linux grants a process the tile state on request (arch_prctl); where it does not, this path is off.
 //
 // From this many rows on, a K-quant tile goes to AMX (the crossover measured on a Sapphire Rapids Xeon, 2 threads,
-// AMX against AVX-512 VNNI: Q4_K 8960 x 1536 at 4 rows 0.63 against 0.65 ms, at 8 0.61 against 0.90; Q6_K
-// 151936 x 1536, a head with twice the sub-blocks, at 5 rows 16.5 against 14.7, at 6 even, at 8 17.0 against 19.8;
-// the whole Qwen2.5-Coder-1.5B step from 4 or 3 rows and Q6_K's from 4, 5 or 6 within 3% of each other).
-template <int T>
-constexpr int amx_min() {
-    return T == Q6_K ? 6 : 4;
-}
+// AMX against AVX-512 VNNI: Q4_K 8960 x 1536 at 5 rows 0.60 against 0.61 ms, at 6 0.63 against 0.69, at 8 0.64
+// against 0.86; Q4_K 1536 x 1536 at 5 rows 0.125 against 0.119, at 6 0.132 against 0.138; Q6_K 151936 x 1536, a
+// head with twice the sub-blocks, at 5 rows 14.9 against 14.8, at 6 16.7 against 18.6).
+constexpr int amx_min() { return 6; }
 bool amx_granted() {
     static const bool ok = [] {
         constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
@@ -789,14 +785,13 @@ inline void kblock8(const uint8_t* w, KBlock8& kb) {
             kb.s[p] = _mm256_shuffle_epi8(p < 4 ? lo : hi, pick16(2 * (p % 4), 2 * (p % 4) + 1));
         _mm256_store_si256((__m256i*)kb.mult, sc);
     } else {
-        uint32_t m[4];  // ggml's unpacking of the 6-bit scales and mins: bytes 0-7 the scales, 8-15 the mins
+        uint32_t m[3];  // ggml's unpacking of the 6-bit scales and mins, into registers (as kblock)
         memcpy(m, w + 4, 12);
-        m[3] = ((m[2] >> 4) & 0x0F0F0F0Fu) | (((m[1] >> 6) & 0x03030303u) << 4);
-        const uint32_t mins_low = m[1] & 0x3F3F3F3Fu;
-        m[1] = (m[2] & 0x0F0F0F0Fu) | (((m[0] >> 6) & 0x03030303u) << 4);
-        m[2] = mins_low;
-        m[0] &= 0x3F3F3F3Fu;
-        const __m128i sc8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)m));
+        const uint64_t scales = (uint64_t)(m[0] & 0x3F3F3F3Fu) |
+                                (uint64_t)((m[2] & 0x0F0F0F0Fu) | (((m[0] >> 6) & 0x03030303u) << 4)) << 32;
+        const uint64_t mins = (uint64_t)(m[1] & 0x3F3F3F3Fu) |
+                              (uint64_t)(((m[2] >> 4) & 0x0F0F0F0Fu) | (((m[1] >> 6) & 0x03030303u) << 4)) << 32;
+        const __m128i sc8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scales));
         const __m256i sc = _mm256_set_m128i(sc8, sc8);
         const uint8_t* qs = w + (T == Q4_K ? 16 : 48);
         const __m256i qh = _mm256_loadu_si256((const __m256i*)(w + 16));
@@ -813,8 +808,7 @@ inline void kblock8(const uint8_t* w, KBlock8& kb) {
             }
         }
         for (int p = 0; p < 8; ++p) kb.s[p] = _mm256_shuffle_epi8(sc, pick16(p, p));
-        _mm256_store_si256((__m256i*)kb.mult,
-                           _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(m + 2)))));
+        _mm256_store_si256((__m256i*)kb.mult, _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mins))));
     }
 }
 
@@ -1287,7 +1281,7 @@ void tile(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R
         for (int r = 0; r < ROWS; ++r) acc[c][r] = 0.0f;
 #if defined(HFSPEC_INT8_AMX)
     if constexpr (k)
-        if (R >= amx_min<T>() && !a.tiles.empty()) {
+        if (R >= amx_min() && !a.tiles.empty()) {
             if (a.tile_subs == 1) return tile_amx<T, 1>(w, ldw, C, a, m0, R, K, acc, next);
             if (a.tile_subs == 2) return tile_amx<T, 2>(w, ldw, C, a, m0, R, K, acc, next);
         }
@@ -1366,7 +1360,7 @@ void linear(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, const fl
     const int64_t tiles = (N + COLS - 1) / COLS;
 #if defined(HFSPEC_INT8_AMX)
     if constexpr (is_k(T))
-        if (M >= amx_min<T>() && amx_on()) amx_rows(a, M, K, T == Q6_K ? 16 : 32, amx_subs(M));
+        if (M >= amx_min() && amx_on()) amx_rows(a, M, K, T == Q6_K ? 16 : 32, amx_subs(M));
     const bool amx = !a.tiles.empty();
 #endif
 #pragma omp parallel num_threads(threads)
