@@ -521,13 +521,25 @@ def test_a_drafting_step_after_plain_ones_is_priced_with_the_catch_up_it_cost_la
     policy = auto(costs, prior=0.5, batch=8)
     rows = torch.arange(8)
     assert policy.gamma(rows).gamma >= 1
-    assert costs.catch_up_seconds(8) == 0.0
     plan = AutoPlan(1, 0, Price(costs, True), 8, (0.5,) * 8, tuple((i, 1.0, 0.5) for i in range(8)), (1.0,) * 8)
+    policy.update(step(1, [0] * 8, drafted=[1] * 8, draft_seconds=0.200, verify_seconds=0.024, plan=plan))
+    assert costs.catch_up_seconds(8) == 0.0  # the first drafting step read the prompts: no step's catch-up
+    policy.update(step(0, [0] * 8, verify_seconds=0.020))  # a plain step
+    assert policy.gamma(rows).gamma >= 1  # never timed: priced without a catch-up
     policy.update(step(1, [0] * 8, drafted=[1] * 8, draft_seconds=0.020, verify_seconds=0.024, plan=plan))
-    assert costs.catch_up_seconds(8) == pytest.approx(0.020 - 0.002)  # the first drafting step: after_plain
+    assert costs.catch_up_seconds(8) == pytest.approx(0.020 - 0.002)  # the first drafting step after plain ones
     assert policy.gamma(rows).gamma >= 1  # drafting on: no catch-up to pay
     policy.update(step(0, [0] * 8, verify_seconds=0.020))  # a plain step: the next drafting one catches up
     assert policy.gamma(rows).gamma == 0
+
+
+def test_a_call_drafts_from_its_first_step_whatever_catching_up_once_cost():
+    # The draft model reads the prompt on its first drafting step: paid once to draft at all, so a call whose
+    # drafts pay drafts from its first step rather than plain-decoding until a probe.
+    costs = Costs(verify={1: 0.010, 2: 0.011}, draft=0.002)
+    costs.record_catch_up(1, 0.500)
+    policy = auto(costs, prior=0.9, batch=1)
+    assert policy.gamma(torch.arange(1)).gamma >= 1
 
 
 def test_rows_past_the_chain_follow_the_larger_sizes_measured():

@@ -188,6 +188,9 @@ class AutoGamma(GammaPolicy):
         # Plain steps since the last probe, and the probe interval: kept across calls, so short calls probe too.
         self.probe = tuning.probe_state(self.probe_every)
         self.after_plain = True  # the next drafting step also catches up on every token since
+        # ... and at first on the prompt: a price paid once to draft at all, however long the call plain-decodes
+        # first (the longer, the dearer), so never a step's; not timed as a step's catch-up either
+        self.prompt = True
         self.hybrid = hybrid  # the drafter is a hybrid: lookup-alone steps are priced beside model steps
 
     def begin(self, batch: int) -> None:
@@ -268,7 +271,7 @@ class AutoGamma(GammaPolicy):
             seconds = (
                 self.costs.tree_draft_seconds(batch, nodes, shape(nodes)[1])
                 + self.costs.verify_seconds(batch, nodes + 1)
-                + (self.costs.catch_up_seconds(batch) if self.after_plain else 0.0)
+                + (self.costs.catch_up_seconds(batch) if self.after_plain and not self.prompt else 0.0)
             )
             if tokens / seconds > best[1]:
                 best = (nodes, tokens / seconds)
@@ -291,12 +294,12 @@ class AutoGamma(GammaPolicy):
         self.learn(step.rows.tolist(), [d for d, _ in chains], [k for _, k in chains], None)
         batch = step.rows.numel()
         self.costs.record_verify(batch, step.parents.shape[1] + 1, step.verify_seconds)
-        if self.after_plain:  # drafting began with a catch-up: priced apart, for the next such step
+        if not self.after_plain:
+            self.costs.record_tree_draft(batch, step.plan.nodes, step.draft_seconds)
+        elif not self.prompt:  # drafting began with a catch-up: priced apart, for the next such step
             expected = self.costs.tree_draft_seconds(batch, step.plan.nodes, shape(step.plan.nodes)[1])
             self.costs.record_catch_up(batch, max(0.0, step.draft_seconds - expected))
-        else:
-            self.costs.record_tree_draft(batch, step.plan.nodes, step.draft_seconds)
-        self.after_plain = False
+        self.after_plain = self.prompt = False
 
     def best(
         self, plan: AutoPlan, reach: Sequence[float], expected: float, drafted: int, at_least: int = 0
@@ -321,11 +324,12 @@ class AutoGamma(GammaPolicy):
         """The expected time of a step of ``plan``'s kind with γ drafts; after steps without the draft model, a
         step that runs it also pays its catch-up on their tokens."""
         if not self.hybrid:
-            return self.costs.step_seconds(plan.batch, gamma, catch_up=self.after_plain)
+            return self.costs.step_seconds(plan.batch, gamma, catch_up=self.after_plain and not self.prompt)
         model, drafts = plan.price.model, 1.0
         if not model:  # the lookup alone verifies only the pending token when no row found a match
             drafts = 1.0 - math.prod(1.0 - p for _, p, _ in plan.parts)
-        return self.costs.step_seconds(plan.batch, gamma, model, lookup=True, drafts=drafts, catch_up=self.after_plain)
+        catch_up = self.after_plain and not self.prompt
+        return self.costs.step_seconds(plan.batch, gamma, model, lookup=True, drafts=drafts, catch_up=catch_up)
 
     def stop(self, plan: Plan, confidence: list[torch.Tensor]) -> bool:
         assert isinstance(plan, AutoPlan), "a plan of this policy"
@@ -367,10 +371,11 @@ class AutoGamma(GammaPolicy):
         elif model_gamma:
             lookup = self.costs.lookup_seconds(batch) if sources is not None else 0.0
             drafting = max(0.0, step.draft_seconds - lookup)
-            if self.after_plain:  # drafting began with a catch-up: priced apart, for the next such step
-                self.costs.record_catch_up(batch, max(0.0, drafting - model_gamma * self.costs.draft_seconds(batch)))
-            else:
+            if not self.after_plain:
                 self.costs.record_draft(batch, drafting / model_gamma)
+            elif not self.prompt:  # drafting began with a catch-up: priced apart, for the next such step
+                self.costs.record_catch_up(batch, max(0.0, drafting - model_gamma * self.costs.draft_seconds(batch)))
+            self.prompt = False
         self.after_plain = model_gamma == 0  # the draft model did not run: it catches up when it next does
 
     def learn(self, rows: list[int], drafted: list[int], accepted: list[int], confidence: torch.Tensor | None) -> None:
