@@ -662,12 +662,26 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
     constexpr int NB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
     constexpr int S = T == Q6_K ? 16 : 32, SUBS = 256 / S, KT = G * S, MULS = SUBS / G, RG = GROUP / G;
     const int64_t blocks = K / 256, dwords = K / 4;
-    alignas(64) uint8_t codes[16][256];
+    // One super-block of the 16 columns, unpacked for the tiles; two, so that the next block is unpacked while the
+    // tiles multiply this one (the tile loads of codes just stored would otherwise wait for the stores).
+    struct Unpacked {
+        alignas(64) uint8_t codes[16][256];
+        alignas(16) int8_t sc[16][16];
+        int32_t mult[16][4];  // Q4_K/Q5_K: the mins' int16 pairs
+        float d[16], dmin[16];
+    };
+    Unpacked unpacked[2];
     alignas(64) int32_t sums[2][4][16][16];  // two rounds of four multiplies' sums, [column][lane]
-    alignas(16) int8_t sc[16][16];
-    int32_t mult[16][4];  // Q4_K/Q5_K: the mins' int16 pairs
-    float d[16], dmin[16];
-    if (C < 16) memset(codes, 0, sizeof codes), memset(sc, 0, sizeof sc);  // columns past C: zero, never written
+    if (C < 16)  // columns past C: zero, never written
+        for (Unpacked& u : unpacked) memset(u.codes, 0, sizeof u.codes), memset(u.sc, 0, sizeof u.sc);
+    const auto unpack = [&](int64_t b, Unpacked& u) {
+        for (int c = 0; c < C; ++c) {
+            const uint8_t* wb = w + c * ldw + b * NB;
+            amx_column<T>(wb, u.codes[c], u.sc[c], u.mult[c]);
+            u.d[c] = half_at(wb + (T == Q6_K ? 208 : 0));
+            u.dmin[c] = T == Q6_K ? 0.0f : half_at(wb + 2);
+        }
+    };
     // lane h * RG + r of multiply t's scale vector: sub-block t * G + h's scale
     __m512i pick[MULS];
     for (int t = 0; t < MULS; ++t) {
@@ -675,14 +689,15 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
         for (int l = 0; l < 16; ++l) idx[l] = t * G + l / RG;
         pick[t] = _mm512_load_si512((const void*)idx);
     }
+    unpack(0, unpacked[0]);
     for (int64_t b = 0; b < blocks; ++b) {
         prefetch_block<NB>(next, ldw, b);
-        for (int c = 0; c < C; ++c) {
-            const uint8_t* wb = w + c * ldw + b * NB;
-            amx_column<T>(wb, codes[c], sc[c], mult[c]);
-            d[c] = half_at(wb + (T == Q6_K ? 208 : 0));
-            dmin[c] = T == Q6_K ? 0.0f : half_at(wb + 2);
-        }
+        const Unpacked& u = unpacked[b & 1];
+        const auto& codes = u.codes;
+        const auto& sc = u.sc;
+        const auto& mult = u.mult;
+        const float* d = u.d;
+        const float* dmin = u.dmin;
         for (int g0 = 0; g0 < R; g0 += RG) {
             const int64_t g = (m0 + g0) / RG;
             const int32_t* rows = a.tiles.data() + (g * dwords + b * 64) * GROUP;
@@ -696,7 +711,10 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
             // that the vector loads do not wait on the tile stores just made.
             for (int round = 0; round <= MULS / 4; ++round) {
                 if (round < MULS / 4) tile_round<T, KT>(codes[0], rows, round * 4, sums[round & 1]);
-                if (round == 0) continue;
+                if (round == 0) {
+                    if (g0 == 0 && b + 1 < blocks) unpack(b + 1, unpacked[(b + 1) & 1]);  // beside the multiplies
+                    continue;
+                }
                 const int t0 = (round - 1) * 4;
                 for (int t = 0; t < 4; ++t)
                     for (int c = 0; c < 16; ++c) {
