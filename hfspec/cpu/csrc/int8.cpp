@@ -656,6 +656,49 @@ inline void tile_round(const uint8_t* codes, const int32_t* rows, int t0, int32_
     _tile_stored(3, out[3], 64);
 }
 
+// Two sub-blocks per multiply (up to 8 rows): the bsum terms and the float steps of two columns per vector, lanes
+// 0-7 column c's rows and 8-15 column c + 1's, each lane in the reference's order. dots[c]: lanes r and 8 + r hold
+// row r's sums of the two sub-blocks of each multiply; mult[c]: column c's int16 pairs of mins; acc rows from 0.
+template <int T>
+inline void float_steps_paired(const __m512i* dots, const float* d, const float* dmin, const int32_t (*mult)[4],
+                               const int32_t* pairs, __m512 da, int C, float (*acc)[ROWS]) {
+    const __m512 da2 = _mm512_shuffle_f32x4(da, da, 0x44);  // rows 0-7 twice
+    const __m512 dv = _mm512_loadu_ps(d), dminv = _mm512_loadu_ps(dmin);
+    __m512i pairs2[4], multv[4];  // the rows' pairs twice; lane c: column c's pair j
+    if constexpr (T != Q6_K) {
+        const __m512i m01 = _mm512_loadu_si512((const void*)mult[0]), m23 = _mm512_loadu_si512((const void*)mult[4]);
+        const __m512i m45 = _mm512_loadu_si512((const void*)mult[8]), m67 = _mm512_loadu_si512((const void*)mult[12]);
+        for (int j = 0; j < 4; ++j) {
+            const __m512i p = _mm512_loadu_si512((const void*)(pairs + j * GROUP));
+            pairs2[j] = _mm512_shuffle_i32x4(p, p, 0x44);
+            const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4,
+                                                                                     3, 2, 1, 0),
+                                                                    _mm512_set1_epi32(4)),
+                                                 _mm512_set1_epi32(j));
+            const __m512i lo = _mm512_permutex2var_epi32(m01, idx, m23), hi = _mm512_permutex2var_epi32(m45, idx, m67);
+            multv[j] = _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
+        }
+    }
+    for (int c = 0; c < C; c += 2) {
+        const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(c), _mm256_set1_epi32(c + 1), 1);
+        const __m512i both = _mm512_add_epi32(_mm512_shuffle_i32x4(dots[c], dots[c + 1], 0x44),
+                                              _mm512_shuffle_i32x4(dots[c], dots[c + 1], 0xEE));
+        float* o0 = acc[c];
+        float* o1 = acc[c + 1];  // c + 1 == C < 16: a column never written out
+        __m512 sum = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(o0)), _mm256_loadu_ps(o1), 1);
+        sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(_mm512_permutexvar_ps(pick, dv), da2)));
+        if constexpr (T != Q6_K) {
+            __m512i mins = _mm512_setzero_si512();
+            for (int j = 0; j < 4; ++j)
+                mins = _mm512_dpwssd_epi32(mins, pairs2[j], _mm512_permutexvar_epi32(pick, multv[j]));
+            sum = _mm512_sub_ps(
+                sum, _mm512_mul_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(_mm512_permutexvar_ps(pick, dminv), da2)));
+        }
+        _mm256_storeu_ps(o0, _mm512_castps512_ps256(sum));
+        _mm256_storeu_ps(o1, _mm512_extractf32x8_ps(sum, 1));
+    }
+}
+
 template <int T, int G>
 void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, int R, int64_t K, float (*acc)[ROWS],
               const uint8_t* next) {
@@ -673,7 +716,7 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
     Unpacked unpacked[2];
     alignas(64) int32_t sums[2][4][16][16];  // two rounds of four multiplies' sums, [column][lane]
     if (C < 16)  // columns past C: zero, never written
-        for (Unpacked& u : unpacked) memset(u.codes, 0, sizeof u.codes), memset(u.sc, 0, sizeof u.sc);
+        for (Unpacked& u : unpacked) memset((void*)&u, 0, sizeof u);
     const auto unpack = [&](int64_t b, Unpacked& u) {
         for (int c = 0; c < C; ++c) {
             const uint8_t* wb = w + c * ldw + b * NB;
@@ -724,21 +767,20 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
                             dots[c], _mm512_mullo_epi32(_mm512_load_si512((const void*)sums[(round - 1) & 1][t][c]), s));
                     }
             }
-            // G = 2: row r's sum is that of its lanes r and 8 + r (the two 256-bit halves)
-            if constexpr (G == 2)
-                for (int c = 0; c < 16; ++c)
-                    dots[c] = _mm512_add_epi32(dots[c], _mm512_shuffle_i32x4(dots[c], dots[c], 0x4E));
             // The bsum terms and the float steps, rows as lanes, each in the reference's order.
-            const int64_t g16 = (m0 + g0) / GROUP;  // G > 1: one group of at most RG rows
+            const int64_t g16 = (m0 + g0) / GROUP;  // G = 2: one group of at most RG rows
             const int32_t* pairs = a.pairs.data() + (g16 * blocks + b) * 8 * GROUP;
             const __m512 da = _mm512_loadu_ps(a.dg.data() + (g16 * blocks + b) * GROUP);
+            if constexpr (G == 2) {
+                float_steps_paired<T>(dots, u.d, u.dmin, u.mult, pairs, da, C, acc);
+                continue;
+            }
             for (int c = 0; c < C; ++c) {
                 __m512i mins = _mm512_setzero_si512();
                 if constexpr (T != Q6_K)  // Q6_K's offset is in its signed codes already
                     for (int j = 0; j < 4; ++j)
-                        mins = _mm512_add_epi32(
-                            mins, _mm512_madd_epi16(_mm512_loadu_si512((const void*)(pairs + j * GROUP)),
-                                                    _mm512_set1_epi32(mult[c][j])));
+                        mins = _mm512_dpwssd_epi32(mins, _mm512_loadu_si512((const void*)(pairs + j * GROUP)),
+                                                   _mm512_set1_epi32(mult[c][j]));
                 const __m512i dv = dots[c];
                 float* out = acc[c] + g0;
                 __m512 sum = _mm512_loadu_ps(out);
