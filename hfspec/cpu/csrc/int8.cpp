@@ -591,43 +591,68 @@ void amx_rows(Acts& a, int64_t M, int64_t K, int S, int G) {
 }
 
 // One column's super-block for the tiles: its codes as kblock unpacks them (Q4_K here directly: two loads, no
-// scale lanes), its sub-block scales by sub-block s in the stored order of the codes (Q4_K/Q5_K 8 sub-blocks of 32:
-// per 128 elements [0, 32), [64, 96), [32, 64), [96, 128), i.e. sub-blocks 4i, 4i + 2, 4i + 1, 4i + 3; Q6_K 16 of
-// 16, signed), and (Q4_K/Q5_K) the int16 pairs of the mins, the bsum terms' multipliers (as KBlock::mult).
+// scale lanes), in the stored order of the rows' codes; Q6_K's also its 16 signed sub-block scales (Q4_K/Q5_K's come
+// from amx_heads for 16 columns at once).
 template <int T>
-inline void amx_column(const uint8_t* w, uint8_t* codes, int8_t* sc, int32_t* mult) {
+inline void amx_column(const uint8_t* w, uint8_t* codes, int8_t* sc) {
     if constexpr (T == Q6_K) {
         KBlock kb;
         kblock<T>(w, kb);
         const __m512i offset = _mm512_set1_epi8(32);  // signed codes u - 32: no bsum term (tdpbssd)
         for (int p = 0; p < 4; ++p) _mm512_store_si512((void*)(codes + 64 * p), _mm512_sub_epi8(kb.u[p], offset));
         memcpy(sc, w + 192, 16);
-        (void)mult;  // no bsum term
-    } else {
-        uint32_t m[3];
-        memcpy(m, w + 4, 12);
-        const uint64_t scales = (uint64_t)(m[0] & 0x3F3F3F3Fu) |
-                                (uint64_t)((m[2] & 0x0F0F0F0Fu) | (((m[0] >> 6) & 0x03030303u) << 4)) << 32;
-        const uint64_t mins = (uint64_t)(m[1] & 0x3F3F3F3Fu) |
-                              (uint64_t)(((m[2] >> 4) & 0x0F0F0F0Fu) | (((m[1] >> 6) & 0x03030303u) << 4)) << 32;
-        // sub-blocks in the stored order: bytes 1 and 2, 5 and 6 swap (all below 64: signed bytes too)
-        const uint64_t order = (scales & 0xFF0000FFFF0000FFull) | ((scales & 0x0000FF000000FF00ull) << 8) |
-                               ((scales & 0x00FF000000FF0000ull) >> 8);
-        memcpy(sc, &order, 8);
-        _mm_storeu_si128((__m128i*)mult, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mins)));
-        if constexpr (T == Q4_K) {
-            const __m512i nib = _mm512_set1_epi8(0x0F);
-            for (int i = 0; i < 2; ++i) {
-                const __m512i v = _mm512_loadu_si512((const void*)(w + 16 + 64 * i));
-                _mm512_store_si512((void*)(codes + 128 * i), _mm512_and_si512(v, nib));
-                _mm512_store_si512((void*)(codes + 128 * i + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-            }
-        } else {
-            KBlock kb;
-            kblock<T>(w, kb);
-            for (int p = 0; p < 4; ++p) _mm512_store_si512((void*)(codes + 64 * p), kb.u[p]);
+    } else if constexpr (T == Q4_K) {
+        (void)sc;
+        const __m512i nib = _mm512_set1_epi8(0x0F);
+        for (int i = 0; i < 2; ++i) {
+            const __m512i v = _mm512_loadu_si512((const void*)(w + 16 + 64 * i));
+            _mm512_store_si512((void*)(codes + 128 * i), _mm512_and_si512(v, nib));
+            _mm512_store_si512((void*)(codes + 128 * i + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
         }
+    } else {
+        (void)sc;
+        KBlock kb;
+        kblock<T>(w, kb);
+        for (int p = 0; p < 4; ++p) _mm512_store_si512((void*)(codes + 64 * p), kb.u[p]);
     }
+}
+
+// Q4_K/Q5_K: the first 16 bytes of super-block b (d, dmin and the 6-bit scales and mins) of 16 columns at once, a
+// column per 128-bit lane, columns past C zero: sc[c] its 8 sub-block scales in the stored order of the codes (per
+// 128 elements [0, 32), [64, 96), [32, 64), [96, 128), i.e. sub-blocks 4i, 4i + 2, 4i + 1, 4i + 3), then its mins;
+// mult[c] the mins' int16 pairs, the bsum terms' multipliers (as KBlock::mult); d and dmin in fp32.
+inline void amx_heads(const uint8_t* w, int64_t ldw, int C, int64_t at, int8_t (*sc)[16], int32_t (*mult)[4], float* d,
+                      float* dmin) {
+    __m512i head[4];
+    for (int q = 0; q < 4; ++q) {
+        __m128i lane[4];
+        for (int i = 0; i < 4; ++i) {
+            const int c = 4 * q + i;
+            lane[i] = c < C ? _mm_loadu_si128((const __m128i*)(w + c * ldw + at)) : _mm_setzero_si128();
+        }
+        head[q] = _mm512_inserti32x4(
+            _mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(lane[0]), lane[1], 1), lane[2], 2), lane[3], 3);
+    }
+    // ggml's get_scale_min_k4 on dwords [d dmin, m0, m1, m2] of each lane: [m0 & 63s, (m2 & 15s) | (m0 >> 2 & 48s),
+    // m1 & 63s, (m2 >> 4 & 15s) | (m1 >> 2 & 48s)], the scales 0-7 then the mins 0-7
+    const __m512i low = _mm512_set4_epi32(0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F);
+    const __m512i shift = _mm512_set4_epi32(4, 0, 0, 0);
+    const __m512i order = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i widen = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1));  // mins to int16
+    for (int q = 0; q < 4; ++q) {
+        const __m512i p = _mm512_srlv_epi32(_mm512_shuffle_epi32(head[q], (_MM_PERM_ENUM)0xED), shift);  // m0 m2 m1 m2
+        const __m512i hi = _mm512_maskz_shuffle_epi32(0xAAAA, head[q], (_MM_PERM_ENUM)0x84);           // 0 m0 0 m1
+        const __m512i sm = _mm512_or_si512(_mm512_and_si512(p, low),
+                                           _mm512_and_si512(_mm512_srli_epi32(hi, 2), _mm512_set1_epi8(0x30)));
+        _mm512_storeu_si512((void*)sc[4 * q], _mm512_shuffle_epi8(sm, order));
+        _mm512_storeu_si512((void*)mult[4 * q], _mm512_shuffle_epi8(sm, widen));
+    }
+    const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);  // dword 0 of lanes
+    const __m512i dd = _mm512_inserti64x4(_mm512_permutex2var_epi32(head[0], first, head[1]),
+                                          _mm512_castsi512_si256(_mm512_permutex2var_epi32(head[2], first, head[3])), 1);
+    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)));
+    _mm512_storeu_ps(dmin, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))));
 }
 
 // Four multiplies from t0 on (KT bytes of codes each): their sums into out[0..3] ([column][lane], 64 bytes a
@@ -709,8 +734,8 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
     // tiles multiply this one (the tile loads of codes just stored would otherwise wait for the stores).
     struct Unpacked {
         alignas(64) uint8_t codes[16][256];
-        alignas(16) int8_t sc[16][16];
-        int32_t mult[16][4];  // Q4_K/Q5_K: the mins' int16 pairs
+        alignas(64) int8_t sc[16][16];
+        alignas(64) int32_t mult[16][4];  // Q4_K/Q5_K: the mins' int16 pairs
         float d[16], dmin[16];
     };
     Unpacked unpacked[2];
@@ -720,10 +745,10 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
     const auto unpack = [&](int64_t b, Unpacked& u) {
         for (int c = 0; c < C; ++c) {
             const uint8_t* wb = w + c * ldw + b * NB;
-            amx_column<T>(wb, u.codes[c], u.sc[c], u.mult[c]);
-            u.d[c] = half_at(wb + (T == Q6_K ? 208 : 0));
-            u.dmin[c] = T == Q6_K ? 0.0f : half_at(wb + 2);
+            amx_column<T>(wb, u.codes[c], u.sc[c]);
+            if constexpr (T == Q6_K) u.d[c] = half_at(wb + 208), u.dmin[c] = 0.0f;
         }
+        if constexpr (T != Q6_K) amx_heads(w, ldw, C, b * NB, u.sc, u.mult, u.d, u.dmin);
     };
     // lane h * RG + r of multiply t's scale vector: sub-block t * G + h's scale
     __m512i pick[MULS];
