@@ -6,8 +6,9 @@ Each server is ``LABEL=URL`` (a running server: hfspec serve, llama-server, vLLM
 server and each client count (``--clients 1,4,16``), that many clients send streamed greedy chat requests back to
 back on loopback until ``--requests`` have finished; one warm-up request per server goes first (a server is
 started only once the one before answers /health, which hfspec serve does once it has measured its costs).
-Reported per server and client count: total completion tokens per second over the wall time, and p50/p90/p99 of the time to first token and of the time per output token after the first, in
-one JSON object (stdout or ``--json``) and a table on stderr.
+Reported per server and client count: total completion tokens per second over the wall time, and p50/p90/p99 of
+the time to first token and of the time per output token after the first, in one JSON object (stdout or
+``--json``) and a table on stderr.
 
 With ``--llama-server PATH`` (a llama-server binary, e.g. from scripts/build_llama_cpp.py) it also starts
 llama-server on ``--gguf-target`` alone (``llama``) and with ``--gguf-draft`` (``llama-spec``: ``-md DRAFT

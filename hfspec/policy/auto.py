@@ -271,7 +271,7 @@ class AutoGamma(GammaPolicy):
             seconds = (
                 self.costs.tree_draft_seconds(batch, nodes, shape(nodes)[1])
                 + self.costs.verify_seconds(batch, nodes + 1)
-                + (self.costs.catch_up_seconds(batch) if self.after_plain and not self.prompt else 0.0)
+                + (self.costs.catch_up_seconds(batch) if self.catch_up_due else 0.0)
             )
             if tokens / seconds > best[1]:
                 best = (nodes, tokens / seconds)
@@ -320,16 +320,21 @@ class AutoGamma(GammaPolicy):
                 best, rate = g, r
         return best, rate
 
+    @property
+    def catch_up_due(self) -> bool:
+        """Whether the next step that runs the draft model pays a priced catch-up: after steps without it, except
+        its first read of the prompt."""
+        return self.after_plain and not self.prompt
+
     def seconds(self, plan: AutoPlan, gamma: int) -> float:
         """The expected time of a step of ``plan``'s kind with γ drafts; after steps without the draft model, a
         step that runs it also pays its catch-up on their tokens."""
         if not self.hybrid:
-            return self.costs.step_seconds(plan.batch, gamma, catch_up=self.after_plain and not self.prompt)
+            return self.costs.step_seconds(plan.batch, gamma, catch_up=self.catch_up_due)
         model, drafts = plan.price.model, 1.0
         if not model:  # the lookup alone verifies only the pending token when no row found a match
             drafts = 1.0 - math.prod(1.0 - p for _, p, _ in plan.parts)
-        catch_up = self.after_plain and not self.prompt
-        return self.costs.step_seconds(plan.batch, gamma, model, lookup=True, drafts=drafts, catch_up=catch_up)
+        return self.costs.step_seconds(plan.batch, gamma, model, lookup=True, drafts=drafts, catch_up=self.catch_up_due)
 
     def stop(self, plan: Plan, confidence: list[torch.Tensor]) -> bool:
         assert isinstance(plan, AutoPlan), "a plan of this policy"

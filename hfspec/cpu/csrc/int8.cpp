@@ -526,13 +526,13 @@ void tile_columns(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m
 // -- K-quants on AMX (Sapphire Rapids and later): several rows per tile multiply ----------------------------------
 //
 // Up to 16 output columns and 16 input rows per tile: per sub-block (32 weights of Q4_K/Q5_K, 16 of Q6_K; with up
-// to 8 rows, per two sub-blocks: amx_subs) one tdpbusd multiplies the 16 columns' unsigned codes (tile A, a column per tile row: the codes kblock unpacks, in the
-// order the rows' codes are stored) with the rows' signed codes (tile B, ggml's VNNI layout built once per call:
-// per 4 codes a row of 16 rows' dwords) into 16 x 16 exact int32 sums, which are stored and scaled by the
-// column's sub-block scale in int32, columns as tile rows and input rows (and sub-blocks) as lanes. Q6_K's codes go in signed, u - 32
-// (tdpbssd), so its offset term is in the sums already. The integer sums are exact, so
-// A = sum_j sc_j * dot_j and M come out as the other paths give them, and the float steps run 16 rows per
-// instruction in the reference's order (as k_block_grouped). Rows past R are zero codes in B and never written.
+// to 8 rows, per two sub-blocks: amx_subs) one tdpbusd multiplies the 16 columns' unsigned codes (tile A, a column
+// per tile row: the codes kblock unpacks, in the order the rows' codes are stored) with the rows' signed codes (tile
+// B, ggml's VNNI layout built once per call: per 4 codes a row of 16 rows' dwords) into 16 x 16 exact int32 sums,
+// which are stored and scaled by the column's sub-block scale in int32, columns as tile rows and input rows (and
+// sub-blocks) as lanes. Q6_K's codes go in signed, u - 32 (tdpbssd), so its offset term is in the sums already. The
+// integer sums are exact, so A = sum_j sc_j * dot_j and M come out as the other paths give them, and the float steps
+// run in the reference's order (as k_block_grouped). Rows past R are zero codes in B and never written.
 // Linux grants a process the tile state on request (arch_prctl); where it does not, this path is off.
 //
 // From this many rows on, a K-quant tile goes to AMX (the crossover measured on a Sapphire Rapids Xeon, 2 threads,
@@ -688,18 +688,18 @@ template <int T>
 inline void float_steps_paired(const __m512i* dots, const float* d, const float* dmin, const int32_t (*mult)[4],
                                const int32_t* pairs, __m512 da, int C, float (*acc)[ROWS]) {
     const __m512 da2 = _mm512_shuffle_f32x4(da, da, 0x44);  // rows 0-7 twice
-    const __m512 dv = _mm512_loadu_ps(d), dminv = _mm512_loadu_ps(dmin);
+    const __m512 dv = _mm512_loadu_ps(d);
+    __m512 dminv = _mm512_setzero_ps();
     __m512i pairs2[4], multv[4];  // the rows' pairs twice; lane c: column c's pair j
     if constexpr (T != Q6_K) {
+        dminv = _mm512_loadu_ps(dmin);
         const __m512i m01 = _mm512_loadu_si512((const void*)mult[0]), m23 = _mm512_loadu_si512((const void*)mult[4]);
         const __m512i m45 = _mm512_loadu_si512((const void*)mult[8]), m67 = _mm512_loadu_si512((const void*)mult[12]);
+        const __m512i column = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
         for (int j = 0; j < 4; ++j) {
             const __m512i p = _mm512_loadu_si512((const void*)(pairs + j * GROUP));
             pairs2[j] = _mm512_shuffle_i32x4(p, p, 0x44);
-            const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4,
-                                                                                     3, 2, 1, 0),
-                                                                    _mm512_set1_epi32(4)),
-                                                 _mm512_set1_epi32(j));
+            const __m512i idx = _mm512_add_epi32(column, _mm512_set1_epi32(j));  // pair j of 8 columns' 4
             const __m512i lo = _mm512_permutex2var_epi32(m01, idx, m23), hi = _mm512_permutex2var_epi32(m45, idx, m67);
             multv[j] = _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
         }
@@ -746,7 +746,7 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
         for (int c = 0; c < C; ++c) {
             const uint8_t* wb = w + c * ldw + b * NB;
             amx_column<T>(wb, u.codes[c], u.sc[c]);
-            if constexpr (T == Q6_K) u.d[c] = half_at(wb + 208), u.dmin[c] = 0.0f;
+            if constexpr (T == Q6_K) u.d[c] = half_at(wb + 208);  // no dmin: never read
         }
         if constexpr (T != Q6_K) amx_heads(w, ldw, C, b * NB, u.sc, u.mult, u.d, u.dmin);
     };
@@ -761,11 +761,6 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
     for (int64_t b = 0; b < blocks; ++b) {
         prefetch_block<NB>(next, ldw, b);
         const Unpacked& u = unpacked[b & 1];
-        const auto& codes = u.codes;
-        const auto& sc = u.sc;
-        const auto& mult = u.mult;
-        const float* d = u.d;
-        const float* dmin = u.dmin;
         for (int g0 = 0; g0 < R; g0 += RG) {
             const int64_t g = (m0 + g0) / RG;
             const int32_t* rows = a.tiles.data() + (g * dwords + b * 64) * GROUP;
@@ -773,12 +768,12 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
             for (int c = 0; c < 16; ++c) {
                 dots[c] = _mm512_setzero_si512();
                 if constexpr (G > 1)
-                    scale[c] = _mm512_cvtepi8_epi32(_mm_load_si128((const __m128i*)sc[c]));
+                    scale[c] = _mm512_cvtepi8_epi32(_mm_load_si128((const __m128i*)u.sc[c]));
             }
             // Rounds of four multiplies; a round's sums are read after the next round's multiplies are issued, so
             // that the vector loads do not wait on the tile stores just made.
             for (int round = 0; round <= MULS / 4; ++round) {
-                if (round < MULS / 4) tile_round<T, KT>(codes[0], rows, round * 4, sums[round & 1]);
+                if (round < MULS / 4) tile_round<T, KT>(u.codes[0], rows, round * 4, sums[round & 1]);
                 if (round == 0) {
                     if (g0 == 0 && b + 1 < blocks) unpack(b + 1, unpacked[(b + 1) & 1]);  // beside the multiplies
                     continue;
@@ -787,7 +782,7 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
                 for (int t = 0; t < 4; ++t)
                     for (int c = 0; c < 16; ++c) {
                         const __m512i s = G > 1 ? _mm512_permutexvar_epi32(pick[t0 + t], scale[c])
-                                                : _mm512_set1_epi32(sc[c][t0 + t]);
+                                                : _mm512_set1_epi32(u.sc[c][t0 + t]);
                         dots[c] = _mm512_add_epi32(
                             dots[c], _mm512_mullo_epi32(_mm512_load_si512((const void*)sums[(round - 1) & 1][t][c]), s));
                     }
@@ -805,14 +800,14 @@ void tile_amx(const uint8_t* w, int64_t ldw, int C, const Acts& a, int64_t m0, i
                 if constexpr (T != Q6_K)  // Q6_K's offset is in its signed codes already
                     for (int j = 0; j < 4; ++j)
                         mins = _mm512_dpwssd_epi32(mins, _mm512_loadu_si512((const void*)(pairs + j * GROUP)),
-                                                   _mm512_set1_epi32(mult[c][j]));
+                                                   _mm512_set1_epi32(u.mult[c][j]));
                 const __m512i dv = dots[c];
                 float* out = acc[c] + g0;
                 __m512 sum = _mm512_loadu_ps(out);
-                sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_cvtepi32_ps(dv), _mm512_mul_ps(_mm512_set1_ps(d[c]), da)));
+                sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_cvtepi32_ps(dv), _mm512_mul_ps(_mm512_set1_ps(u.d[c]), da)));
                 if constexpr (T != Q6_K)
                     sum = _mm512_sub_ps(
-                        sum, _mm512_mul_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(_mm512_set1_ps(dmin[c]), da)));
+                        sum, _mm512_mul_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(_mm512_set1_ps(u.dmin[c]), da)));
                 _mm512_storeu_ps(out, sum);
             }
         }
